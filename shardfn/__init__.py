@@ -1,0 +1,59 @@
+"""shardfn: JAX-style functional sharding (FSDP semantics) for PyTorch."""
+
+from . import optim as optim
+from ._call import Residency as Residency
+from ._call import track_residency as track_residency
+from ._collectives import CollectiveLog as CollectiveLog
+from ._collectives import record_collectives as record_collectives
+from ._functionalize import Apply as Apply
+from ._functionalize import Params as Params
+from ._functionalize import functionalize as functionalize
+from ._layout import Layout as Layout
+from ._layout import LeafLayout as LeafLayout
+from ._layout import UnitLayout as UnitLayout
+from ._mesh import Mesh as Mesh
+from ._plan import FullShard as FullShard
+from ._plan import NoShard as NoShard
+from ._plan import Plan as Plan
+from ._plan import ShardGradOp as ShardGradOp
+from ._plan import Strategy as Strategy
+from ._plan import UnitPolicy as UnitPolicy
+from ._plan import by_module_type as by_module_type
+from ._plan import by_param_count as by_param_count
+from ._plan import by_prefix as by_prefix
+from ._sharded import ShardedParams as ShardedParams
+from ._sharded import gather as gather
+from ._sharded import shard as shard
+from ._step import Step as Step
+from ._step import jit_step as jit_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Apply",
+    "CollectiveLog",
+    "FullShard",
+    "Layout",
+    "LeafLayout",
+    "Mesh",
+    "NoShard",
+    "Params",
+    "Plan",
+    "Residency",
+    "ShardGradOp",
+    "ShardedParams",
+    "Step",
+    "Strategy",
+    "UnitLayout",
+    "UnitPolicy",
+    "by_module_type",
+    "by_param_count",
+    "by_prefix",
+    "functionalize",
+    "gather",
+    "jit_step",
+    "optim",
+    "record_collectives",
+    "shard",
+    "track_residency",
+]

@@ -1,0 +1,327 @@
+"""The gather-on-enter / reshard-on-exit / regather-in-backward machinery.
+
+[Note: how a sharded call works]
+``apply(sharded, *args)`` runs ``functional_call`` on the meta-parameter module tree
+that ``functionalize`` kept. The root unit (parameters outside every unit) is gathered
+up front and passed in the parameter dict. Every other unit's module carries a forward
+pre-hook and a forward hook (registered once, inert outside a sharded call):
+
+* pre-hook: ``_GatherUnit.apply(*shards)`` all-gathers the unit's flat shard buffer and
+  returns the full parameters, which are placed in the module for the duration of its
+  forward. ``_GatherUnit``'s backward is the unit's reduce-scatter (all-reduce under
+  NO_SHARD): it runs exactly once, when autograd has accumulated the gradient of every
+  full parameter of the unit, and returns gradients shaped like the shards.
+* while the unit runs, a ``saved_tensors_hooks`` pair is active. Any tensor autograd
+  saves that lives in a gathered parameter's storage (the weight itself, ``weight.t()``,
+  ...) is packed as a small handle (unit, leaf, size, stride, offset) instead of a
+  reference; other saved tensors (activations) pass through untouched.
+* forward hook: the module gets its meta parameters back. Under FULL_SHARD the unit
+  drops its gathered tensors: with no references left in the graph their memory is
+  freed at once. Under SHARD_GRAD_OP the unit keeps them until its backward.
+* in backward, the first unpack of a handle gathers the unit again (a plain all-gather,
+  no recompute of the forward) and rebuilds the view; ``_GatherUnit.backward`` then
+  reduce-scatters the gradients and drops the regathered parameters.
+
+So FULL_SHARD holds at most the running unit's parameters (plus the root's) in forward
+and in backward, gathering each non-root unit twice per step, with no recompute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from . import _collectives as C
+from ._layout import Layout, UnitLayout, pack_leaf, unpack_leaf
+
+__all__ = ["Residency", "sharded_call", "track_residency"]
+
+
+# -- residency accounting ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Residency:
+    """Which non-root units held gathered parameters, event by event (this process)."""
+
+    live: set[str] = dataclasses.field(default_factory=set)
+    max_live: int = 0
+    events: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (event, unit)
+
+    def note(self, event: str, unit: str) -> None:
+        if event in ("gather", "regather"):
+            self.live.add(unit)
+        else:
+            self.live.discard(unit)
+        self.max_live = max(self.max_live, len(self.live))
+        self.events.append((event, unit))
+
+
+_TRACKERS: list[Residency] = []
+
+
+@contextlib.contextmanager
+def track_residency() -> Iterator[Residency]:
+    """Records gathers and frees of non-root units inside the block.
+
+    Example:
+        >>> with track_residency() as r:
+        ...     step(sharded, opt_state, batch)
+        >>> r.max_live      # 1 under FULL_SHARD: one unit gathered at a time
+    """
+    r = Residency()
+    _TRACKERS.append(r)
+    try:
+        yield r
+    finally:
+        _TRACKERS.remove(r)
+
+
+# -- one unit within one call ------------------------------------------------------------
+
+
+class _Unit:
+    """A unit's runtime state during one sharded call (and its backward)."""
+
+    __slots__ = ("layout", "unit", "shards", "group", "slots", "full", "storages", "outputs", "originals", "hooks")
+
+    def __init__(self, layout: Layout, unit: UnitLayout, shards: list[torch.Tensor], group: Any, slots: list):
+        self.layout = layout
+        self.unit = unit
+        self.shards = shards
+        self.group = group
+        self.slots: list[tuple[nn.Module, str, int]] = slots  # where each full tensor goes
+        self.full: list[torch.Tensor] | None = None  # gathered parameters, while live
+        self.storages: dict[int, int] = {}  # their storage data_ptr -> leaf index
+        self.outputs: tuple[torch.Tensor, ...] | None = None  # _GatherUnit's outputs, during forward
+        self.originals: list[torch.Tensor] | None = None  # the module's own tensors, while entered
+        self.hooks: Any = None
+
+    @property
+    def entered(self) -> bool:
+        return self.originals is not None
+
+    def enter(self) -> None:
+        """Places the gathered parameters into the module; packs saved ones as handles."""
+        assert self.outputs is not None
+        self.originals = [sub._parameters[attr] for sub, attr, _ in self.slots]
+        for sub, attr, i in self.slots:
+            sub._parameters[attr] = self.outputs[i]
+        if self.layout.strategy.sharded:
+            self.hooks = _saved_tensor_hooks(self)
+            self.hooks.__enter__()
+
+    def exit(self) -> None:
+        """Restores the module; under FULL_SHARD, lets go of the gathered parameters."""
+        if self.hooks is not None:
+            self.hooks.__exit__(None, None, None)
+            self.hooks = None
+        for (sub, attr, _), t in zip(self.slots, self.originals or []):
+            sub._parameters[attr] = t
+        self.originals = None
+        if self.layout.strategy.reshard_after_forward:
+            self.outputs = None
+            self.release("free")
+
+    @property
+    def is_root(self) -> bool:
+        return self.unit.path == ""
+
+    def _note(self, event: str) -> None:
+        if not self.is_root:
+            for r in _TRACKERS:
+                r.note(event, self.unit.name)
+
+    def all_gather(self, event: str) -> list[torch.Tensor]:
+        """Full parameters of the unit (no autograd); one all-gather of the flat shards."""
+        lay, world = self.layout, self.layout.world
+        leaves = [lay.leaves[n] for n in self.unit.leaves]
+        with torch.no_grad():
+            if world == 1:  # NO_SHARD, or a world of one: the shard is the parameter
+                full = [s.detach().view(leaf.shape) for s, leaf in zip(self.shards, leaves)]
+            else:
+                flat = torch.cat([s.detach().reshape(-1) for s in self.shards])
+                out = torch.empty(world * self.unit.numel, dtype=flat.dtype, device=flat.device)
+                C.all_gather(out, flat, self.group, tag=f"{event}:{self.unit.name}")
+                out2d = out.view(world, self.unit.numel)
+                full = [unpack_leaf(out2d, leaf, world) for leaf in leaves]
+        self.full = full
+        self.storages = {t.untyped_storage().data_ptr(): i for i, t in enumerate(full)}
+        self._note(event)
+        return full
+
+    def release(self, event: str) -> None:
+        if self.full is not None:
+            self.full = None
+            self.storages = {}
+            self._note(event)
+
+    def reduce(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        """Gradients of the full parameters -> averaged gradients of this rank's shards."""
+        lay = self.layout
+        leaves = [lay.leaves[n] for n in self.unit.leaves]
+        grads = tuple(g if g is not None else torch.zeros(leaf.shape, dtype=self.unit.dtype, device=self.shards[0].device) for g, leaf in zip(grads, leaves))
+        world, replicas = lay.world, lay.replicas
+        if world == 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if replicas > 1:
+                C.all_reduce(flat, self.group, tag=f"reduce:{self.unit.name}")
+            out = flat
+        else:
+            buf = torch.empty(world, self.unit.numel, dtype=self.unit.dtype, device=grads[0].device)
+            for g, leaf in zip(grads, leaves):
+                pack_leaf(buf, g, leaf, world)
+            out = torch.empty(self.unit.numel, dtype=self.unit.dtype, device=buf.device)
+            C.reduce_scatter(out, buf.view(-1), self.group, tag=f"reduce:{self.unit.name}")
+        result: list[torch.Tensor | None] = []
+        for leaf, s in zip(leaves, self.shards):
+            result.append(out[leaf.offset : leaf.offset + leaf.shard_numel].view(leaf.shard_shape) if s.requires_grad else None)
+        return result
+
+
+class _GatherUnit(torch.autograd.Function):
+    """Forward: all-gather a unit. Backward: reduce-scatter its gradients."""
+
+    @staticmethod
+    def forward(ctx, unit: _Unit, event: str, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.unit = unit
+        full = unit.full if unit.full is not None else unit.all_gather(event)
+        # Outputs must be distinct from the inputs for autograd; at world 1 they are views.
+        return tuple(full)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        unit: _Unit = ctx.unit
+        shard_grads = unit.reduce(grads)
+        unit.release("free")
+        return (None, None, *shard_grads)
+
+
+# -- saved tensors: handles instead of references (FULL_SHARD) ----------------------------
+
+
+class _Handle:
+    __slots__ = ("unit", "index", "size", "stride", "offset")
+
+    def __init__(self, unit: _Unit, index: int, t: torch.Tensor):
+        self.unit, self.index = unit, index
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+
+def _saved_tensor_hooks(unit: _Unit):
+    def pack(t: torch.Tensor) -> Any:
+        if unit.storages and not t.is_sparse:
+            index = unit.storages.get(t.untyped_storage().data_ptr())
+            if index is not None and unit.full is not None and t.dtype == unit.full[index].dtype:
+                return _Handle(unit, index, t)
+        return t
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Handle):
+            return packed
+        u = packed.unit
+        full = u.full if u.full is not None else u.all_gather("regather")
+        return full[packed.index].detach().as_strided(packed.size, packed.stride, packed.offset)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+# -- the call ------------------------------------------------------------------------------
+
+_ACTIVE: list[dict[str, _Unit]] = []  # the units of the sharded call in progress
+
+
+def _active_unit(path: str) -> _Unit | None:
+    return _ACTIVE[-1].get(path) if _ACTIVE else None
+
+
+def _pre_hook(path: str):
+    def hook(module: nn.Module, args: Any) -> None:
+        unit = _active_unit(path)
+        if unit is None:
+            return
+        if unit.outputs is None:  # SHARD_GRAD_OP reuses a unit called twice in one forward
+            unit.outputs = _GatherUnit.apply(unit, "gather", *unit.shards)
+        unit.enter()
+
+    return hook
+
+
+def _post_hook(path: str):
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        unit = _active_unit(path)
+        if unit is not None and unit.entered:
+            unit.exit()
+
+    return hook
+
+
+def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
+    """``apply(sharded, *args, **kwargs)``: see [Note: how a sharded call works]."""
+    layout: Layout = sharded.layout
+    slots = _prepare(apply, layout)
+    group = sharded.mesh.group("shard")
+    units = {u.path: _Unit(layout, u, [sharded[n] for n in u.leaves], group, slots[u.path]) for u in layout.units}
+    params: dict[str, torch.Tensor] = {}
+    root = units.pop("", None)
+    if root is not None:
+        params.update(zip(root.unit.leaves, _GatherUnit.apply(root, "gather", *root.shards)))
+    _ACTIVE.append(units)
+    try:
+        return functional_call(apply.module, {**params, **apply.buffers}, args, kwargs, tie_weights=True, strict=False)
+    finally:
+        _ACTIVE.pop()
+        for u in units.values():
+            if u.entered:  # the unit's forward raised: undo its hooks and parameters
+                u.exit()
+        if root is not None:
+            # The graph holds what backward needs; the call itself no longer does.
+            root.full = None
+            root.storages = {}
+
+
+def _prepare(apply: Any, layout: Layout) -> dict[str, list[tuple[nn.Module, str, int]]]:
+    """Checks ``layout`` against the model once, registers unit hooks, returns the slots.
+
+    A slot ``(submodule, attribute, leaf index)`` is one place a unit's full tensor goes;
+    a weight tied within one unit has several.
+    """
+    cached = apply.prepared.get(id(layout))
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    from ._functionalize import check_names
+
+    check_names(layout.leaves.keys(), apply.param_names, what="apply(sharded, ...)")
+    aliases: dict[int, list[str]] = {}
+    for name, p in apply.module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    names_of = {names[0]: names for names in aliases.values()}
+    slots: dict[str, list[tuple[nn.Module, str, int]]] = {}
+    for u in layout.units:
+        if u.path == "":
+            slots[""] = []
+            continue
+        try:
+            m = apply.module.get_submodule(u.path)
+        except AttributeError:
+            raise ValueError(
+                f"apply(sharded, ...): unit {u.path!r} of the layout is not a module of this model. "
+                "Pass params sharded from this model's functionalize()."
+            ) from None
+        if u.path not in apply.hooked:
+            m.register_forward_pre_hook(_pre_hook(u.path))
+            m.register_forward_hook(_post_hook(u.path), always_call=True)
+            apply.hooked.add(u.path)
+        slots[u.path] = []
+        for i, leaf in enumerate(u.leaves):
+            for alias in names_of.get(leaf, [leaf]):
+                sub_path, _, attr = alias.rpartition(".")
+                slots[u.path].append((apply.module.get_submodule(sub_path), attr, i))
+    apply.prepared[id(layout)] = (layout, slots)
+    return slots

@@ -1,0 +1,254 @@
+"""Layout: static metadata of a sharded tree, identical on every rank.
+
+[Note: dim-0 shards and unit buffers]
+Every parameter is split on dim 0 into ``world`` chunks of ``chunk = ceil(rows / world)``
+rows; the last ranks' chunks are zero-padded (a 0-d parameter counts as one row). A
+unit's shards are laid end to end into one flat buffer of ``unit.numel`` elements per
+rank, so one all-gather of that buffer yields a ``[world, unit.numel]`` tensor in which
+leaf ``i`` occupies columns ``offset_i : offset_i + chunk_i * row_numel_i`` of every
+row: rank ``r``'s chunk. Unpacking a leaf copies those columns out, rank after rank,
+and drops the padding rows; packing a gradient for the reduce-scatter does the reverse.
+Under NO_SHARD the "shard" is the whole parameter (``world`` is 1 for layout purposes)
+and the unit buffer is what the all-reduce runs on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Mapping
+
+import torch
+
+from ._plan import Plan, Strategy
+
+__all__ = ["LeafLayout", "Layout", "UnitLayout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """One parameter: its global shape and where its shard sits in its unit's buffer."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    unit: int
+    chunk: int  # rows per rank
+    offset: int  # element offset of this leaf's shard in the unit's flat shard buffer
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.chunk, *self.shape[1:]) if self.shape else (1,)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.chunk * self.row_numel
+
+    def local_rows(self, rank: int) -> int:
+        """How many real (non-padding) rows rank ``rank`` holds."""
+        return max(0, min(self.chunk, self.rows - rank * self.chunk))
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitLayout:
+    """Parameters that travel together: one collective per direction."""
+
+    index: int
+    path: str  # module path; "" is the root unit (parameters outside every unit)
+    leaves: tuple[str, ...]
+    numel: int  # elements of the flat shard buffer per rank
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return self.path or "<root>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What every rank agrees on about a sharded tree. Printing it shows the plan."""
+
+    plan: Plan
+    mesh_shape: tuple[int, ...]
+    world: int  # ranks the parameters are split over (1 under NO_SHARD)
+    replicas: int  # ranks each shard is replicated over (the all-reduce group size)
+    leaves: Mapping[str, LeafLayout]
+    units: tuple[UnitLayout, ...]
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.plan.strategy
+
+    def unit_of(self, path: str) -> UnitLayout:
+        return self.units[self.leaves[path].unit]
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(leaf.shape) for leaf in self.leaves.values())
+
+    def shard_bytes(self) -> int:
+        """Bytes of this rank's parameter shards (padding included); the same on every rank."""
+        return sum(u.numel * u.dtype.itemsize for u in self.units)
+
+    def full_bytes(self) -> int:
+        return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in self.leaves.values())
+
+    def collectives_per_step(self) -> dict[str, tuple[int, int]]:
+        """Expected ``{kind: (count, bytes)}`` of one training step on one rank.
+
+        FULL_SHARD gathers every unit twice (forward, backward) except the root unit,
+        which stays gathered from its forward into its backward (as FSDP2's root does);
+        SHARD_GRAD_OP gathers once; all reduce-scatter once. NO_SHARD all-reduces once
+        per unit. A world of one issues none. The step adds one scalar all-reduce for
+        the loss metric, which is not counted here.
+        """
+        if self.world * self.replicas == 1:
+            return {}
+        out: dict[str, tuple[int, int]] = {}
+
+        def add(kind: str, count: int, nbytes: int) -> None:
+            c, b = out.get(kind, (0, 0))
+            out[kind] = (c + count, b + count * nbytes)
+
+        for u in self.units:
+            full = self.world * u.numel * u.dtype.itemsize
+            if self.strategy is Strategy.NO_SHARD:
+                add("all_reduce", 1, full)
+                continue
+            twice = self.strategy.reshard_after_forward and u.path != ""
+            add("all_gather", 2 if twice else 1, full)
+            add("reduce_scatter", 1, full)
+        return out
+
+    def fingerprint(self) -> int:
+        """A 63-bit hash of everything that must agree across ranks."""
+        text = repr((self.plan, self.mesh_shape, self.world, self.replicas, list(self.leaves.values()), self.units))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+    def __str__(self) -> str:
+        mb = 1 / 2**20
+        lines = [
+            f"Layout({self.strategy.value}, mesh {self.mesh_shape}, units={self.plan.units!r}): "
+            f"{self.num_params:,} params, {self.full_bytes() * mb:.2f} MiB full, "
+            f"{self.shard_bytes() * mb:.2f} MiB of shards per rank",
+            f"  {'unit':<24} {'params':>12} {'shard MiB/rank':>15} {'pad elems':>10}  leaves",
+        ]
+        for u in self.units:
+            n = sum(math.prod(self.leaves[p].shape) for p in u.leaves)
+            pad = u.numel * self.world - n
+            lines.append(
+                f"  {u.name:<24} {n:>12,} {u.numel * u.dtype.itemsize * mb:>15.3f} {pad:>10}  {len(u.leaves)}"
+            )
+        per_step = self.collectives_per_step()
+        if per_step:
+            desc = ", ".join(f"{c} {k} ({b * mb:.2f} MiB)" for k, (c, b) in per_step.items())
+            lines.append(f"  per step and rank: {desc}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"Layout({self.strategy.value}, mesh={self.mesh_shape}, {len(self.leaves)} leaves, "
+            f"{len(self.units)} units)"
+        )
+
+
+def build_layout(
+    plan: Plan,
+    mesh_shape: tuple[int, ...],
+    world: int,
+    replicas: int,
+    params: Mapping[str, torch.Tensor],
+    unit_paths: list[str],
+    aliases: Mapping[str, tuple[str, ...]],
+) -> Layout:
+    """Assigns each leaf to a unit and computes chunks and offsets.
+
+    ``aliases`` maps a leaf to every module path it is reachable under (tied weights);
+    a leaf whose aliases fall into different units goes to the root unit, which is
+    gathered for the whole forward, so each of its uses sees it.
+    """
+
+    def owner(name: str) -> str:
+        best = ""
+        for u in unit_paths:
+            if name.startswith(u + ".") and len(u) > len(best):
+                best = u
+        return best
+
+    members: dict[str, list[str]] = {"": [], **{u: [] for u in unit_paths}}
+    for name in params:
+        owners = {owner(a) for a in aliases.get(name, (name,))}
+        members[owners.pop() if len(owners) == 1 else ""].append(name)
+
+    leaves: dict[str, LeafLayout] = {}
+    units: list[UnitLayout] = []
+    for path, names in members.items():
+        if not names:
+            continue
+        dtypes = {params[n].dtype for n in names}
+        if len(dtypes) > 1:
+            detail = ", ".join(f"{n}: {params[n].dtype}" for n in names[:6])
+            raise ValueError(
+                f"shard(): unit {path or '<root>'!r} mixes dtypes ({detail}); a unit is one flat buffer. "
+                "Cast the model to one dtype first (model.float()), or choose units that separate them."
+            )
+        offset = 0
+        for n in names:
+            t = params[n]
+            rows = t.shape[0] if t.dim() else 1
+            chunk = -(-rows // world)
+            leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), chunk, offset)
+            offset += leaves[n].shard_numel
+        units.append(UnitLayout(len(units), path, tuple(names), offset, dtypes.pop()))
+    ordered = {n: leaves[n] for n in params}
+    return Layout(plan, mesh_shape, world, replicas, ordered, tuple(units))
+
+
+# -- packing (see [Note: dim-0 shards and unit buffers]) ----------------------------------
+
+
+def unpack_leaf(gathered: torch.Tensor, leaf: LeafLayout, world: int) -> torch.Tensor:
+    """Full parameter from a ``[world, unit.numel]`` all-gather result (one copy)."""
+    cols = gathered[:, leaf.offset : leaf.offset + leaf.shard_numel].view(world, leaf.chunk, leaf.row_numel)
+    out = torch.empty((leaf.rows, leaf.row_numel), dtype=gathered.dtype, device=gathered.device)
+    if leaf.chunk:
+        q, rem = divmod(leaf.rows, leaf.chunk)
+        out[: q * leaf.chunk].view(q, leaf.chunk, leaf.row_numel).copy_(cols[:q])
+        if rem:
+            out[q * leaf.chunk :].copy_(cols[q, :rem])
+    return out.view(leaf.shape)
+
+
+def pack_leaf(buffer: torch.Tensor, full: torch.Tensor, leaf: LeafLayout, world: int) -> None:
+    """Writes a full-shaped tensor into a ``[world, unit.numel]`` buffer, zero padding."""
+    cols = buffer[:, leaf.offset : leaf.offset + leaf.shard_numel].view(world, leaf.chunk, leaf.row_numel)
+    if not leaf.chunk:
+        return
+    src = full.reshape(leaf.rows, leaf.row_numel)
+    q, rem = divmod(leaf.rows, leaf.chunk)
+    cols[:q].copy_(src[: q * leaf.chunk].view(q, leaf.chunk, leaf.row_numel))
+    if q < world:
+        cols[q, :rem].copy_(src[q * leaf.chunk :])
+        cols[q, rem:].zero_()
+        cols[q + 1 :].zero_()
+
+
+def local_shard(full: torch.Tensor, leaf: LeafLayout, rank: int, device: torch.device) -> torch.Tensor:
+    """This rank's zero-padded dim-0 chunk of ``full``, as a new tensor on ``device``."""
+    shard = torch.zeros(leaf.shard_shape, dtype=full.dtype, device=device)
+    k = leaf.local_rows(rank)
+    if k:
+        start = rank * leaf.chunk
+        src = full.reshape(leaf.rows, *leaf.shape[1:])[start : start + k]
+        shard[:k].copy_(src)
+    return shard

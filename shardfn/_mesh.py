@@ -1,0 +1,155 @@
+"""Mesh: a thin, immutable view over ``torch.distributed.device_mesh.DeviceMesh``."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["Mesh"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+_NO_ENV = (
+    "Mesh.from_env(): the default process group is not initialised and torchrun's variables "
+    "{missing} are not set. Launch with `torchrun --nproc-per-node N script.py`, or call "
+    "torch.distributed.init_process_group(...) first, or build a mesh with Mesh.from_group()."
+)
+
+
+class Mesh:
+    """The devices a sharded tree lives on: 1-D, with the single axis ``"shard"``.
+
+    Build it with :meth:`Mesh.from_env` (under ``torchrun``) or :meth:`Mesh.from_group`.
+    Collectives for an axis run on ``mesh.group(axis)``.
+
+    Example:
+        >>> mesh = Mesh.from_env()          # under torchrun --nproc-per-node 2
+        >>> mesh
+        Mesh(shard=2, device=cpu, backend=gloo, rank=0)
+    """
+
+    __slots__ = ("_dm", "_device")
+
+    def __init__(self, device_mesh: DeviceMesh):
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"Mesh: got a {device_mesh.ndim}-D DeviceMesh {tuple(device_mesh.shape)}; this version "
+                "supports 1-D meshes (axis 'shard'). Pass a 1-D mesh."
+            )
+        self._dm = device_mesh
+        if device_mesh.device_type == "cuda":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device(device_mesh.device_type)
+
+    # -- construction ------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, *, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> "Mesh":
+        """A 1-D mesh over the whole world.
+
+        Initialises the default process group from torchrun's variables (``RANK``,
+        ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when it is not initialised yet:
+        NCCL when CUDA is available, gloo otherwise; a process started without torchrun
+        becomes a world of one. An existing default group is used as it is.
+        """
+        if not dist.is_initialized():
+            _init_from_env(timeout)
+        return cls.from_group(None)
+
+    @classmethod
+    def from_group(cls, group: dist.ProcessGroup | None = None) -> "Mesh":
+        """A 1-D mesh over an existing process group (the default group when ``None``)."""
+        if not dist.is_initialized():
+            raise ValueError(_NO_ENV.format(missing="(any)"))
+        group = group or dist.group.WORLD
+        backend = dist.get_backend(group)
+        device_type = "cuda" if backend == "nccl" else "cpu"
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        if group is dist.group.WORLD:
+            dm = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard",))
+        else:
+            dm = DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
+        return cls(dm)
+
+    # -- properties --------------------------------------------------------------------
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._dm
+
+    @property
+    def device(self) -> torch.device:
+        """Where shards and gathered parameters live (``cuda:<local rank>`` or ``cpu``)."""
+        return self._device
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self._dm.mesh_dim_names or ("shard",))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._dm.shape)
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the mesh."""
+        return self._dm.size()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the mesh (row-major over the axes)."""
+        return int(self._dm.get_local_rank(0)) if self._dm.ndim == 1 else dist.get_rank()
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.group("shard")))
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        if axis not in self.axis_names:
+            raise ValueError(f"{self!r} has no axis {axis!r}; its axes are {self.axis_names}.")
+        return self._dm.get_group(axis)
+
+    def axis_size(self, axis: str) -> int:
+        return self._dm.size(self.axis_names.index(axis))
+
+    def axis_rank(self, axis: str) -> int:
+        return int(self._dm.get_local_rank(axis))
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        return f"Mesh({axes}, device={self._device}, backend={self.backend}, rank={self.rank})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and other._dm == self._dm
+
+    def __hash__(self) -> int:
+        return hash(self._dm)
+
+
+def _init_from_env(timeout: datetime.timedelta) -> None:
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        # Plain `python script.py`: a world of one, on a loopback store.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ValueError(_NO_ENV.format(missing=", ".join(missing)))
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,268 @@
+"""Plans: which strategy, and which parameters travel together (units).
+
+A plan is data. ``Strategy`` says where parameters live between uses (FSDP's
+``ShardingStrategy``); a unit policy groups parameters into *units*, each of which
+costs one collective per direction. Policies resolve against the module tree that
+:func:`shardfn.functionalize` keeps, or, for :func:`by_prefix` and the default,
+against parameter names alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from typing import Union
+
+import torch.nn as nn
+
+__all__ = [
+    "Plan",
+    "Strategy",
+    "UnitPolicy",
+    "by_module_type",
+    "by_param_count",
+    "by_prefix",
+    "FullShard",
+    "ShardGradOp",
+    "NoShard",
+]
+
+
+class Strategy(enum.Enum):
+    """Where parameters live between uses.
+
+    * ``FULL_SHARD``: sharded; a unit is gathered for its forward, freed, gathered
+      again for its backward (ZeRO-3).
+    * ``SHARD_GRAD_OP``: sharded; gathered once in forward, kept until the unit's
+      backward (ZeRO-2).
+    * ``NO_SHARD``: replicated; gradients all-reduced (DDP).
+    """
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+
+    @property
+    def sharded(self) -> bool:
+        return self is not Strategy.NO_SHARD
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self is Strategy.FULL_SHARD
+
+    @classmethod
+    def parse(cls, value: "Strategy | str") -> "Strategy":
+        if isinstance(value, Strategy):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                pass
+        names = ", ".join(repr(s.value) for s in cls)
+        hint = ""
+        if isinstance(value, str) and value.upper().startswith("HYBRID"):
+            hint = " Hybrid strategies need a 2-D mesh and are not available in this version."
+        raise ValueError(f"Unknown strategy {value!r}. Use one of {names}, or a Plan.{hint}")
+
+
+# -- unit policies ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitPolicy:
+    """Base of unit policies: ``resolve`` returns unit module paths, outermost only."""
+
+    def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class _ByModuleType(UnitPolicy):
+    types: tuple[type, ...]
+
+    def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
+        if module is None:
+            raise ValueError(_NEEDS_MODULE.format(policy=self))
+        paths = [p for p, m in module.named_modules() if p and isinstance(m, self.types)]
+        return _outermost(paths)
+
+    def __repr__(self) -> str:
+        return f"by_module_type({', '.join(t.__name__ for t in self.types)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _ByParamCount(UnitPolicy):
+    min_params: int
+
+    def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
+        if module is None:
+            raise ValueError(_NEEDS_MODULE.format(policy=self))
+        units: list[str] = []
+
+        def visit(path: str, m: nn.Module) -> int:
+            # Post-order: a module becomes a unit when the parameters not yet claimed
+            # by units below it reach the threshold (FSDP's size-based auto-wrap).
+            free = sum(p.numel() for p in m.parameters(recurse=False))
+            for name, child in m.named_children():
+                free += visit(f"{path}.{name}" if path else name, child)
+            if path and free >= self.min_params:
+                units.append(path)
+                return 0
+            return free
+
+        visit("", module)
+        return units
+
+    def __repr__(self) -> str:
+        return f"by_param_count({self.min_params})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _ByPrefix(UnitPolicy):
+    prefixes: tuple[str, ...]
+
+    def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
+        for pre in self.prefixes:
+            if not any(n.startswith(pre + ".") for n in names):
+                raise ValueError(
+                    f"by_prefix: no parameter name starts with {pre + '.'!r}. "
+                    f"Parameter names look like {list(names)[:4]}; pass module paths such as 'blocks.0'."
+                )
+        return _outermost(list(self.prefixes))
+
+    def __repr__(self) -> str:
+        return f"by_prefix({', '.join(map(repr, self.prefixes))})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _DefaultUnits(UnitPolicy):
+    """Each element of the longest list of repeated blocks (``blocks.0``, ``blocks.1``...)."""
+
+    def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
+        groups: dict[str, set[str]] = {}
+        for n in names:
+            parts = n.split(".")
+            for i in range(1, len(parts) - 1):
+                if parts[i].isdigit():
+                    groups.setdefault(".".join(parts[:i]), set()).add(parts[i])
+        if not groups:
+            return []
+        # The longest list wins; ties go to the outermost (shortest path), then first seen.
+        best = max(groups, key=lambda g: (len(groups[g]), -g.count(".")))
+        if len(groups[best]) < 2:
+            return []
+        return [f"{best}.{i}" for i in sorted(groups[best], key=int)]
+
+    def __repr__(self) -> str:
+        return "default_units()"
+
+
+_NEEDS_MODULE = (
+    "{policy} needs the module tree, but the params were not made by shardfn.functionalize(model). "
+    "Pass the params that functionalize returned, or use units=shardfn.by_prefix('blocks.0', ...)."
+)
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    """Drops paths nested inside another path: a unit owns everything below it."""
+    keep = []
+    for p in sorted(set(paths), key=lambda s: (s.count("."), s)):
+        if not any(p.startswith(k + ".") for k in keep):
+            keep.append(p)
+    order = {p: i for i, p in enumerate(paths)}
+    return sorted(keep, key=lambda p: order[p])
+
+
+def by_module_type(*types: type) -> UnitPolicy:
+    """Every module of one of ``types`` (outermost only) is a unit.
+
+    Example:
+        >>> shard(params, mesh, "FULL_SHARD", units=by_module_type(Block))
+    """
+    if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+        raise TypeError(f"by_module_type expects nn.Module subclasses, got {types!r}")
+    return _ByModuleType(tuple(types))
+
+
+def by_param_count(min_params: int) -> UnitPolicy:
+    """Modules become units bottom-up once they hold ``min_params`` unclaimed parameters."""
+    if min_params < 1:
+        raise ValueError(f"by_param_count: min_params must be >= 1, got {min_params}")
+    return _ByParamCount(int(min_params))
+
+
+def by_prefix(*prefixes: str) -> UnitPolicy:
+    """Each given module path (a prefix of parameter names, e.g. ``"blocks.0"``) is a unit."""
+    if not prefixes or not all(isinstance(p, str) and p for p in prefixes):
+        raise TypeError(f"by_prefix expects non-empty module paths, got {prefixes!r}")
+    return _ByPrefix(tuple(p.rstrip(".") for p in prefixes))
+
+
+UnitsArg = Union[UnitPolicy, Sequence[type], None]
+
+
+def _as_policy(units: UnitsArg) -> UnitPolicy:
+    if units is None:
+        return _DefaultUnits()
+    if isinstance(units, UnitPolicy):
+        return units
+    if isinstance(units, type):
+        return by_module_type(units)
+    if isinstance(units, (list, tuple)) and all(isinstance(u, type) for u in units):
+        return by_module_type(*units)
+    if isinstance(units, (list, tuple)) and all(isinstance(u, str) for u in units):
+        return by_prefix(*units)
+    raise TypeError(
+        f"units={units!r}: pass a unit policy (shardfn.by_module_type(Block), by_param_count(n), "
+        "by_prefix('blocks.0', ...)), a module class or a list of module classes or of module paths."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A strategy plus its policies; immutable, hashable, printable.
+
+    Example:
+        >>> plan = Plan("FULL_SHARD", units=by_module_type(Block))
+        >>> sharded = shard(params, mesh, plan)
+    """
+
+    strategy: Strategy
+    units: UnitPolicy = dataclasses.field(default_factory=_DefaultUnits)
+
+    def __init__(self, strategy: Strategy | str = Strategy.FULL_SHARD, *, units: UnitsArg = None):
+        object.__setattr__(self, "strategy", Strategy.parse(strategy))
+        object.__setattr__(self, "units", _as_policy(units))
+
+    def __repr__(self) -> str:
+        return f"Plan({self.strategy.value}, units={self.units!r})"
+
+
+def FullShard(*, units: UnitsArg = None) -> Plan:
+    """``Plan("FULL_SHARD", ...)``."""
+    return Plan(Strategy.FULL_SHARD, units=units)
+
+
+def ShardGradOp(*, units: UnitsArg = None) -> Plan:
+    """``Plan("SHARD_GRAD_OP", ...)``."""
+    return Plan(Strategy.SHARD_GRAD_OP, units=units)
+
+
+def NoShard(*, units: UnitsArg = None) -> Plan:
+    """``Plan("NO_SHARD", ...)``."""
+    return Plan(Strategy.NO_SHARD, units=units)
+
+
+def make_plan(strategy: Plan | Strategy | str, **fields) -> Plan:
+    """``shard()``'s ``strategy`` argument plus keyword fields -> a Plan."""
+    unknown = set(fields) - {"units"}
+    if unknown:
+        raise TypeError(f"shard(): unknown plan field(s) {sorted(unknown)}; this version knows 'units'.")
+    if isinstance(strategy, Plan):
+        if any(v is not None for v in fields.values()):
+            return dataclasses.replace(strategy, **{k: v for k, v in fields.items() if v is not None})
+        return strategy
+    return Plan(strategy, **fields)
+

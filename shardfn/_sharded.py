@@ -1,0 +1,183 @@
+"""shard / gather, and the sharded tree they produce."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from . import _collectives as C
+from ._layout import Layout, build_layout, local_shard, unpack_leaf
+from ._mesh import Mesh
+from ._plan import Plan, Strategy, make_plan
+
+__all__ = ["ShardedParams", "gather", "shard"]
+
+_DISAGREE = (
+    "[rank {rank}] shard(): ranks disagree about the layout (fingerprints by rank: {fps}). Every rank must "
+    "call shard() with the same model, strategy, units and mesh, in the same order; ranks {bad} differ "
+    "from rank 0. This is checked before any parameter collective, so nothing was corrupted."
+)
+
+
+class ShardedParams(Mapping):
+    """This rank's shards: a read-only mapping name -> local shard, plus its layout and mesh.
+
+    Keys are the parameter names of the model. Each value is this rank's dim-0 chunk of
+    that parameter, zero-padded to ``layout.leaves[name].shard_shape``. It is a pytree
+    node (``torch.utils._pytree``), so tree utilities see the shards as leaves.
+
+    Example:
+        >>> sharded = shard(params, mesh, "FULL_SHARD")
+        >>> sharded["blocks.0.attn.qkv.weight"].shape     # ceil(rows / world) rows
+        >>> print(sharded.layout)                          # units, bytes per rank, collectives
+    """
+
+    __slots__ = ("_data", "layout", "mesh")
+
+    def __init__(self, data: Mapping[str, torch.Tensor], layout: Layout, mesh: Mesh):
+        self._data = dict(data)
+        self.layout = layout
+        self.mesh = mesh
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def replace(self, values: Mapping[str, torch.Tensor]) -> "ShardedParams":
+        """A new tree with the same layout, some leaves replaced."""
+        return ShardedParams({**self._data, **values}, self.layout, self.mesh)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._data.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedParams({self.layout.strategy.value}, {len(self)} leaves, {len(self.layout.units)} units, "
+            f"{self.nbytes / 2**20:.2f} MiB on rank {self.mesh.rank} of {self.mesh!r})"
+        )
+
+
+pytree.register_pytree_node(
+    ShardedParams,
+    lambda s: (list(s._data.values()), (tuple(s._data), s.layout, s.mesh)),
+    lambda values, ctx: ShardedParams(dict(zip(ctx[0], values)), ctx[1], ctx[2]),
+    serialized_type_name="shardfn.ShardedParams",
+)
+
+
+def shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Strategy | str = "FULL_SHARD", *, units: Any = None) -> ShardedParams:
+    """This rank's shards of ``params`` under ``strategy`` on ``mesh``.
+
+    Args:
+        params: name -> full tensor, as returned by :func:`shardfn.functionalize` (the
+            module tree it carries lets ``units=by_module_type(...)`` resolve). Every rank
+            passes the same values (same seed, or loaded weights).
+        mesh: a :class:`shardfn.Mesh`.
+        strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, a
+            :class:`shardfn.Strategy`, or a :class:`shardfn.Plan` bundling the fields below.
+        units: which parameters travel together (one collective per unit and direction):
+            a unit policy (``by_module_type(Block)``, ``by_param_count(n)``, ``by_prefix(...)``),
+            module classes, or module paths. Default: each block of the model's longest
+            list of repeated blocks (``blocks.0``, ``blocks.1``, ...); the rest is the root unit.
+
+    Returns:
+        A :class:`ShardedParams`; ``print(sharded.layout)`` shows units and costs.
+
+    Ranks check that they agree on the layout (one small all-gather) before anything else.
+
+    Example:
+        >>> params, apply = functionalize(model)
+        >>> sharded = shard(params, mesh, "FULL_SHARD", units=by_module_type(Block))
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"shard(): mesh must be a shardfn.Mesh (Mesh.from_env()), got {type(mesh).__name__}")
+    if not isinstance(params, Mapping) or isinstance(params, ShardedParams):
+        raise TypeError(
+            "shard(): params must be the mapping name -> tensor returned by functionalize(model)"
+            + (" (these are already sharded; use gather() first to reshard)" if isinstance(params, ShardedParams) else "")
+        )
+    bad = [k for k, v in params.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(f"shard(): params[{bad[0]!r}] is a {type(params[bad[0]]).__name__}, not a tensor.")
+    plan = make_plan(strategy, units=units)
+    module: nn.Module | None = getattr(params, "module", None)
+    unit_paths = plan.units.resolve(module, list(params))
+    world = mesh.size if plan.strategy.sharded else 1
+    replicas = 1 if plan.strategy.sharded else mesh.size
+    layout = build_layout(plan, mesh.shape, world, replicas, params, unit_paths, _aliases(module, params))
+    verify_agreement(layout, mesh)
+    rank = mesh.rank if plan.strategy.sharded else 0
+    data = {}
+    for name, leaf in layout.leaves.items():
+        with torch.no_grad():
+            data[name] = local_shard(params[name], leaf, rank, mesh.device).requires_grad_(leaf.requires_grad)
+    return ShardedParams(data, layout, mesh)
+
+
+def _aliases(module: nn.Module | None, params: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
+    """Leaf name -> every name it has in the module (more than one for tied weights)."""
+    if module is None:
+        return {}
+    by_id: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    out = {}
+    for names in by_id.values():
+        for n in names:
+            if n in params:
+                out[n] = tuple(names)
+    return out
+
+
+def verify_agreement(layout: Layout, mesh: Mesh) -> None:
+    """Raises on every rank if the ranks' layouts differ (one all-gather of an int64)."""
+    if mesh.size == 1:
+        return
+    group = mesh.group("shard")
+    mine = torch.tensor([layout.fingerprint()], dtype=torch.int64, device=mesh.device)
+    allfp = torch.empty(mesh.size, dtype=torch.int64, device=mesh.device)
+    C.all_gather(allfp, mine, group, tag="layout")
+    fps = allfp.tolist()
+    if len(set(fps)) > 1:
+        bad = [r for r, f in enumerate(fps) if f != fps[0]]
+        raise ValueError(_DISAGREE.format(rank=mesh.rank, fps=fps, bad=bad))
+
+
+def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """The full parameters, as a plain dict name -> tensor (a state dict).
+
+    Every rank must call it (it all-gathers unit by unit). With ``rank0_only`` the other
+    ranks return ``{}``; ``device="cpu"`` moves each unit off the accelerator as it is
+    gathered, so device memory stays near one unit.
+
+    Example:
+        >>> model.load_state_dict(gather(sharded, device="cpu"), strict=False)
+    """
+    if not isinstance(sharded, ShardedParams):
+        raise TypeError(f"gather() expects the ShardedParams returned by shard(), got {type(sharded).__name__}")
+    layout, mesh = sharded.layout, sharded.mesh
+    keep = not rank0_only or mesh.rank == 0
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for unit in layout.units:
+            if layout.world == 1:
+                full = {n: sharded[n].detach().reshape(layout.leaves[n].shape).clone() for n in unit.leaves}
+            else:
+                flat = torch.cat([sharded[n].detach().reshape(-1) for n in unit.leaves])
+                got = torch.empty(layout.world * unit.numel, dtype=flat.dtype, device=flat.device)
+                C.all_gather(got, flat, mesh.group("shard"), tag=f"gather:{unit.name}")
+                got2d = got.view(layout.world, unit.numel)
+                full = {n: unpack_leaf(got2d, layout.leaves[n], layout.world) for n in unit.leaves}
+            if keep:
+                out.update({n: t.to(device) if device is not None else t for n, t in full.items()})
+    return {n: out[n] for n in layout.leaves if n in out}
