@@ -1,0 +1,180 @@
+"""Train a small byte-level GPT with shardfn.
+
+The corpus is the text that ships with Python (``pydoc_data.topics``), so the example
+needs no download. Launch on N processes with torchrun, or as a plain script for one::
+
+    torchrun --nproc-per-node 2 examples/train_lm.py --steps 50
+    python examples/train_lm.py --steps 50 --strategy NO_SHARD
+
+Every rank draws the same global batch from the same seeded generator and trains on its
+own contiguous slice, so the loss curve does not depend on the world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+from shardfn.testing.models import GPT, GPTConfig, lm_loss
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+VAL_BATCH = 64  # windows in the fixed validation batch
+VAL_SEED_OFFSET = 1_000_003  # the val batch's generator must not replay the training draws
+
+
+def load_corpus() -> bytes:
+    """Returns Python's bundled pydoc topic texts as UTF-8 bytes (about 450 kB).
+
+    Topics are joined in sorted key order so the corpus is the same on every rank.
+    """
+    from pydoc_data.topics import topics
+
+    return "\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+
+
+def split_corpus(corpus: bytes, train_fraction: float = 0.9) -> tuple[torch.Tensor, torch.Tensor]:
+    """Splits bytes into train and val token tensors (uint8), first 90% train, rest val.
+
+    Args:
+        corpus: Raw bytes; each byte is a token.
+        train_fraction: Fraction of the bytes, from the start, used for training.
+
+    Returns:
+        ``(train, val)``, 1-D ``torch.uint8`` tensors.
+    """
+    data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+    n = int(train_fraction * len(data))
+    return data[:n], data[n:]
+
+
+def get_batch(
+    data: torch.Tensor, global_batch: int, seq_len: int, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """Draws ``global_batch`` random windows of ``seq_len + 1`` tokens.
+
+    Args:
+        data: 1-D token tensor.
+        global_batch: Number of windows (the batch across all ranks).
+        seq_len: Tokens per input sequence.
+        generator: Source of the window offsets; seed it identically on every rank.
+
+    Returns:
+        ``{"x": LongTensor[global_batch, seq_len], "y": ...}`` with ``y`` the next
+        token of each position of ``x``.
+    """
+    n_starts = len(data) - seq_len
+    if n_starts < 1:
+        raise ValueError(f"data has {len(data)} tokens, too few for windows of seq_len + 1 = {seq_len + 1}")
+    starts = torch.randint(n_starts, (global_batch,), generator=generator)
+    windows = data[starts[:, None] + torch.arange(seq_len + 1)].long()
+    return {"x": windows[:, :-1], "y": windows[:, 1:]}
+
+
+def local_slice(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Returns this rank's contiguous slice ``global[rank * b : (rank + 1) * b]`` of a global batch."""
+    global_batch = len(batch["x"])
+    if global_batch % world_size:
+        raise ValueError(
+            f"global batch {global_batch} is not divisible by world size {world_size}; "
+            f"pass --global-batch as a multiple of {world_size}"
+        )
+    b = global_batch // world_size
+    return {k: v[rank * b : (rank + 1) * b] for k, v in batch.items()}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--strategy", default="FULL_SHARD", choices=STRATEGIES)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10, help="validation interval in steps")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    args = p.parse_args(argv)
+    for name in ("steps", "global_batch", "seq_len", "log_every", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    mesh = sf.Mesh.from_env()
+    try:
+        train(args, mesh)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
+    """The training loop; ``mesh`` is already initialised."""
+    if args.global_batch % mesh.size:
+        raise ValueError(
+            f"--global-batch {args.global_batch} is not divisible by world size {mesh.size}; "
+            f"use a multiple of {mesh.size}"
+        )
+    log = print if mesh.rank == 0 else (lambda *a, **k: None)
+
+    train_data, val_data = split_corpus(load_corpus())
+    cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    params, apply = sf.functionalize(model)
+    sharded = sf.shard(params, mesh, args.strategy)
+    opt = sf.optim.adamw(args.lr, weight_decay=0.1)
+    opt_state = opt.init(sharded)
+
+    def loss_fn(params, batch):
+        return lm_loss(apply(params, batch["x"]), batch["y"])
+
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+
+    def to_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(mesh.device) for k, v in batch.items()}
+
+    # Every rank evaluates the same full val batch, so each gets the same loss and no
+    # reduction is needed; apply still gathers the shards, so all ranks must call it.
+    val_gen = torch.Generator().manual_seed(args.seed + VAL_SEED_OFFSET)
+    val_batch = to_device(get_batch(val_data, VAL_BATCH, args.seq_len, val_gen))
+
+    def val_loss() -> float:
+        with torch.no_grad():
+            return lm_loss(apply(sharded, val_batch["x"]), val_batch["y"]).item()
+
+    log(f"world size {mesh.size}  strategy {args.strategy}  parameters {n_params:,}  device {mesh.device}")
+    log(sharded.layout)
+
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens_per_step = args.global_batch * args.seq_len
+    first = loss = float("nan")
+    for n in range(1, args.steps + 1):
+        global_batch = get_batch(train_data, args.global_batch, args.seq_len, gen)
+        batch = to_device(local_slice(global_batch, mesh.rank, mesh.size))
+        t0 = time.perf_counter()
+        sharded, opt_state, metrics = step(sharded, opt_state, batch)
+        loss = float(metrics["loss"])  # a python float: the step has finished on the device
+        dt = time.perf_counter() - t0
+        if n == 1:
+            first = loss
+        log(f"step {n} loss {loss:.4f}  tokens/s {tokens_per_step / dt:.0f}")
+        if n % args.log_every == 0 or n == args.steps:
+            v = val_loss()
+            log(f"val loss {v:.4f} at step {n}")
+    log(f"final loss {loss:.4f} (first {first:.4f})")
+
+
+if __name__ == "__main__":
+    main()
