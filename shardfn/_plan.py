@@ -107,7 +107,7 @@ class _ByParamCount(UnitPolicy):
             free = sum(p.numel() for p in m.parameters(recurse=False))
             for name, child in m.named_children():
                 free += visit(f"{path}.{name}" if path else name, child)
-            if path and free >= self.min_params:
+            if path and free >= self.min_params and not isinstance(m, _CONTAINERS):
                 units.append(path)
                 return 0
             return free
@@ -157,6 +157,27 @@ class _DefaultUnits(UnitPolicy):
 
     def __repr__(self) -> str:
         return "default_units()"
+
+
+# Modules without a forward of their own: their children are called directly, so a
+# unit hook on the container would never fire.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def check_unit_modules(module: nn.Module | None, paths: Sequence[str]) -> None:
+    """A unit must be a module whose forward runs (hooks fire there), not a container."""
+    if module is None:
+        return
+    for p in paths:
+        try:
+            m = module.get_submodule(p)
+        except AttributeError:
+            raise ValueError(f"units: {p!r} is not a module path of {type(module).__name__}.") from None
+        if isinstance(m, _CONTAINERS):
+            raise ValueError(
+                f"units: {p!r} is a {type(m).__name__}, which has no forward of its own, so it cannot be a unit "
+                f"(its children are called directly). Use its elements instead, e.g. {p + '.0'!r}, ..."
+            )
 
 
 _NEEDS_MODULE = (

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from . import _collectives as C
 from ._layout import Layout, build_layout, local_shard, unpack_leaf
 from ._mesh import Mesh
-from ._plan import Plan, Strategy, make_plan
+from ._plan import Plan, Strategy, check_unit_modules, make_plan
 
 __all__ = ["ShardedParams", "gather", "shard"]
 
@@ -112,6 +112,7 @@ def shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Strat
     plan = make_plan(strategy, units=units)
     module: nn.Module | None = getattr(params, "module", None)
     unit_paths = plan.units.resolve(module, list(params))
+    check_unit_modules(module, unit_paths)
     world = mesh.size if plan.strategy.sharded else 1
     replicas = 1 if plan.strategy.sharded else mesh.size
     layout = build_layout(plan, mesh.shape, world, replicas, params, unit_paths, _aliases(module, params))

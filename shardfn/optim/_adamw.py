@@ -1,0 +1,115 @@
+"""AdamW, numerically equal to ``torch.optim.AdamW``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._base import (
+    GradientTransformation,
+    Params,
+    ScalarOrSchedule,
+    Updates,
+    _check_grads,
+    _check_hyper,
+    _check_learning_rate,
+    _check_params,
+    _check_state,
+    _new_count,
+    _resolve_learning_rate,
+    _trainable,
+)
+
+
+class AdamWState(NamedTuple):
+    """State of :func:`adamw`.
+
+    Attributes:
+        count: 0-d int64 CPU tensor, the number of updates done so far. One count
+            for all leaves (as optax): a leaf missing from ``grads`` for a step keeps
+            its moments, but its next bias correction still uses the global count,
+            where ``torch.optim.AdamW`` would count steps per parameter.
+        mu: name -> first moment, in the param's dtype and on its device.
+        nu: name -> second moment, likewise.
+    """
+
+    count: torch.Tensor
+    mu: dict[str, torch.Tensor]
+    nu: dict[str, torch.Tensor]
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> GradientTransformation:
+    """Adam with decoupled weight decay.
+
+    Equals ``torch.optim.AdamW(params, lr, betas=(b1, b2), eps=eps,
+    weight_decay=weight_decay)``: with ``t = count + 1`` the update is
+    ``-lr * wd * p - lr / (1 - b1**t) * mu / (sqrt(nu) / sqrt(1 - b2**t) + eps)``.
+    Arithmetic runs in the state's dtype, which is the param's dtype.
+
+    Args:
+        learning_rate: a float, or a schedule ``count -> float`` where ``count`` is
+            the number of updates done so far; it scales the decay too, as in torch.
+        b1: decay rate of the first moment.
+        b2: decay rate of the second moment.
+        eps: added to the denominator for numerical stability.
+        weight_decay: decoupled decay rate; non-zero needs ``params`` in ``update``.
+
+    Returns:
+        A :class:`GradientTransformation` with state :class:`AdamWState`.
+
+    Example:
+        >>> opt = adamw(3e-4, weight_decay=0.1)
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update(grads, state, params)
+        >>> apply_updates_(params, updates)
+    """
+    _check_learning_rate(learning_rate, "adamw")
+    _check_hyper("b1", b1, "adamw", lo=0.0, hi=1.0)
+    _check_hyper("b2", b2, "adamw", lo=0.0, hi=1.0)
+    _check_hyper("eps", eps, "adamw", lo=0.0)
+    _check_hyper("weight_decay", weight_decay, "adamw", lo=0.0)
+
+    def init(params: Params) -> AdamWState:
+        trainable = _trainable(params)
+        mu = {k: torch.zeros_like(p) for k, p in trainable.items()}
+        nu = {k: torch.zeros_like(p) for k, p in trainable.items()}
+        return AdamWState(_new_count(), mu, nu)
+
+    def update(
+        grads: Params, state: AdamWState, params: Params | None = None
+    ) -> tuple[Updates, AdamWState]:
+        _check_state(state, AdamWState, "adamw")
+        _check_grads(grads, state.mu, "adamw")
+        if weight_decay or params is not None:
+            params = _check_params(grads, params, "adamw")
+        count = int(state.count)
+        lr = _resolve_learning_rate(learning_rate, count)
+        # The same float expressions, in the same order, as torch.optim's single
+        # tensor AdamW, so results agree to rounding.
+        t = count + 1
+        step_size = lr / (1 - b1**t)
+        bias_correction2_sqrt = (1 - b2**t) ** 0.5
+
+        updates: Updates = {}
+        mu, nu = dict(state.mu), dict(state.nu)
+        with torch.no_grad():
+            for k, g in grads.items():
+                g = g.to(mu[k].dtype)
+                mu[k] = torch.lerp(mu[k], g, 1 - b1)
+                nu[k] = torch.addcmul(nu[k] * b2, g, g, value=1 - b2)
+                denom = (nu[k].sqrt() / bias_correction2_sqrt).add_(eps)
+                if weight_decay:
+                    decay = params[k].to(mu[k].dtype) * -(lr * weight_decay)
+                    updates[k] = torch.addcdiv(decay, mu[k], denom, value=-step_size)
+                else:
+                    updates[k] = (mu[k] / denom).mul_(-step_size)
+        return updates, AdamWState(state.count + 1, mu, nu)
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,351 @@
+"""Gradient transformations: the optimizer protocol and its small building blocks.
+
+An optimizer is a pair of pure functions over Mappings ``name -> torch.Tensor`` of
+this rank's local shards (in practice ``shardfn.ShardedParams``; only the Mapping
+protocol is used here):
+
+* ``init(params) -> state``
+* ``update(grads, state, params) -> (updates, new_state)``
+
+``grads`` may hold a subset of the keys of ``params``: a frozen parameter has no
+gradient and gets no update. State is NamedTuples of dicts of tensors.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Union
+
+import torch
+
+Params = Mapping[str, torch.Tensor]
+Updates = dict[str, torch.Tensor]
+OptState = Any
+Schedule = Callable[[int], float]
+ScalarOrSchedule = Union[float, Schedule]
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer (or a piece of one) as a pair of pure functions.
+
+    Attributes:
+        init: ``init(params) -> state``. Creates state only for trainable params
+            (``p.requires_grad``); works on meta tensors.
+        update: ``update(grads, state, params=None) -> (updates, new_state)``.
+            Computes updates for the keys of ``grads`` only and does not mutate its
+            arguments (``from_torch`` advances its state object in place). ``params`` is required by transforms that read them (weight
+            decay). Runs under ``torch.no_grad()``: updates carry no autograd
+            history, so optimizers are not differentiable.
+
+    Example:
+        >>> opt = sgd(0.1)
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update(grads, state, params)
+        >>> params = apply_updates(params, updates)
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[..., tuple[Updates, OptState]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+# Long user-facing messages live here so every optimizer words them the same way.
+_MISSING_STATE = (
+    "{opt}: {keys} {have} no optimizer state. The optimizer state was initialised "
+    "for different params (frozen params, requires_grad=False, get no state). Call "
+    "opt.init on the sharded params you train, after freezing or unfreezing them."
+)
+_SHAPE_MISMATCH = (
+    "{opt}: grads[{key!r}] has shape {got} but the optimizer state for it has "
+    "shape {want}. The state was initialised for a different sharding; call "
+    "opt.init on the sharded params you train."
+)
+_MISSING_PARAMS = (
+    "{opt}: needs the current params (weight decay reads them) but got "
+    "params=None; call update(grads, state, params)."
+)
+_PARAM_MISMATCH = (
+    "{opt}: grads[{key!r}] has shape {got} but params[{key!r}] {has}; pass the "
+    "params the gradients were computed for."
+)
+
+
+def _trainable(params: Params) -> dict[str, torch.Tensor]:
+    """The params that get optimizer state: those with ``requires_grad`` set."""
+    _check_mapping(params, "params")
+    return {k: p for k, p in params.items() if p.requires_grad}
+
+
+def _check_mapping(tree: Any, what: str) -> None:
+    if not isinstance(tree, Mapping):
+        raise TypeError(
+            f"{what} must be a Mapping name -> torch.Tensor (for example "
+            f"ShardedParams or a dict), got {type(tree).__name__}."
+        )
+    bad = [k for k, v in tree.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(
+            f"{what} must map names to torch.Tensor, but "
+            + ", ".join(f"{what}[{k!r}] is {type(tree[k]).__name__}" for k in bad)
+            + "; pass tensors (for example the local shards)."
+        )
+
+
+def _check_state(state: Any, cls: type, opt: str) -> None:
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{opt}: state is {type(state).__name__}, not {cls.__name__}; pass the "
+            f"state returned by this optimizer's init (inside a chain, the chain's state)."
+        )
+
+
+def _check_grads(grads: Params, state: Mapping[str, torch.Tensor], opt: str) -> None:
+    """Raises once, naming every grads leaf that has no state or the wrong shape."""
+    _check_mapping(grads, "grads")
+    missing = [k for k in grads if k not in state]
+    if missing:
+        keys = ", ".join(f"grads[{k!r}]" for k in missing)
+        have = "has" if len(missing) == 1 else "have"
+        raise ValueError(_MISSING_STATE.format(opt=opt, keys=keys, have=have))
+    wrong = [k for k in grads if grads[k].shape != state[k].shape]
+    if wrong:
+        raise ValueError(
+            "\n".join(
+                _SHAPE_MISMATCH.format(
+                    opt=opt,
+                    key=k,
+                    got=tuple(grads[k].shape),
+                    want=tuple(state[k].shape),
+                )
+                for k in wrong
+            )
+        )
+
+
+def _check_params(grads: Params, params: Params | None, opt: str) -> Params:
+    """Checks that ``params`` holds a same-shaped tensor for every grads key."""
+    _check_mapping(grads, "grads")
+    if params is None:
+        raise ValueError(_MISSING_PARAMS.format(opt=opt))
+    _check_mapping(params, "params")
+    errors = []
+    for k, g in grads.items():
+        if k not in params:
+            errors.append(_PARAM_MISMATCH.format(opt=opt, key=k, got=tuple(g.shape), has="is missing"))
+        elif params[k].shape != g.shape:
+            has = f"has shape {tuple(params[k].shape)}"
+            errors.append(_PARAM_MISMATCH.format(opt=opt, key=k, got=tuple(g.shape), has=has))
+    if errors:
+        raise ValueError("\n".join(errors))
+    return params
+
+
+def _check_learning_rate(learning_rate: ScalarOrSchedule, opt: str) -> None:
+    if callable(learning_rate):
+        return
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real):
+        raise TypeError(
+            f"{opt}: learning_rate must be a float or a schedule (a callable "
+            f"count -> float), got {type(learning_rate).__name__}."
+        )
+    if not learning_rate >= 0.0:
+        raise ValueError(f"{opt}: learning_rate must be >= 0, got {learning_rate}.")
+
+
+def _check_hyper(name: str, value: float, opt: str, *, lo: float, hi: float | None = None) -> None:
+    """Checks ``lo <= value`` (and ``value < hi``), the ranges torch.optim enforces."""
+    if not (value >= lo and (hi is None or value < hi)):
+        bound = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
+        raise ValueError(f"{opt}: {name} must be {bound}, got {value}.")
+
+
+def _resolve_learning_rate(learning_rate: ScalarOrSchedule, count: int) -> float:
+    """The learning rate for the update after ``count`` updates.
+
+    Args:
+        learning_rate: a float, or a schedule ``count -> float``.
+        count: number of updates done so far (0 for the first update).
+
+    Returns:
+        The learning rate as a Python float.
+
+    Example:
+        >>> _resolve_learning_rate(lambda c: 0.1 * 0.5**c, 2)
+        0.025
+    """
+    if not callable(learning_rate):
+        return float(learning_rate)
+    value = learning_rate(count)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"learning-rate schedule returned {value!r} ({type(value).__name__}) for "
+            f"count={count}; a schedule must return a float."
+        )
+    return float(value)
+
+
+def _new_count() -> torch.Tensor:
+    # The count lives on the CPU whatever the params' device (as torch.optim keeps
+    # its "step"): schedules and bias correction need it as a Python number every
+    # step, and reading it from an accelerator would sync the stream.
+    return torch.zeros((), dtype=torch.int64)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Composes transformations: each one's updates are the next one's grads.
+
+    Args:
+        *transforms: applied in order.
+
+    Returns:
+        A transformation whose state is a tuple with one state per transform.
+
+    Example:
+        >>> opt = chain(add_decayed_weights(1e-4), sgd(0.1, momentum=0.9))
+        >>> state = opt.init(params)  # (EmptyState(), SgdState(...))
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain: argument {i} is {type(t).__name__}, not a "
+                "GradientTransformation; pass optimizers such as sgd(...) or adamw(...)."
+            )
+
+    def init(params: Params) -> tuple[OptState, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(
+        grads: Params, state: tuple[OptState, ...], params: Params | None = None
+    ) -> tuple[Updates, tuple[OptState, ...]]:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(
+                f"chain: expected a tuple of {len(transforms)} states, one per "
+                f"transform, got {type(state).__name__}; pass the state returned by "
+                "this chain's init."
+            )
+        updates: Params = grads
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return dict(updates), tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def scale(factor: float) -> GradientTransformation:
+    """Multiplies every update by ``factor``.
+
+    Example:
+        >>> opt = chain(add_decayed_weights(1e-4), scale(-0.1))  # plain SGD
+    """
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        grads: Params, state: EmptyState, params: Params | None = None
+    ) -> tuple[Updates, EmptyState]:
+        _check_mapping(grads, "grads")
+        with torch.no_grad():
+            return {k: g * factor for k, g in grads.items()}, state
+
+    return GradientTransformation(init, update)
+
+
+def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+    """Adds ``weight_decay * params`` to the updates (L2 regularisation).
+
+    As ``torch.optim.SGD(weight_decay=...)``: the decay enters the gradient, so it
+    goes through whatever follows it in a ``chain``.
+
+    Example:
+        >>> opt = chain(add_decayed_weights(1e-4), scale(-0.1))
+        >>> updates, state = opt.update(grads, state, params)  # needs params
+    """
+    _check_hyper("weight_decay", weight_decay, "add_decayed_weights", lo=0.0)
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        grads: Params, state: EmptyState, params: Params | None = None
+    ) -> tuple[Updates, EmptyState]:
+        _check_mapping(grads, "grads")
+        if weight_decay == 0:
+            return dict(grads), state
+        params = _check_params(grads, params, "add_decayed_weights")
+        with torch.no_grad():
+            return {k: g.add(params[k], alpha=weight_decay) for k, g in grads.items()}, state
+
+    return GradientTransformation(init, update)
+
+
+def _check_updates(params: Params, updates: Params, fn: str) -> None:
+    _check_mapping(params, "params")
+    _check_mapping(updates, "updates")
+    errors = []
+    for k, u in updates.items():
+        if k not in params:
+            errors.append(f"{fn}: updates[{k!r}] has no matching params[{k!r}]")
+        elif params[k].shape != u.shape:
+            errors.append(
+                f"{fn}: updates[{k!r}] has shape {tuple(u.shape)} but params[{k!r}] "
+                f"has shape {tuple(params[k].shape)}"
+            )
+    if errors:
+        raise ValueError(
+            "\n".join(errors)
+            + "\nPass the params the optimizer state was initialised for."
+        )
+
+
+def apply_updates(params: Params, updates: Params) -> dict[str, torch.Tensor]:
+    """Returns ``params + updates`` out of place.
+
+    Params without an update are returned unchanged (the same tensor objects). The
+    new tensors keep each param's dtype and ``requires_grad`` and have no autograd
+    history: chaining steps through the graph would keep every step's activations
+    alive.
+
+    Args:
+        params: name -> tensor.
+        updates: name -> tensor, for a subset of the keys of ``params``.
+
+    Returns:
+        A new dict with every key of ``params``.
+
+    Example:
+        >>> updates, state = opt.update(grads, state, params)
+        >>> params = apply_updates(params, updates)
+    """
+    _check_updates(params, updates, "apply_updates")
+    out = dict(params.items())
+    with torch.no_grad():
+        for k, u in updates.items():
+            p = params[k]
+            out[k] = (p + u).to(p.dtype).requires_grad_(p.requires_grad)
+    return out
+
+
+def apply_updates_(params: Params, updates: Params) -> None:
+    """Adds ``updates`` to ``params`` in place (the donation path of a step).
+
+    Runs under ``torch.no_grad()`` so leaf params that require grad can be written.
+
+    Args:
+        params: name -> tensor; modified in place.
+        updates: name -> tensor, for a subset of the keys of ``params``.
+
+    Example:
+        >>> updates, state = opt.update(grads, state, params)
+        >>> apply_updates_(params, updates)
+    """
+    _check_updates(params, updates, "apply_updates_")
+    with torch.no_grad():
+        for k, u in updates.items():
+            params[k].add_(u)

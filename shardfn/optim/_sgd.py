@@ -1,0 +1,116 @@
+"""Stochastic gradient descent, numerically equal to ``torch.optim.SGD``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._base import (
+    GradientTransformation,
+    Params,
+    ScalarOrSchedule,
+    Updates,
+    _check_grads,
+    _check_hyper,
+    _check_learning_rate,
+    _check_params,
+    _check_state,
+    _new_count,
+    _resolve_learning_rate,
+    _trainable,
+)
+
+
+class SgdState(NamedTuple):
+    """State of :func:`sgd`.
+
+    Attributes:
+        count: 0-d int64 CPU tensor, the number of updates done so far (read by
+            a learning-rate schedule).
+        momentum_buffer: name -> buffer (param dtype and device) for each trainable
+            param; empty when ``momentum == 0``.
+    """
+
+    count: torch.Tensor
+    momentum_buffer: dict[str, torch.Tensor]
+
+
+# [Note: zero momentum buffer]
+# torch.optim.SGD creates the buffer lazily as a copy of the first gradient. A
+# functional state needs its buffers up front (and must work on meta tensors), so
+# they start at zero: the first update then computes 0 * momentum + g, which is g
+# exactly, and a leaf whose first gradient arrives late behaves the same way. This
+# holds because dampening is fixed at 0.
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """SGD with optional momentum, Nesterov momentum and L2 weight decay.
+
+    Equals ``torch.optim.SGD(params, lr, momentum, dampening=0,
+    weight_decay=weight_decay, nesterov=nesterov)`` step for step: the decay is
+    added to the gradient, the momentum buffer starts as the first gradient, and
+    Nesterov uses ``g + momentum * buf``.
+
+    Args:
+        learning_rate: a float, or a schedule ``count -> float`` where ``count`` is
+            the number of updates done so far.
+        momentum: momentum factor; 0 keeps no per-param state.
+        nesterov: use Nesterov momentum (needs ``momentum > 0``).
+        weight_decay: L2 penalty added to the gradient; needs ``params`` in
+            ``update``.
+
+    Returns:
+        A :class:`GradientTransformation` with state :class:`SgdState`.
+
+    Example:
+        >>> opt = sgd(0.1, momentum=0.9, nesterov=True)
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update(grads, state, params)
+        >>> apply_updates_(params, updates)
+    """
+    _check_learning_rate(learning_rate, "sgd")
+    _check_hyper("momentum", momentum, "sgd", lo=0.0)
+    _check_hyper("weight_decay", weight_decay, "sgd", lo=0.0)
+    if nesterov and momentum <= 0:
+        raise ValueError(
+            f"sgd: nesterov=True needs momentum > 0, got momentum={momentum}; set "
+            "momentum (for example 0.9) or nesterov=False."
+        )
+
+    def init(params: Params) -> SgdState:
+        trainable = _trainable(params)
+        buffers = {k: torch.zeros_like(p) for k, p in trainable.items()} if momentum else {}
+        return SgdState(_new_count(), buffers)
+
+    def update(
+        grads: Params, state: SgdState, params: Params | None = None
+    ) -> tuple[Updates, SgdState]:
+        _check_state(state, SgdState, "sgd")
+        if momentum:
+            _check_grads(grads, state.momentum_buffer, "sgd")
+        if weight_decay or params is not None:
+            # Without momentum this is the only check of keys and shapes.
+            params = _check_params(grads, params, "sgd")
+        lr = _resolve_learning_rate(learning_rate, int(state.count))
+
+        updates: Updates = {}
+        buffers = dict(state.momentum_buffer)
+        with torch.no_grad():
+            for k, g in grads.items():
+                if weight_decay:
+                    g = g.add(params[k], alpha=weight_decay)
+                if momentum:
+                    g = g.to(buffers[k].dtype)  # compute in the state's dtype
+                    buf = buffers[k] * momentum + g  # [Note: zero momentum buffer]
+                    buffers[k] = buf
+                    g = g.add(buf, alpha=momentum) if nesterov else buf
+                updates[k] = g * -lr
+        return updates, SgdState(state.count + 1, buffers)
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,147 @@
+"""Exact collectives, bytes, residency and persistent state per rank, counted at the source."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+from shardfn.testing import split_batch
+from shardfn.testing.models import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(vocab_size=31, seq_len=8, d_model=16, n_layers=3, n_heads=2)
+FOUR = 4  # bytes per fp32 element
+
+
+def _setup(strategy, optimizer=None):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    full_numel = {n: p.numel() for n, p in params.items()}
+    rows = {n: (p.shape[0] if p.dim() else 1) for n, p in params.items()}
+    sharded = sf.shard(params, mesh, strategy)
+    opt = optimizer or sf.optim.sgd(0.1)
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=opt)
+    g = torch.Generator().manual_seed(0)
+    batch = {k: torch.randint(0, 31, (12, 8), generator=g) for k in ("x", "y")}
+    return mesh, sharded, state, step, split_batch(batch, mesh.rank, mesh.size), full_numel, rows
+
+
+def padded_bytes(names, full_numel, rows, world):
+    """Bytes of `names` after padding each leaf's dim 0 to a multiple of `world` (all ranks)."""
+    return sum(math.ceil(rows[n] / world) * world * (full_numel[n] // rows[n]) * FOUR for n in names)
+
+
+def count_one_step(strategy):
+    mesh, sharded, state, step, batch, full_numel, rows = _setup(strategy)
+    step(sharded, state, batch)  # a first step, then count a steady-state one
+    with sf.record_collectives() as log, sf.track_residency() as res:
+        step(sharded, state, batch)
+    N = mesh.size
+    blocks = [[n for n in full_numel if n.startswith(f"blocks.{i}.")] for i in range(CFG.n_layers)]
+    root = [n for n in full_numel if not n.startswith("blocks.")]
+    ranks = tuple(range(N))
+    groups = {c.group for c in log.calls}
+    per_kind = {}
+    for c in log.calls:
+        per_kind.setdefault(c.kind, []).append((c.tag, c.nbytes, str(c.dtype)))
+    return {
+        "counts": dict(log.counts()),
+        "bytes": dict(log.bytes()),
+        "calls": per_kind,
+        "groups_ok": groups <= {ranks},
+        "expected_block_bytes": [padded_bytes(b, full_numel, rows, N if strategy != "NO_SHARD" else 1) for b in blocks],
+        "expected_root_bytes": padded_bytes(root, full_numel, rows, N if strategy != "NO_SHARD" else 1),
+        "layout_expectation": sharded.layout.collectives_per_step(),
+        "max_live": res.max_live,
+        "events": res.events,
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_full_shard_two_gathers_one_reduce_scatter_per_unit(clusters, world):
+    r = clusters[world].run(count_one_step, "FULL_SHARD")[0]
+    blocks, root = r["expected_block_bytes"], r["expected_root_bytes"]
+    # 3 blocks gathered twice (forward, backward), the root once; one reduce-scatter per unit;
+    # plus the one scalar all-reduce of the loss metric.
+    assert r["counts"] == {"all_gather": 2 * 3 + 1, "reduce_scatter": 4, "all_reduce": 1}
+    assert r["bytes"] == {"all_gather": 2 * sum(blocks) + root, "reduce_scatter": sum(blocks) + root, "all_reduce": 4}
+    assert r["layout_expectation"] == {"all_gather": (7, 2 * sum(blocks) + root), "reduce_scatter": (4, sum(blocks) + root)}
+    assert r["groups_ok"]
+    assert all(dtype == "torch.float32" for _, _, dtype in r["calls"]["all_gather"])
+    # Forward in order, backward in reverse; each block freed before the next is gathered.
+    tags = [t for t, _, _ in r["calls"]["all_gather"]]
+    assert tags == ["gather:<root>", "gather:blocks.0", "gather:blocks.1", "gather:blocks.2",
+                    "regather:blocks.2", "regather:blocks.1", "regather:blocks.0"]
+    assert r["max_live"] == 1
+    assert r["events"] == [
+        ("gather", "blocks.0"), ("free", "blocks.0"), ("gather", "blocks.1"), ("free", "blocks.1"),
+        ("gather", "blocks.2"), ("free", "blocks.2"),
+        ("regather", "blocks.2"), ("free", "blocks.2"), ("regather", "blocks.1"), ("free", "blocks.1"),
+        ("regather", "blocks.0"), ("free", "blocks.0"),
+    ]
+
+
+def test_shard_grad_op_one_gather_one_reduce_scatter_per_unit(clusters):
+    r = clusters[2].run(count_one_step, "SHARD_GRAD_OP")[0]
+    blocks, root = r["expected_block_bytes"], r["expected_root_bytes"]
+    assert r["counts"] == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1}
+    assert r["bytes"] == {"all_gather": sum(blocks) + root, "reduce_scatter": sum(blocks) + root, "all_reduce": 4}
+    assert r["layout_expectation"] == {"all_gather": (4, sum(blocks) + root), "reduce_scatter": (4, sum(blocks) + root)}
+    # Kept from forward into backward: all three blocks are gathered at the end of forward.
+    assert r["max_live"] == 3
+    assert [e for e, _ in r["events"]] == ["gather"] * 3 + ["free"] * 3
+
+
+def test_no_shard_one_all_reduce_per_unit(clusters):
+    r = clusters[2].run(count_one_step, "NO_SHARD")[0]
+    blocks, root = r["expected_block_bytes"], r["expected_root_bytes"]
+    assert r["counts"] == {"all_reduce": 4 + 1}
+    assert r["bytes"] == {"all_reduce": sum(blocks) + root + 4}
+    assert r["layout_expectation"] == {"all_reduce": (4, sum(blocks) + root)}
+    assert r["max_live"] == 3
+
+
+def persistent_bytes(strategy):
+    mesh, sharded, state, step, batch, full_numel, rows = _setup(strategy, sf.optim.adamw(1e-3))
+    sharded, state, _ = step(sharded, state, batch)
+    shard_bytes = sum(t.numel() * t.element_size() for t in sharded.values())
+    state_bytes = sum(t.numel() * t.element_size() for d in (state.mu, state.nu) for t in d.values())
+    N = mesh.size if strategy != "NO_SHARD" else 1
+    expected = padded_bytes(list(full_numel), full_numel, rows, N) // N
+    return shard_bytes, state_bytes, expected, sharded.layout.shard_bytes(), sum(full_numel.values()) * FOUR
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_persistent_state_is_the_padded_one_nth_share(clusters, world):
+    results = clusters[world].run(persistent_bytes, "FULL_SHARD")
+    for shard_bytes, state_bytes, expected, layout_bytes, full_bytes in results:
+        assert shard_bytes == expected == layout_bytes
+        assert state_bytes == 2 * expected  # AdamW: mu and nu, fp32, shard-sized
+    # NO_SHARD replicates: every rank holds everything.
+    shard_bytes, state_bytes, expected, _, full_bytes = clusters[world].run(persistent_bytes, "NO_SHARD")[0]
+    assert shard_bytes == full_bytes and state_bytes == 2 * full_bytes
+
+
+def reduce_scatter_average(values):
+    """Each rank contributes `rank + 1` times `values`: the average is known exactly."""
+    from shardfn import _collectives as C
+
+    N, r = dist.get_world_size(), dist.get_rank()
+    inp = torch.tensor(values, dtype=torch.float32).repeat(N) * (r + 1)
+    out = torch.empty(len(values))
+    C.reduce_scatter(out, inp, dist.group.WORLD, tag="test")
+    t = torch.full((3,), float(r + 1))
+    C.all_reduce(t, dist.group.WORLD, tag="test")
+    return out, t
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_average_really_averages(clusters, world):
+    """A past gloo bug made ReduceOp.AVG sum (pytorch issue 162338); this would see it."""
+    mean_factor = sum(range(1, world + 1)) / world
+    for out, t in clusters[world].run(reduce_scatter_average, [1.0, -2.0, 4.0]):
+        torch.testing.assert_close(out, torch.tensor([1.0, -2.0, 4.0]) * mean_factor)
+        torch.testing.assert_close(t, torch.full((3,), mean_factor))
