@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import shardfn as sf
+from shardfn.testing import split_batch
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -72,18 +73,6 @@ def get_batch(
     starts = torch.randint(n_starts, (global_batch,), generator=generator)
     windows = data[starts[:, None] + torch.arange(seq_len + 1)].long()
     return {"x": windows[:, :-1], "y": windows[:, 1:]}
-
-
-def local_slice(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """Returns this rank's contiguous slice ``global[rank * b : (rank + 1) * b]`` of a global batch."""
-    global_batch = len(batch["x"])
-    if global_batch % world_size:
-        raise ValueError(
-            f"global batch {global_batch} is not divisible by world size {world_size}; "
-            f"pass --global-batch as a multiple of {world_size}"
-        )
-    b = global_batch // world_size
-    return {k: v[rank * b : (rank + 1) * b] for k, v in batch.items()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -162,7 +151,7 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
     first = loss = float("nan")
     for n in range(1, args.steps + 1):
         global_batch = get_batch(train_data, args.global_batch, args.seq_len, gen)
-        batch = to_device(local_slice(global_batch, mesh.rank, mesh.size))
+        batch = to_device(split_batch(global_batch, mesh.rank, mesh.size))
         t0 = time.perf_counter()
         sharded, opt_state, metrics = step(sharded, opt_state, batch)
         loss = float(metrics["loss"])  # a python float: the step has finished on the device

@@ -197,7 +197,14 @@ def build_layout(
             continue
         dtypes = {params[n].dtype for n in names}
         if len(dtypes) > 1:
-            detail = ", ".join(f"{n}: {params[n].dtype}" for n in names[:6])
+            by_dtype: dict[torch.dtype, list[str]] = {}
+            for n in names:
+                by_dtype.setdefault(params[n].dtype, []).append(n)
+            # Fewest first: the odd ones out are what the user needs to see.
+            detail = "; ".join(
+                f"{dt}: {', '.join(ns[:4])}{' ...' if len(ns) > 4 else ''} ({len(ns)})"
+                for dt, ns in sorted(by_dtype.items(), key=lambda kv: len(kv[1]))
+            )
             raise ValueError(
                 f"shard(): unit {path or '<root>'!r} mixes dtypes ({detail}); a unit is one flat buffer. "
                 "Cast the model to one dtype first (model.float()), or choose units that separate them."

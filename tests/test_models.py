@@ -162,12 +162,3 @@ def test_get_batch_shifted_and_seeded(train_lm):
     assert torch.equal(full["y"][:, -1], torch.full((4,), 10))
     with pytest.raises(ValueError, match="too few"):
         train_lm.get_batch(data[:10], 1, 10, torch.Generator())
-
-
-def test_local_slices_partition_the_global_batch(train_lm):
-    batch = train_lm.get_batch(torch.arange(100, dtype=torch.uint8), 6, 4, torch.Generator().manual_seed(1))
-    parts = [train_lm.local_slice(batch, r, 3) for r in range(3)]
-    assert all(len(p["x"]) == 2 for p in parts)
-    assert torch.equal(torch.cat([p["x"] for p in parts]), batch["x"])
-    with pytest.raises(ValueError, match="not divisible by world size 4"):
-        train_lm.local_slice(batch, 0, 4)

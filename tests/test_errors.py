@@ -1,0 +1,123 @@
+"""Bad input fails fast with an error that names the leaf, the mesh and the fix."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+from shardfn.testing.models import GPT, MLP, GPTConfig, lm_loss
+
+
+def _catch(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _gpt(n_layers=2):
+    torch.manual_seed(0)
+    return sf.functionalize(GPT(GPTConfig(vocab_size=17, seq_len=4, d_model=8, n_layers=n_layers, n_heads=2)))
+
+
+def _batch(mesh):
+    return {"x": torch.zeros(2, 4, dtype=torch.long), "y": torch.zeros(2, 4, dtype=torch.long)}
+
+
+def single_rank_errors():
+    mesh = sf.Mesh.from_group()
+    out = {}
+    params, apply = _gpt()
+    x = torch.zeros(1, 4, dtype=torch.long)
+    wrong = dict(params)
+    wrong["blocks.9.extra"] = wrong.pop("blocks.1.ln1.weight")
+    out["apply_plain"] = _catch(apply, wrong, x)
+    out["unknown_strategy"] = _catch(sf.shard, params, mesh, "ZERO_SEVEN")
+    out["mixed_dtypes"] = _catch(sf.shard, {**params, "head.weight": params["head.weight"].double()}, mesh, "FULL_SHARD", units=sf.by_prefix("blocks.0"))
+    out["container_unit"] = _catch(sf.shard, params, mesh, "FULL_SHARD", units=sf.by_prefix("blocks"))
+    out["bad_prefix"] = _catch(sf.shard, params, mesh, "FULL_SHARD", units=sf.by_prefix("block.0"))
+    out["policy_needs_module"] = _catch(sf.shard, dict(params), mesh, "FULL_SHARD", units=GPT)
+    out["not_a_mesh"] = _catch(sf.shard, params, "cpu", "FULL_SHARD")
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    # Shards of a 3-layer model given to the apply of a 2-layer model.
+    other_params, _ = _gpt(3)
+    out["apply_other_model"] = _catch(apply, sf.shard(other_params, mesh, "FULL_SHARD"), x)
+    opt = sf.optim.adamw(1e-3)
+    step = sf.jit_step(lambda p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=opt)
+    state = opt.init(sharded)
+    sharded, state, _ = step(sharded, state, _batch(mesh))
+    # The same model sharded another way: a different layout.
+    regrouped = sf.shard(params, mesh, "SHARD_GRAD_OP")
+    out["other_layout"] = _catch(step, regrouped, opt.init(regrouped), _batch(mesh))
+    # Optimizer state of another model.
+    out["other_opt_state"] = _catch(step, sharded, opt.init(sf.shard(other_params, mesh, "FULL_SHARD")), _batch(mesh))
+    out["plain_params_to_step"] = _catch(step, dict(params), state, _batch(mesh))
+    out["loss_ignores_params"] = _catch(sf.jit_step(lambda p, b: torch.ones(()), mesh, optimizer=opt), sharded, state, None)
+    out["not_an_optimizer"] = _catch(sf.jit_step, lambda p, b: 0, mesh, optimizer=torch.optim.SGD)
+    return out
+
+
+def test_single_rank_errors_name_leaf_and_fix(clusters):
+    out = clusters[1].run(single_rank_errors)[0]
+    assert "missing (1): blocks.1.ln1.weight" in out["apply_plain"] and "unexpected (1): blocks.9.extra" in out["apply_plain"]
+    assert "Unknown strategy 'ZERO_SEVEN'" in out["unknown_strategy"] and "'SHARD_GRAD_OP'" in out["unknown_strategy"]
+    assert "'<root>' mixes dtypes" in out["mixed_dtypes"] and "torch.float64: head.weight (1)" in out["mixed_dtypes"]
+    assert "'blocks' is a ModuleList" in out["container_unit"] and "'blocks.0'" in out["container_unit"]
+    assert "'block.0.'" in out["bad_prefix"]
+    assert "needs the module tree" in out["policy_needs_module"] and "by_prefix" in out["policy_needs_module"]
+    assert out["not_a_mesh"].startswith("TypeError") and "Mesh.from_env()" in out["not_a_mesh"]
+    assert "unexpected (11): blocks.2.attn.proj.bias" in out["apply_other_model"]
+    assert "missing" not in out["apply_other_model"]
+    assert "different layout" in out["other_layout"] and "SHARD_GRAD_OP" in out["other_layout"]
+    assert "opt.init(sharded)" in out["other_layout"]
+    assert "opt_state.mu['blocks.2.attn.qkv.weight']" in out["other_opt_state"]
+    assert "no parameter 'blocks.2.attn.qkv.weight'" in out["other_opt_state"]
+    assert "expected the ShardedParams" in out["plain_params_to_step"]
+    assert "does not depend on the parameters" in out["loss_ignores_params"]
+    assert "init and update" in out["not_an_optimizer"]
+
+
+def two_rank_errors():
+    mesh = sf.Mesh.from_group()
+    params, apply = _gpt()
+    out = {}
+    # Every rank builds both one-rank groups (new_group is collective), then uses its own.
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    small = sf.Mesh.from_group(solo)
+    opt = sf.optim.sgd(0.1)
+    sharded_small = sf.shard(params, small, "FULL_SHARD")
+    step = sf.jit_step(lambda p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=opt)
+    out["mesh_size"] = _catch(step, sharded_small, opt.init(sharded_small), _batch(mesh))
+    # Ranks that disagree about the plan: detected before any parameter collective.
+    units = sf.by_prefix("blocks.0") if dist.get_rank() == 0 else sf.by_prefix("blocks.1")
+    with sf.record_collectives() as log:
+        out["disagree"] = _catch(sf.shard, params, mesh, "FULL_SHARD", units=units)
+    out["disagree_collectives"] = [c.tag for c in log.calls]
+    # The world is still usable afterwards: no rank is left inside a collective.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["after"] = float(t)
+    return out
+
+
+def test_two_rank_errors(clusters):
+    for rank, out in enumerate(clusters[2].run(two_rank_errors)):
+        assert "Mesh(shard=1" in out["mesh_size"] and "Mesh(shard=2" in out["mesh_size"]
+        assert "same mesh" in out["mesh_size"]
+        assert f"[rank {rank}]" in out["disagree"] and "ranks disagree about the layout" in out["disagree"]
+        assert "ranks [1] differ" in out["disagree"]
+        assert out["disagree_collectives"] == ["layout"]
+        assert out["after"] == 2.0
+
+
+def test_mesh_must_be_one_dimensional():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    class FakeDM:
+        ndim = 2
+        shape = (2, 2)
+
+    with pytest.raises(ValueError, match="2-D DeviceMesh"):
+        sf.Mesh(FakeDM())  # type: ignore[arg-type]
+    assert DeviceMesh  # the real class is what Mesh wraps

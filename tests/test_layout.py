@@ -1,0 +1,92 @@
+"""Layout arithmetic, packing, unit policies and printouts (single process)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardfn as sf
+from shardfn._layout import build_layout, local_shard, pack_leaf, unpack_leaf
+from shardfn._plan import Plan
+from shardfn.testing.models import GPT, MLP, Block, GPTConfig, Layer
+
+shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=60)
+@given(shapes=st.lists(shapes, min_size=1, max_size=4), world=st.integers(1, 5))
+def test_shard_pack_unpack_round_trip(shapes, world):
+    params = {f"p{i}": torch.randn(s) for i, s in enumerate(shapes)}
+    layout = build_layout(Plan("FULL_SHARD"), (world,), world, 1, params, [], {})
+    (unit,) = layout.units
+    # What each rank would hold, laid end to end, is what an all-gather returns.
+    rows = []
+    for r in range(world):
+        shards = [local_shard(params[n], layout.leaves[n], r, torch.device("cpu")) for n in unit.leaves]
+        for n, s in zip(unit.leaves, shards):
+            leaf = layout.leaves[n]
+            assert s.shape == leaf.shard_shape
+            assert not s[leaf.local_rows(r):].any()  # padding rows are zero
+        rows.append(torch.cat([s.reshape(-1) for s in shards]) if shards else torch.zeros(0))
+    gathered = torch.stack(rows) if unit.numel else torch.zeros(world, 0)
+    for n in unit.leaves:
+        torch.testing.assert_close(unpack_leaf(gathered, layout.leaves[n], world), params[n], rtol=0, atol=0)
+    # Packing full tensors gives back exactly the stacked shards (padding zeroed).
+    buf = torch.full((world, unit.numel), float("nan"))
+    for n in unit.leaves:
+        pack_leaf(buf, params[n], layout.leaves[n], world)
+    torch.testing.assert_close(buf, gathered, rtol=0, atol=0)
+    # Shard bytes: ceil(rows / world) rows per rank, 0-d parameters count as one row.
+    expect = sum(math.ceil((s[0] if s else 1) / world) * math.prod(s[1:]) for s in shapes) * 4
+    assert layout.shard_bytes() == expect
+
+
+def test_default_units_are_the_longest_block_list():
+    params, _ = sf.functionalize(GPT(GPTConfig(n_layers=3)))
+    sharded_paths = sf.Plan().units.resolve(params.module, list(params))
+    assert sharded_paths == ["blocks.0", "blocks.1", "blocks.2"]
+    # A model without repeated blocks has only the root unit.
+    params, _ = sf.functionalize(torch.nn.Linear(3, 4))
+    assert sf.Plan().units.resolve(params.module, list(params)) == []
+
+
+def test_unit_policies_resolve():
+    model = GPT(GPTConfig(n_layers=2))
+    params, _ = sf.functionalize(model)
+    assert sf.by_module_type(Block).resolve(params.module, list(params)) == ["blocks.0", "blocks.1"]
+    # Outermost only: Linear layers inside blocks stay in their block's unit.
+    outer = sf.by_module_type(Block, torch.nn.Linear).resolve(params.module, list(params))
+    assert outer == ["blocks.0", "blocks.1", "head"]
+    assert sf.by_prefix("blocks.1").resolve(None, list(params)) == ["blocks.1"]
+    # by_param_count never picks a container (a ModuleList has no forward for hooks).
+    mlp, _ = sf.functionalize(MLP([1, 3, 9]))
+    assert sf.by_param_count(40).resolve(mlp.module, list(mlp)) == []
+    assert sf.by_param_count(30).resolve(mlp.module, list(mlp)) == ["layers.1.linear"]
+
+
+def test_layout_printout_and_costs():
+    params, _ = sf.functionalize(MLP([8, 8, 8]))
+    layout = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], {})
+    text = str(layout)
+    assert "FULL_SHARD" in text and "layers.0" in text and "all_gather" in text
+    # 8x8 weight + 8 bias per layer, padded to 9 rows: 9*8 + 9 = 81 elements over 3 ranks = 27 per rank.
+    assert [u.numel for u in layout.units] == [27, 27]
+    assert layout.collectives_per_step() == {"all_gather": (4, 4 * 81 * 4), "reduce_scatter": (2, 2 * 81 * 4)}
+    same = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], {})
+    assert same.fingerprint() == layout.fingerprint()
+    other = build_layout(Plan("SHARD_GRAD_OP", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], {})
+    assert other.fingerprint() != layout.fingerprint()
+
+
+def test_plan_parsing_and_repr():
+    assert sf.Plan("full_shard").strategy is sf.Strategy.FULL_SHARD
+    assert sf.FullShard(units=[Block]).units == sf.by_module_type(Block)
+    assert "by_module_type(Block)" in repr(sf.ShardGradOp(units=Block))
+    with pytest.raises(ValueError, match="Unknown strategy 'FULL'.*'FULL_SHARD'"):
+        sf.Plan("FULL")
+    with pytest.raises(ValueError, match="Hybrid strategies need a 2-D mesh"):
+        sf.Plan("HYBRID_SHARD")
+    with pytest.raises(TypeError, match="units="):
+        sf.Plan("NO_SHARD", units=42)

@@ -1,0 +1,64 @@
+"""The public testing kit: it passes correct training and catches broken training."""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardfn.optim import sgd
+from shardfn.testing import check_equivalence, split_batch
+from shardfn.testing.models import MLP
+
+
+def model_fn():
+    return MLP([6, 5, 3])
+
+
+def rank_dependent_model_fn():
+    """A classic user bug: ranks initialise differently (seeded by rank)."""
+    model = MLP([6, 5, 3])
+    if dist.is_initialized() and dist.get_rank() > 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+    return model
+
+
+def loss_fn(apply, params, batch):
+    return F.mse_loss(apply(params, batch["x"]), batch["y"])
+
+
+def batches():
+    g = torch.Generator().manual_seed(3)
+    return [{"x": torch.randn(6, 6, generator=g), "y": torch.randn(6, 3, generator=g)} for _ in range(2)]
+
+
+OPT = functools.partial(sgd, 0.1)
+
+
+def test_report_lists_every_leaf_of_every_configuration(clusters):
+    report = check_equivalence(model_fn, loss_fn, batches(), optimizer=OPT, world_sizes=[2], clusters=clusters)
+    assert set(report.leaves) == {("FULL_SHARD", 2), ("SHARD_GRAD_OP", 2), ("NO_SHARD", 2)}
+    for leaves in report.leaves.values():
+        assert set(leaves) == {"layers.0.linear.weight", "layers.0.linear.bias", "layers.1.linear.weight", "layers.1.linear.bias"}
+        assert all(ratio <= 1.0 for _, ratio in leaves.values())
+    assert "world=2" in str(report)
+
+
+def test_broken_training_is_reported_per_leaf(clusters):
+    with pytest.raises(AssertionError) as info:
+        check_equivalence(rank_dependent_model_fn, loss_fn, batches(), optimizer=OPT, strategies=["FULL_SHARD"], world_sizes=[2], clusters=clusters)
+    msg = str(info.value)
+    assert "FULL_SHARD world=2: layers.0.linear.weight: max |diff|" in msg
+    assert "loss at step 1" in msg
+
+
+def test_split_batch_partitions_and_refuses_uneven():
+    batch = {"x": torch.arange(12).view(6, 2), "meta": "kept"}
+    parts = [split_batch(batch, r, 3) for r in range(3)]
+    assert torch.equal(torch.cat([p["x"] for p in parts]), batch["x"])
+    assert all(p["meta"] == "kept" for p in parts)
+    with pytest.raises(ValueError, match="6 rows does not split evenly over 4 ranks"):
+        split_batch(batch, 0, 4)
