@@ -145,3 +145,40 @@ def test_gloo_average_really_averages(clusters, world):
     for out, t in clusters[world].run(reduce_scatter_average, [1.0, -2.0, 4.0]):
         torch.testing.assert_close(out, torch.tensor([1.0, -2.0, 4.0]) * mean_factor)
         torch.testing.assert_close(t, torch.full((3,), mean_factor))
+
+
+def freed_for_real():
+    """Weak references to every gathered tensor: FULL_SHARD's frees must release memory."""
+    import weakref
+
+    from shardfn import _call
+
+    refs = {}  # (event, unit) -> weakrefs of the full tensors it produced
+    original = _call._Unit.all_gather
+    dead_at = []
+
+    def spy(self, event):
+        full = original(self, event)
+        if not self.is_root:
+            # Every other unit's earlier gathers must be gone by now.
+            alive = [key for key, rs in refs.items() if key[1] != self.unit.name and any(r() is not None for r in rs)]
+            dead_at.append(((event, self.unit.name), alive))
+            refs[(event, self.unit.name)] = [weakref.ref(t) for t in full]
+        return full
+
+    _call._Unit.all_gather = spy
+    try:
+        mesh, sharded, state, step, batch, *_ = _setup("FULL_SHARD")
+        step(sharded, state, batch)
+    finally:
+        _call._Unit.all_gather = original
+    return dead_at
+
+
+def test_full_shard_frees_gathered_memory_not_just_the_count(clusters):
+    dead_at = clusters[2].run(freed_for_real)[0]
+    assert [k for k, _ in dead_at] == [
+        ("gather", "blocks.0"), ("gather", "blocks.1"), ("gather", "blocks.2"),
+        ("regather", "blocks.2"), ("regather", "blocks.1"), ("regather", "blocks.0"),
+    ]
+    assert all(alive == [] for _, alive in dead_at), dead_at

@@ -115,3 +115,30 @@ def test_drawn_shapes_units_and_world_sizes(clusters, sizes, world, strategy, po
         strategies=[strategy], world_sizes=[world], units=UNIT_POLICIES[policy], clusters=clusters,
     )
     assert report.failures() == []
+
+
+class _UserSGD:
+    """A user-written optimizer: any object with init and update, nothing from shardfn.optim."""
+
+    def init(self, params):
+        return {"steps": 0}
+
+    def update(self, grads, state, params):
+        return {k: -0.05 * g for k, g in grads.items()}, {"steps": state["steps"] + 1}
+
+
+USER_OPTIMIZERS = {
+    "user_written": _UserSGD,
+    "torch_adam": functools.partial(sf.optim.from_torch, torch.optim.Adam, lr=1e-3),
+    "torch_sgd_nesterov": functools.partial(sf.optim.from_torch, torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("opt_name", list(USER_OPTIMIZERS))
+def test_user_and_torch_optimizers_on_shards(clusters, opt_name, world):
+    report = check_equivalence(
+        gpt_model, gpt_loss, gpt_batches(), optimizer=USER_OPTIMIZERS[opt_name],
+        strategies=["FULL_SHARD", "NO_SHARD"], world_sizes=[world], clusters=clusters,
+    )
+    assert report.failures() == []
