@@ -19,7 +19,8 @@ configuration alike. Each run does 2 warm-up steps, then times ``--steps`` steps
 two barriers: wall time on rank 0 and ``time.process_time()`` on every rank. The table
 shows medians over repeats; at world sizes above the core count compare CPU time, not
 wall time. Communication is counted for shardfn only (``shardfn.record_collectives``,
-textbook bytes: all-gather output, reduce-scatter input, all-reduce tensor).
+textbook bytes: all-gather output, reduce-scatter input, all-reduce tensor; this includes the
+4-byte loss all-reduce that ``jit_step`` does for its metrics).
 
 Sanity checks: the loss after the timed steps must be finite, and the first-step losses
 (global means, before any update) of all configurations must agree within 1e-4.
@@ -43,6 +44,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import shardfn as sf
+from shardfn.testing import Cluster
+from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
 CONFIGS = ("single", "ddp", "fsdp2", "fsdp2_noreshard", "shardfn_full", "shardfn_grad_op", "shardfn_no_shard")
 FSDP2_PEER = {"fsdp2": "fsdp2", "fsdp2_noreshard": "fsdp2_noreshard",
@@ -60,14 +67,9 @@ def make_batches(n: int, global_batch: int, seq: int, vocab: int, seed: int) -> 
 
 def build_torch_step(config: str, model: torch.nn.Module, lr: float):
     """A ``step(x, y) -> local loss tensor`` for the plain-torch configurations."""
-    from shardfn.testing.models import lm_loss
-
     if config == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif config.startswith("fsdp2"):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         reshard = config == "fsdp2"
         for block in model.blocks:
@@ -87,9 +89,6 @@ def build_torch_step(config: str, model: torch.nn.Module, lr: float):
 
 def build_shardfn_step(config: str, model: torch.nn.Module, lr: float):
     """The same ``step(x, y)`` built from shardfn; returns the global mean loss (a float)."""
-    import shardfn as sf
-    from shardfn.testing.models import lm_loss
-
     mesh = sf.Mesh.from_group()
     params, apply = sf.functionalize(model)
     opt = sf.optim.adamw(lr)
@@ -115,11 +114,8 @@ def global_mean(loss) -> float:
 
 def run_config(config: str, opts: dict) -> dict:
     """Runs on every rank of a fresh world: build, warm up, time. Returns this rank's figures."""
-    import shardfn as sf
-    from shardfn.testing.models import GPT, GPTConfig
-
     torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     cfg = GPTConfig(vocab_size=opts["vocab"], seq_len=opts["seq"], d_model=opts["d_model"],
                     n_layers=opts["layers"], n_heads=opts["heads"])
     torch.manual_seed(opts["seed"])
@@ -145,32 +141,29 @@ def run_config(config: str, opts: dict) -> dict:
         dist.barrier()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     n = opts["steps"]
-    return {"rank": rank, "world": world, "n_params": n_params, "ms_per_step": 1e3 * wall / n,
+    return {"n_params": n_params, "ms_per_step": 1e3 * wall / n,
             "cpu_ms_per_step": 1e3 * cpu / n, "first_loss": first_loss, "final_loss": global_mean(loss),
             "comm_bytes_per_step": {k: v / n for k, v in log.bytes().items()}}
 
 
 def measure(config: str, opts: dict) -> dict:
     """One measurement in a fresh set of processes; rank 0's wall time, every rank's CPU time."""
-    from shardfn.testing import Cluster
-
     cluster = Cluster(1 if config == "single" else opts["world"], timeout=opts["timeout"])
     try:
         ranks = cluster.run(run_config, config, opts)
     finally:
         cluster.close()
-    r0 = ranks[0]
-    return {"ms_per_step": r0["ms_per_step"], "cpu_ms_per_step": [r["cpu_ms_per_step"] for r in ranks],
-            "first_loss": r0["first_loss"], "final_loss": r0["final_loss"], "n_params": r0["n_params"],
-            "comm_bytes_per_step": r0["comm_bytes_per_step"]}
+    return {**ranks[0], "cpu_ms_per_step": [r["cpu_ms_per_step"] for r in ranks]}
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Medians over repeats (CPU time: mean over ranks first) and ratios of the wall-time medians."""
     out = {}
     for config, rs in runs.items():
         comm = rs[0]["comm_bytes_per_step"]
         out[config] = {
             "ms_per_step": statistics.median(r["ms_per_step"] for r in rs),
+            "ms_per_step_min_max": [min(r["ms_per_step"] for r in rs), max(r["ms_per_step"] for r in rs)],
             "cpu_ms_per_step": statistics.median(statistics.mean(r["cpu_ms_per_step"]) for r in rs),
             "comm_mib_per_step": sum(comm.values()) / 2**20 if config.startswith("shardfn") else None,
             "first_loss": rs[0]["first_loss"],
@@ -194,13 +187,15 @@ def table(summary: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
-def check(summary: dict[str, dict]) -> list[str]:
+def check(summary: dict[str, dict]) -> tuple[list[str], str]:
+    """Warnings for non-finite final losses and disagreeing first-step losses, and a one-line summary."""
     warnings = [f"WARNING: {c}: loss after the timed steps is not finite" for c, s in summary.items()
                 if not s["final_loss_finite"]]
     firsts = {c: s["first_loss"] for c, s in summary.items()}
-    if max(firsts.values()) - min(firsts.values()) > LOSS_TOL:
+    spread = max(firsts.values()) - min(firsts.values())
+    if spread > LOSS_TOL:
         warnings.append(f"WARNING: first-step losses differ by more than {LOSS_TOL:g}: {firsts}")
-    return warnings
+    return warnings, f"first-step loss {statistics.median(firsts.values()):.6f}, spread over configurations {spread:.1e}"
 
 
 def parse_args() -> argparse.Namespace:
@@ -248,11 +243,11 @@ def main() -> None:
     load_after = os.getloadavg()
     print(f"load average after: {load_after[0]:.2f}\n")
     print(table(summary))
-    warnings = check(summary)
+    warnings, losses = check(summary)
     for w in warnings:
         print(w)
     n_params = next(iter(runs.values()))[0]["n_params"]
-    print(f"\n{n_params:,} parameters; medians over {args.repeats} fresh-process runs")
+    print(f"\n{n_params:,} parameters; medians over {args.repeats} fresh-process runs; {losses}")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import shardfn as sf
 from shardfn.testing import split_batch
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 VAL_BATCH = 64  # windows in the fixed validation batch
 VAL_SEED_OFFSET = 1_000_003  # the val batch's generator must not replay the training draws
 
@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--strategy", default="FULL_SHARD", choices=STRATEGIES)
+    p.add_argument(
+        "--replicate",
+        default=None,
+        help="2-D mesh for the hybrid strategies: 'nodes' (one replica per torchrun node) or a number of replicas",
+    )
+    p.add_argument("--report-all-ranks", action="store_true", help="every rank prints its final loss")
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)
@@ -89,6 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10, help="validation interval in steps")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     args = p.parse_args(argv)
+    if args.replicate not in (None, "nodes"):
+        args.replicate = int(args.replicate)
+    if args.strategy.startswith("HYBRID") and args.replicate is None:
+        p.error(f"--strategy {args.strategy} needs a 2-D mesh: pass --replicate nodes (or a number)")
     for name in ("steps", "global_batch", "seq_len", "log_every", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -98,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    mesh = sf.Mesh.from_env()
+    mesh = sf.Mesh.from_env(replicate=args.replicate)
     try:
         train(args, mesh)
     finally:
@@ -163,6 +173,8 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
             v = val_loss()
             log(f"val loss {v:.4f} at step {n}")
     log(f"final loss {loss:.4f} (first {first:.4f})")
+    if args.report_all_ranks:
+        print(f"rank {dist.get_rank()} final loss {loss!r}", flush=True)
 
 
 if __name__ == "__main__":

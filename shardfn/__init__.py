@@ -13,6 +13,8 @@ from ._layout import LeafLayout as LeafLayout
 from ._layout import UnitLayout as UnitLayout
 from ._mesh import Mesh as Mesh
 from ._plan import FullShard as FullShard
+from ._plan import HybridShard as HybridShard
+from ._plan import HybridShardZero2 as HybridShardZero2
 from ._plan import NoShard as NoShard
 from ._plan import Plan as Plan
 from ._plan import ShardGradOp as ShardGradOp
@@ -33,6 +35,8 @@ __all__ = [
     "Apply",
     "CollectiveLog",
     "FullShard",
+    "HybridShard",
+    "HybridShardZero2",
     "Layout",
     "LeafLayout",
     "Mesh",

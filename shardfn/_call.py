@@ -89,13 +89,19 @@ def track_residency() -> Iterator[Residency]:
 class _Unit:
     """A unit's runtime state during one sharded call (and its backward)."""
 
-    __slots__ = ("layout", "unit", "shards", "group", "slots", "full", "storages", "outputs", "originals", "hooks")
+    __slots__ = (
+        "layout", "unit", "shards", "group", "replicate_group", "slots", "full", "storages", "outputs", "originals",
+        "hooks",
+    )
 
-    def __init__(self, layout: Layout, unit: UnitLayout, shards: list[torch.Tensor], group: Any, slots: list):
+    def __init__(self, layout: Layout, unit: UnitLayout, shards: list[torch.Tensor], mesh: Any, slots: list):
         self.layout = layout
         self.unit = unit
         self.shards = shards
-        self.group = group
+        self.group = mesh.group("shard")  # all-gathers and reduce-scatters
+        # Gradients are averaged over the other ranks holding the same shard: the
+        # "replicate" axis of a 2-D mesh, or the whole 1-D mesh under NO_SHARD.
+        self.replicate_group = mesh.group("replicate") if mesh.ndim == 2 else self.group
         self.slots: list[tuple[nn.Module, str, int]] = slots  # where each full tensor goes
         self.full: list[torch.Tensor] | None = None  # gathered parameters, while live
         self.storages: dict[int, int] = {}  # their storage data_ptr -> leaf index
@@ -167,18 +173,17 @@ class _Unit:
         lay = self.layout
         leaves = [lay.leaves[n] for n in self.unit.leaves]
         grads = tuple(g if g is not None else torch.zeros(leaf.shape, dtype=self.unit.dtype, device=self.shards[0].device) for g, leaf in zip(grads, leaves))
-        world, replicas = lay.world, lay.replicas
+        world, tag = lay.world, f"reduce:{self.unit.name}"
         if world == 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if replicas > 1:
-                C.all_reduce(flat, self.group, tag=f"reduce:{self.unit.name}")
-            out = flat
+            out = torch.cat([g.reshape(-1) for g in grads])
         else:
             buf = torch.empty(world, self.unit.numel, dtype=self.unit.dtype, device=grads[0].device)
             for g, leaf in zip(grads, leaves):
                 pack_leaf(buf, g, leaf, world)
             out = torch.empty(self.unit.numel, dtype=self.unit.dtype, device=buf.device)
-            C.reduce_scatter(out, buf.view(-1), self.group, tag=f"reduce:{self.unit.name}")
+            C.reduce_scatter(out, buf.view(-1), self.group, tag=tag)
+        if lay.replicas > 1:  # NO_SHARD, and the hybrid strategies' replicate axis
+            C.all_reduce(out, self.replicate_group, tag=tag)
         result: list[torch.Tensor | None] = []
         for leaf, s in zip(leaves, self.shards):
             result.append(out[leaf.offset : leaf.offset + leaf.shard_numel].view(leaf.shard_shape) if s.requires_grad else None)
@@ -266,8 +271,7 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
     """``apply(sharded, *args, **kwargs)``: see [Note: how a sharded call works]."""
     layout: Layout = sharded.layout
     slots = _prepare(apply, layout)
-    group = sharded.mesh.group("shard")
-    units = {u.path: _Unit(layout, u, [sharded[n] for n in u.leaves], group, slots[u.path]) for u in layout.units}
+    units = {u.path: _Unit(layout, u, [sharded[n] for n in u.leaves], sharded.mesh, slots[u.path]) for u in layout.units}
     params: dict[str, torch.Tensor] = {}
     root = units.pop("", None)
     if root is not None:

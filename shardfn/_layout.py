@@ -109,8 +109,10 @@ class Layout:
         FULL_SHARD gathers every unit twice (forward, backward) except the root unit,
         which stays gathered from its forward into its backward (as FSDP2's root does);
         SHARD_GRAD_OP gathers once; all reduce-scatter once. NO_SHARD all-reduces once
-        per unit. A world of one issues none. The step adds one scalar all-reduce for
-        the loss metric, which is not counted here.
+        per unit. The hybrid strategies do what FULL_SHARD / SHARD_GRAD_OP do over the
+        ``shard`` axis, then all-reduce each unit's shard-sized gradient over
+        ``replicate``. An axis of size one issues nothing. The step adds a scalar
+        all-reduce per mesh axis for the loss metric, which is not counted here.
         """
         if self.world * self.replicas == 1:
             return {}
@@ -125,9 +127,12 @@ class Layout:
             if self.strategy is Strategy.NO_SHARD:
                 add("all_reduce", 1, full)
                 continue
-            twice = self.strategy.reshard_after_forward and u.path != ""
-            add("all_gather", 2 if twice else 1, full)
-            add("reduce_scatter", 1, full)
+            if self.world > 1:
+                twice = self.strategy.reshard_after_forward and u.path != ""
+                add("all_gather", 2 if twice else 1, full)
+                add("reduce_scatter", 1, full)
+            if self.replicas > 1:  # hybrid: the shard-sized gradient, over "replicate"
+                add("all_reduce", 1, u.numel * u.dtype.itemsize)
         return out
 
     def fingerprint(self) -> int:

@@ -21,24 +21,30 @@ _NO_ENV = (
 
 
 class Mesh:
-    """The devices a sharded tree lives on: 1-D, with the single axis ``"shard"``.
+    """The devices a sharded tree lives on.
 
-    Build it with :meth:`Mesh.from_env` (under ``torchrun``) or :meth:`Mesh.from_group`.
-    Collectives for an axis run on ``mesh.group(axis)``.
+    1-D, with the single axis ``"shard"``, for FULL_SHARD, SHARD_GRAD_OP and NO_SHARD;
+    2-D, with axes ``("replicate", "shard")``, for the hybrid strategies: parameters are
+    sharded over ``shard`` (inside a node) and replicated over ``replicate`` (across
+    nodes). Build it with :meth:`Mesh.from_env` (under ``torchrun``) or
+    :meth:`Mesh.from_group`. Collectives for an axis run on ``mesh.group(axis)``.
 
     Example:
-        >>> mesh = Mesh.from_env()          # under torchrun --nproc-per-node 2
-        >>> mesh
+        >>> mesh = Mesh.from_env()                       # torchrun --nproc-per-node 2
         Mesh(shard=2, device=cpu, backend=gloo, rank=0)
+        >>> mesh = Mesh.from_env(replicate="nodes")      # torchrun --nnodes 2 --nproc-per-node 4
+        Mesh(replicate=2, shard=4, device=cpu, backend=gloo, rank=0)
     """
 
     __slots__ = ("_dm", "_device")
 
     def __init__(self, device_mesh: DeviceMesh):
-        if device_mesh.ndim != 1:
+        names = tuple(device_mesh.mesh_dim_names or ())
+        if (device_mesh.ndim, names) not in ((1, ("shard",)), (1, ()), (2, ("replicate", "shard"))):
             raise ValueError(
-                f"Mesh: got a {device_mesh.ndim}-D DeviceMesh {tuple(device_mesh.shape)}; this version "
-                "supports 1-D meshes (axis 'shard'). Pass a 1-D mesh."
+                f"Mesh: got a {device_mesh.ndim}-D DeviceMesh {tuple(device_mesh.shape)} with axes {names}; "
+                "shardfn uses a 1-D mesh with axis ('shard',) or a 2-D mesh with axes ('replicate', 'shard'). "
+                "Build one with Mesh.from_env() or Mesh.from_env(replicate=R)."
             )
         self._dm = device_mesh
         if device_mesh.device_type == "cuda":
@@ -49,21 +55,39 @@ class Mesh:
     # -- construction ------------------------------------------------------------------
 
     @classmethod
-    def from_env(cls, *, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> "Mesh":
-        """A 1-D mesh over the whole world.
+    def from_env(cls, *, replicate: int | str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> "Mesh":
+        """A mesh over the whole world.
 
         Initialises the default process group from torchrun's variables (``RANK``,
         ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when it is not initialised yet:
         NCCL when CUDA is available, gloo otherwise; a process started without torchrun
         becomes a world of one. An existing default group is used as it is.
+
+        Args:
+            replicate: ``None`` for a 1-D mesh; an int ``R`` for a 2-D mesh of ``R``
+                replicas of ``world / R`` shards (consecutive ranks share a replica);
+                ``"nodes"`` for one replica per node (``R`` = torchrun's ``--nnodes``,
+                read as ``WORLD_SIZE / LOCAL_WORLD_SIZE``), so ``shard`` runs within a node.
+            timeout: the process group's timeout, so a dead peer fails instead of hanging.
         """
         if not dist.is_initialized():
             _init_from_env(timeout)
-        return cls.from_group(None)
+        if replicate == "nodes":
+            if "LOCAL_WORLD_SIZE" not in os.environ:
+                raise ValueError(
+                    "Mesh.from_env(replicate='nodes'): LOCAL_WORLD_SIZE is not set; launch with torchrun "
+                    "(--nnodes N --nproc-per-node P) or pass replicate=N."
+                )
+            replicate = dist.get_world_size() // int(os.environ["LOCAL_WORLD_SIZE"])
+        return cls.from_group(None, replicate=replicate)
 
     @classmethod
-    def from_group(cls, group: dist.ProcessGroup | None = None) -> "Mesh":
-        """A 1-D mesh over an existing process group (the default group when ``None``)."""
+    def from_group(cls, group: dist.ProcessGroup | None = None, *, replicate: int | None = None) -> "Mesh":
+        """A mesh over an existing process group (the default group when ``None``).
+
+        With ``replicate=R`` (default group only) the mesh is 2-D: ``R`` replicas of
+        ``world / R`` shards.
+        """
         if not dist.is_initialized():
             raise ValueError(_NO_ENV.format(missing="(any)"))
         group = group or dist.group.WORLD
@@ -71,6 +95,16 @@ class Mesh:
         device_type = "cuda" if backend == "nccl" else "cpu"
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        if replicate is not None:
+            world = dist.get_world_size()
+            if group is not dist.group.WORLD:
+                raise ValueError("Mesh.from_group(group, replicate=R): a 2-D mesh is built over the default group only.")
+            if not isinstance(replicate, int) or replicate < 1 or world % replicate:
+                raise ValueError(
+                    f"Mesh: replicate={replicate!r} must be a positive divisor of the world size {world} "
+                    f"(R replicas of world/R shards); for example replicate={_divisors(world)}."
+                )
+            return cls(init_device_mesh(device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")))
         if group is dist.group.WORLD:
             dm = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard",))
         else:
@@ -97,6 +131,10 @@ class Mesh:
         return tuple(self._dm.shape)
 
     @property
+    def ndim(self) -> int:
+        return self._dm.ndim
+
+    @property
     def size(self) -> int:
         """Number of ranks in the mesh."""
         return self._dm.size()
@@ -104,7 +142,10 @@ class Mesh:
     @property
     def rank(self) -> int:
         """This process's rank within the mesh (row-major over the axes)."""
-        return int(self._dm.get_local_rank(0)) if self._dm.ndim == 1 else dist.get_rank()
+        r = 0
+        for axis in self.axis_names:
+            r = r * self.axis_size(axis) + self.axis_rank(axis)
+        return r
 
     @property
     def backend(self) -> str:
@@ -113,13 +154,17 @@ class Mesh:
     def group(self, axis: str) -> dist.ProcessGroup:
         if axis not in self.axis_names:
             raise ValueError(f"{self!r} has no axis {axis!r}; its axes are {self.axis_names}.")
-        return self._dm.get_group(axis)
+        return self._dm.get_group(axis if self._dm.mesh_dim_names else 0)
 
     def axis_size(self, axis: str) -> int:
+        if axis not in self.axis_names:
+            return 1
         return self._dm.size(self.axis_names.index(axis))
 
     def axis_rank(self, axis: str) -> int:
-        return int(self._dm.get_local_rank(axis))
+        if axis not in self.axis_names:
+            return 0
+        return int(self._dm.get_local_rank(axis if self._dm.mesh_dim_names else 0))
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
@@ -145,6 +190,10 @@ def _init_from_env(timeout: datetime.timedelta) -> None:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _free_port() -> int:

@@ -26,6 +26,8 @@ __all__ = [
     "FullShard",
     "ShardGradOp",
     "NoShard",
+    "HybridShard",
+    "HybridShardZero2",
 ]
 
 
@@ -37,19 +39,29 @@ class Strategy(enum.Enum):
     * ``SHARD_GRAD_OP``: sharded; gathered once in forward, kept until the unit's
       backward (ZeRO-2).
     * ``NO_SHARD``: replicated; gradients all-reduced (DDP).
+    * ``HYBRID_SHARD``: on a 2-D mesh, FULL_SHARD over the ``shard`` axis and replicated
+      over ``replicate``; each unit's shard-sized gradient is all-reduced over
+      ``replicate`` after its reduce-scatter.
+    * ``HYBRID_SHARD_ZERO2``: the same with SHARD_GRAD_OP's residency.
     """
 
     FULL_SHARD = "FULL_SHARD"
     SHARD_GRAD_OP = "SHARD_GRAD_OP"
     NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
 
     @property
     def sharded(self) -> bool:
         return self is not Strategy.NO_SHARD
 
     @property
+    def hybrid(self) -> bool:
+        return self in (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2)
+
+    @property
     def reshard_after_forward(self) -> bool:
-        return self is Strategy.FULL_SHARD
+        return self in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD)
 
     @classmethod
     def parse(cls, value: "Strategy | str") -> "Strategy":
@@ -61,10 +73,7 @@ class Strategy(enum.Enum):
             except KeyError:
                 pass
         names = ", ".join(repr(s.value) for s in cls)
-        hint = ""
-        if isinstance(value, str) and value.upper().startswith("HYBRID"):
-            hint = " Hybrid strategies need a 2-D mesh and are not available in this version."
-        raise ValueError(f"Unknown strategy {value!r}. Use one of {names}, or a Plan.{hint}")
+        raise ValueError(f"Unknown strategy {value!r}. Use one of {names}, or a Plan.")
 
 
 # -- unit policies ---------------------------------------------------------------------
@@ -274,6 +283,16 @@ def ShardGradOp(*, units: UnitsArg = None) -> Plan:
 def NoShard(*, units: UnitsArg = None) -> Plan:
     """``Plan("NO_SHARD", ...)``."""
     return Plan(Strategy.NO_SHARD, units=units)
+
+
+def HybridShard(*, units: UnitsArg = None) -> Plan:
+    """``Plan("HYBRID_SHARD", ...)``: needs a 2-D mesh (``Mesh.from_env(replicate=...)``)."""
+    return Plan(Strategy.HYBRID_SHARD, units=units)
+
+
+def HybridShardZero2(*, units: UnitsArg = None) -> Plan:
+    """``Plan("HYBRID_SHARD_ZERO2", ...)``: needs a 2-D mesh."""
+    return Plan(Strategy.HYBRID_SHARD_ZERO2, units=units)
 
 
 def make_plan(strategy: Plan | Strategy | str, **fields) -> Plan:

@@ -113,11 +113,12 @@ def shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Strat
     module: nn.Module | None = getattr(params, "module", None)
     unit_paths = plan.units.resolve(module, list(params))
     check_unit_modules(module, unit_paths)
-    world = mesh.size if plan.strategy.sharded else 1
-    replicas = 1 if plan.strategy.sharded else mesh.size
+    _check_mesh(plan.strategy, mesh)
+    world = mesh.axis_size("shard") if plan.strategy.sharded else 1
+    replicas = mesh.size // world
     layout = build_layout(plan, mesh.shape, world, replicas, params, unit_paths, _aliases(module, params))
     verify_agreement(layout, mesh)
-    rank = mesh.rank if plan.strategy.sharded else 0
+    rank = mesh.axis_rank("shard") if plan.strategy.sharded else 0
     data = {}
     for name, leaf in layout.leaves.items():
         with torch.no_grad():
@@ -140,18 +141,41 @@ def _aliases(module: nn.Module | None, params: Mapping[str, torch.Tensor]) -> di
     return out
 
 
+def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
+    if strategy.hybrid and mesh.ndim != 2:
+        raise ValueError(
+            f"shard(): {strategy.value} shards over the 'shard' axis and replicates over 'replicate' of a 2-D mesh, "
+            f"but {mesh!r} is 1-D. Build the mesh with Mesh.from_env(replicate=R) (or replicate='nodes'), "
+            "or use FULL_SHARD / SHARD_GRAD_OP on this mesh."
+        )
+    if not strategy.hybrid and mesh.ndim != 1:
+        raise ValueError(
+            f"shard(): {strategy.value} runs on a 1-D mesh, but {mesh!r} is 2-D. Use HYBRID_SHARD (or "
+            "HYBRID_SHARD_ZERO2) on a 2-D mesh, or build a 1-D mesh with Mesh.from_env()."
+        )
+
+
 def verify_agreement(layout: Layout, mesh: Mesh) -> None:
-    """Raises on every rank if the ranks' layouts differ (one all-gather of an int64)."""
+    """Raises on every rank if any two ranks' layouts differ.
+
+    One all-gather of an int64 per mesh axis: the first over ``shard``, the next over
+    ``replicate`` of the whole ``shard`` row, so every rank sees every fingerprint.
+    """
     if mesh.size == 1:
         return
-    group = mesh.group("shard")
-    mine = torch.tensor([layout.fingerprint()], dtype=torch.int64, device=mesh.device)
-    allfp = torch.empty(mesh.size, dtype=torch.int64, device=mesh.device)
-    C.all_gather(allfp, mine, group, tag="layout")
-    fps = allfp.tolist()
-    if len(set(fps)) > 1:
-        bad = [r for r, f in enumerate(fps) if f != fps[0]]
-        raise ValueError(_DISAGREE.format(rank=mesh.rank, fps=fps, bad=bad))
+    fps = torch.tensor([layout.fingerprint()], dtype=torch.int64, device=mesh.device)
+    for axis in reversed(mesh.axis_names):
+        n = mesh.axis_size(axis)
+        if n == 1:
+            continue
+        out = torch.empty(n * fps.numel(), dtype=torch.int64, device=mesh.device)
+        C.all_gather(out, fps, mesh.group(axis), tag="layout")
+        fps = out
+    # Row-major over (replicate, shard): index i is mesh rank i.
+    allfp = fps.tolist()
+    if len(set(allfp)) > 1:
+        bad = [r for r, f in enumerate(allfp) if f != allfp[0]]
+        raise ValueError(_DISAGREE.format(rank=mesh.rank, fps=allfp, bad=bad))
 
 
 def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:

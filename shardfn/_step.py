@@ -57,9 +57,10 @@ class Step:
         return new, opt_state, metrics
 
     def _global_mean(self, loss: torch.Tensor) -> float:
-        if self.mesh.size > 1:
-            loss = loss.reshape(1).float().clone()
-            C.all_reduce(loss, self.mesh.group("shard"), tag="metrics:loss")
+        loss = loss.reshape(1).float().clone()
+        for axis in self.mesh.axis_names:  # the mean of equal-sized means, axis by axis
+            if self.mesh.axis_size(axis) > 1:
+                C.all_reduce(loss, self.mesh.group(axis), tag="metrics:loss")
         return float(loss.item())
 
     def _check(self, sharded: Any, opt_state: Any) -> None:

@@ -111,13 +111,32 @@ def test_two_rank_errors(clusters):
         assert out["after"] == 2.0
 
 
-def test_mesh_must_be_one_dimensional():
-    from torch.distributed.device_mesh import DeviceMesh
-
+def test_mesh_must_be_one_or_two_dimensional():
     class FakeDM:
-        ndim = 2
-        shape = (2, 2)
+        ndim = 3
+        shape = (2, 2, 2)
+        mesh_dim_names = ("a", "b", "c")
 
-    with pytest.raises(ValueError, match="2-D DeviceMesh"):
+    with pytest.raises(ValueError, match=r"3-D DeviceMesh \(2, 2, 2\).*Mesh.from_env\(replicate=R\)"):
         sf.Mesh(FakeDM())  # type: ignore[arg-type]
-    assert DeviceMesh  # the real class is what Mesh wraps
+
+
+def hybrid_errors():
+    params, _ = _gpt()
+    flat = sf.Mesh.from_group()
+    grid = sf.Mesh.from_group(replicate=2)
+    return {
+        "hybrid_on_1d": _catch(sf.shard, params, flat, "HYBRID_SHARD"),
+        "full_on_2d": _catch(sf.shard, params, grid, "FULL_SHARD"),
+        "bad_replicate": _catch(sf.Mesh.from_group, replicate=3),
+        "grid": repr(grid),
+    }
+
+
+def test_hybrid_needs_a_two_dimensional_mesh(clusters):
+    out = clusters[4].run(hybrid_errors)[0]
+    assert "HYBRID_SHARD shards over the 'shard' axis" in out["hybrid_on_1d"] and "Mesh(shard=4" in out["hybrid_on_1d"]
+    assert "replicate=R" in out["hybrid_on_1d"]
+    assert "FULL_SHARD runs on a 1-D mesh" in out["full_on_2d"] and "Mesh(replicate=2, shard=2" in out["full_on_2d"]
+    assert "replicate=3 must be a positive divisor of the world size 4" in out["bad_replicate"]
+    assert out["grid"].startswith("Mesh(replicate=2, shard=2, device=cpu, backend=gloo, rank=")

@@ -86,7 +86,7 @@ def test_plan_parsing_and_repr():
     assert "by_module_type(Block)" in repr(sf.ShardGradOp(units=Block))
     with pytest.raises(ValueError, match="Unknown strategy 'FULL'.*'FULL_SHARD'"):
         sf.Plan("FULL")
-    with pytest.raises(ValueError, match="Hybrid strategies need a 2-D mesh"):
-        sf.Plan("HYBRID_SHARD")
+    assert sf.Plan("hybrid_shard_zero2").strategy is sf.Strategy.HYBRID_SHARD_ZERO2
+    assert not sf.Strategy.HYBRID_SHARD_ZERO2.reshard_after_forward and sf.Strategy.HYBRID_SHARD.reshard_after_forward
     with pytest.raises(TypeError, match="units="):
         sf.Plan("NO_SHARD", units=42)

@@ -63,9 +63,14 @@ def reference_training(model_fn, loss_fn: LossFn, batches: Sequence[Any], optimi
     return losses, {n: t.detach() for n, t in params.items()}
 
 
-def sharded_training(model_fn, loss_fn: LossFn, batches, optimizer, strategy, units=None, *, seed: int = 0):
-    """Runs on every rank of a cluster: the same training, sharded. Returns (losses, full params)."""
-    mesh = Mesh.from_group()
+def sharded_training(
+    model_fn, loss_fn: LossFn, batches, optimizer, strategy, units=None, *, seed: int = 0, replicate: int | None = None
+):
+    """Runs on every rank of a cluster: the same training, sharded. Returns (losses, full params).
+
+    ``replicate=R`` trains on a 2-D mesh of R replicas (the hybrid strategies).
+    """
+    mesh = Mesh.from_group(replicate=replicate)
     torch.manual_seed(seed)
     params, apply = functionalize(model_fn())
     sharded = shard(params, mesh, strategy, units=units)
@@ -86,9 +91,9 @@ class EquivalenceReport:
 
     rtol: float
     atol: float
-    # (strategy, world size) -> leaf -> (max abs diff, max of |diff| / (atol + rtol*|ref|))
-    leaves: dict[tuple[str, int], dict[str, tuple[float, float]]] = dataclasses.field(default_factory=dict)
-    losses: dict[tuple[str, int], list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
+    # (strategy, world size or (R, S)) -> leaf -> (max abs diff, max of |diff| / (atol + rtol*|ref|))
+    leaves: dict[tuple[str, Any], dict[str, tuple[float, float]]] = dataclasses.field(default_factory=dict)
+    losses: dict[tuple[str, Any], list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
 
     def failures(self) -> list[str]:
         out = []
@@ -114,7 +119,7 @@ class EquivalenceReport:
         return "\n".join(lines)
 
 
-def compare(report: EquivalenceReport, cfg: tuple[str, int], losses, ref_losses, params, ref_params) -> None:
+def compare(report: EquivalenceReport, cfg: tuple[str, Any], losses, ref_losses, params, ref_params) -> None:
     report.losses[cfg] = list(zip(losses, ref_losses))
     per_leaf = {}
     for name, ref in ref_params.items():
@@ -132,7 +137,7 @@ def check_equivalence(
     *,
     optimizer: Callable[[], GradientTransformation],
     strategies: Sequence[str] = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
-    world_sizes: Sequence[int] = (1, 2, 3, 4),
+    world_sizes: Sequence[int | tuple[int, int]] = (1, 2, 3, 4),
     units: Any = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
@@ -152,7 +157,8 @@ def check_equivalence(
         loss_fn: ``loss_fn(apply, params, batch) -> mean loss`` of the batch.
         batches: global batches (pytrees of tensors, dim 0 divisible by every world size).
         optimizer: builds the optimizer, e.g. ``functools.partial(shardfn.optim.adamw, 1e-3)``.
-        strategies, world_sizes, units: the grid to check.
+        strategies, world_sizes, units: the grid to check. A world size may be a pair
+            ``(R, S)``: a 2-D mesh of R replicas of S shards, for the hybrid strategies.
         rtol, atol: the tolerance per element (``|diff| <= atol + rtol * |ref|``).
         clusters: reuse running clusters, by world size (the test suite does).
         raise_on_failure: raise ``AssertionError`` listing every failure (default).
@@ -171,11 +177,15 @@ def check_equivalence(
     ref_losses, ref_params = reference_training(model_fn, loss_fn, batches, optimizer, seed=seed)
     report = EquivalenceReport(rtol, atol)
     for world in world_sizes:
-        own = clusters is None or world not in clusters
-        cluster = Cluster(world) if own else clusters[world]
+        # An int is a 1-D mesh; a pair (R, S) a 2-D mesh of R replicas of S shards.
+        replicate, size = (world[0], world[0] * world[1]) if isinstance(world, tuple) else (None, world)
+        own = clusters is None or size not in clusters
+        cluster = Cluster(size) if own else clusters[size]
         try:
             for strategy in strategies:
-                results = cluster.run(sharded_training, model_fn, loss_fn, batches, optimizer, strategy, units, seed=seed)
+                results = cluster.run(
+                    sharded_training, model_fn, loss_fn, batches, optimizer, strategy, units, seed=seed, replicate=replicate
+                )
                 losses, params = results[0]
                 for r, (other_losses, _) in enumerate(results[1:], 1):
                     if list(other_losses) != list(losses):
