@@ -39,6 +39,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -198,6 +199,15 @@ def check(summary: dict[str, dict]) -> tuple[list[str], str]:
     return warnings, f"first-step loss {statistics.median(firsts.values()):.6f}, spread over configurations {spread:.1e}"
 
 
+def provenance() -> dict:
+    """Which shardfn was measured: its path, and its git commit and whether its tree was dirty."""
+    root = Path(sf.__file__).resolve().parent
+    git = ["git", "-C", str(root)]
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "."], capture_output=True, text=True).stdout.strip()
+    return {"path": str(root), "commit": commit or None, "dirty": bool(dirty) if commit else None}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2, help="ranks (the single run uses 1)")
@@ -233,6 +243,8 @@ def main() -> None:
     print(f"world {args.world}, batch {args.batch}/rank, seq {args.seq}, d_model {args.d_model}, "
           f"{args.layers} layers, {args.steps} timed steps x {args.repeats} repeats; "
           f"load average {load_before[0]:.2f} on {os.cpu_count()} cores", flush=True)
+    prov = provenance()
+    print(f"shardfn {prov['path']} at {prov['commit'] or '?'}{' (dirty)' if prov['dirty'] else ''}", flush=True)
     runs: dict[str, list[dict]] = {c: [] for c in args.configs}
     for rep in range(args.repeats):  # repeats outermost: interleaved configurations
         for config in args.configs:
@@ -252,7 +264,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "args": vars(args), "torch": torch.__version__, "n_params": n_params, "cpu_count": os.cpu_count(),
+        "args": vars(args), "torch": torch.__version__, "shardfn": prov, "n_params": n_params, "cpu_count": os.cpu_count(),
         "loadavg_before": load_before, "loadavg_after": load_after, "summary": summary, "runs": runs,
         "warnings": warnings}, indent=2) + "\n")
     print(f"wrote {out}")

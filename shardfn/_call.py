@@ -40,7 +40,7 @@ from torch.func import functional_call
 from . import _collectives as C
 from ._layout import Layout, UnitLayout, pack_leaf, unpack_leaf
 
-__all__ = ["Residency", "sharded_call", "track_residency"]
+__all__ = ["Residency", "accumulate_locally", "sharded_call", "track_residency"]
 
 
 # -- residency accounting ----------------------------------------------------------------
@@ -91,7 +91,7 @@ class _Unit:
 
     __slots__ = (
         "layout", "unit", "shards", "group", "replicate_group", "slots", "full", "storages", "outputs", "originals",
-        "hooks",
+        "hooks", "pending",
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, shards: list[torch.Tensor], mesh: Any, slots: list):
@@ -108,6 +108,7 @@ class _Unit:
         self.outputs: tuple[torch.Tensor, ...] | None = None  # _GatherUnit's outputs, during forward
         self.originals: list[torch.Tensor] | None = None  # the module's own tensors, while entered
         self.hooks: Any = None
+        self.pending = 0  # handles packed and not yet unpacked
 
     @property
     def entered(self) -> bool:
@@ -169,25 +170,70 @@ class _Unit:
             self._note(event)
 
     def reduce(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
-        """Gradients of the full parameters -> averaged gradients of this rank's shards."""
-        lay = self.layout
-        leaves = [lay.leaves[n] for n in self.unit.leaves]
-        grads = tuple(g if g is not None else torch.zeros(leaf.shape, dtype=self.unit.dtype, device=self.shards[0].device) for g, leaf in zip(grads, leaves))
-        world, tag = lay.world, f"reduce:{self.unit.name}"
+        """Gradients of the full parameters -> averaged gradients of this rank's shards.
+
+        Only trainable leaves enter the buffer. Inside :func:`accumulate_locally` the
+        packed buffer is added to a local accumulator instead, and reduced only on the
+        last micro-batch (one reduce-scatter per unit per step).
+        """
+        lay, unit = self.layout, self.unit
+        leaves = [lay.leaves[n] for n in unit.leaves]
+        world, tag = lay.world, f"reduce:{unit.name}"
+        device = self.shards[0].device
+        buf = torch.empty(world, unit.grad_numel, dtype=unit.dtype, device=device)
+        for g, leaf in zip(grads, leaves):
+            if leaf.grad_offset < 0:
+                continue
+            if g is None:
+                g = torch.zeros(leaf.shape, dtype=unit.dtype, device=device)
+            pack_leaf(buf, g, leaf, world, leaf.grad_offset)
+        acc = _ACCUMULATORS[-1] if _ACCUMULATORS else None
+        if acc is not None:
+            previous = acc.buffers.pop(unit.path, None)
+            if previous is not None:
+                buf = previous.add_(buf)
+            if not acc.last:
+                acc.buffers[unit.path] = buf
+                return [None] * len(leaves)
         if world == 1:
-            out = torch.cat([g.reshape(-1) for g in grads])
+            out = buf.view(-1)
         else:
-            buf = torch.empty(world, self.unit.numel, dtype=self.unit.dtype, device=grads[0].device)
-            for g, leaf in zip(grads, leaves):
-                pack_leaf(buf, g, leaf, world)
-            out = torch.empty(self.unit.numel, dtype=self.unit.dtype, device=buf.device)
+            out = torch.empty(unit.grad_numel, dtype=unit.dtype, device=device)
             C.reduce_scatter(out, buf.view(-1), self.group, tag=tag)
         if lay.replicas > 1:  # NO_SHARD, and the hybrid strategies' replicate axis
             C.all_reduce(out, self.replicate_group, tag=tag)
-        result: list[torch.Tensor | None] = []
-        for leaf, s in zip(leaves, self.shards):
-            result.append(out[leaf.offset : leaf.offset + leaf.shard_numel].view(leaf.shard_shape) if s.requires_grad else None)
-        return result
+        return [
+            out[leaf.grad_offset : leaf.grad_offset + leaf.shard_numel].view(leaf.shard_shape)
+            if leaf.grad_offset >= 0
+            else None
+            for leaf in leaves
+        ]
+
+
+class _Accumulator:
+    """Unit gradient buffers kept across micro-batches (see :func:`accumulate_locally`)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.last = False
+
+
+_ACCUMULATORS: list[_Accumulator] = []
+
+
+@contextlib.contextmanager
+def accumulate_locally() -> Iterator[_Accumulator]:
+    """Backward passes inside the block add unit gradients to local buffers, unreduced.
+
+    Set ``acc.last = True`` before the last backward: that one reduces the sums (one
+    reduce-scatter per unit). Costs a full unsharded gradient buffer per unit meanwhile.
+    """
+    acc = _Accumulator()
+    _ACCUMULATORS.append(acc)
+    try:
+        yield acc
+    finally:
+        _ACCUMULATORS.remove(acc)
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -224,6 +270,7 @@ def _saved_tensor_hooks(unit: _Unit):
         if unit.storages and not t.is_sparse:
             index = unit.storages.get(t.untyped_storage().data_ptr())
             if index is not None and unit.full is not None and t.dtype == unit.full[index].dtype:
+                unit.pending += 1
                 return _Handle(unit, index, t)
         return t
 
@@ -232,7 +279,14 @@ def _saved_tensor_hooks(unit: _Unit):
             return packed
         u = packed.unit
         full = u.full if u.full is not None else u.all_gather("regather")
-        return full[packed.index].detach().as_strided(packed.size, packed.stride, packed.offset)
+        view = full[packed.index].detach().as_strided(packed.size, packed.stride, packed.offset)
+        u.pending -= 1
+        if u.pending == 0 and not u.entered:
+            # The last saved use of the unit's parameters is being handed out: drop our
+            # reference now (the node holds the view until it is done). This also frees
+            # units whose parameters are all frozen, whose _GatherUnit has no backward.
+            u.release("free")
+        return view
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -284,6 +338,7 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
         for u in units.values():
             if u.entered:  # the unit's forward raised: undo its hooks and parameters
                 u.exit()
+            u.outputs = None  # forward is over: only saved handles (and u.full) remain
         if root is not None:
             # The graph holds what backward needs; the call itself no longer does.
             root.full = None

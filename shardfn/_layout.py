@@ -37,6 +37,7 @@ class LeafLayout:
     unit: int
     chunk: int  # rows per rank
     offset: int  # element offset of this leaf's shard in the unit's flat shard buffer
+    grad_offset: int  # offset in the unit's flat *gradient* buffer (trainable leaves only); -1 if frozen
 
     @property
     def rows(self) -> int:
@@ -68,6 +69,7 @@ class UnitLayout:
     leaves: tuple[str, ...]
     numel: int  # elements of the flat shard buffer per rank
     dtype: torch.dtype
+    grad_numel: int  # elements of the flat gradient buffer per rank: trainable leaves only
 
     @property
     def name(self) -> str:
@@ -123,16 +125,14 @@ class Layout:
             out[kind] = (c + count, b + count * nbytes)
 
         for u in self.units:
-            full = self.world * u.numel * u.dtype.itemsize
-            if self.strategy is Strategy.NO_SHARD:
-                add("all_reduce", 1, full)
-                continue
+            item = u.dtype.itemsize
             if self.world > 1:
                 twice = self.strategy.reshard_after_forward and u.path != ""
-                add("all_gather", 2 if twice else 1, full)
-                add("reduce_scatter", 1, full)
-            if self.replicas > 1:  # hybrid: the shard-sized gradient, over "replicate"
-                add("all_reduce", 1, u.numel * u.dtype.itemsize)
+                add("all_gather", 2 if twice else 1, self.world * u.numel * item)
+                if u.grad_numel:
+                    add("reduce_scatter", 1, self.world * u.grad_numel * item)
+            if self.replicas > 1 and u.grad_numel:  # NO_SHARD; hybrid's shard-sized gradient
+                add("all_reduce", 1, u.grad_numel * item)
         return out
 
     def fingerprint(self) -> int:
@@ -214,14 +214,19 @@ def build_layout(
                 f"shard(): unit {path or '<root>'!r} mixes dtypes ({detail}); a unit is one flat buffer. "
                 "Cast the model to one dtype first (model.float()), or choose units that separate them."
             )
-        offset = 0
+        offset = grad_offset = 0
         for n in names:
             t = params[n]
             rows = t.shape[0] if t.dim() else 1
             chunk = -(-rows // world)
-            leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), chunk, offset)
-            offset += leaves[n].shard_numel
-        units.append(UnitLayout(len(units), path, tuple(names), offset, dtypes.pop()))
+            numel = chunk * (math.prod(t.shape[1:]) if t.dim() else 1)
+            # Frozen leaves are gathered with their unit but have no gradient: they take
+            # no space in the reduce-scatter (or all-reduce) buffer.
+            goff = grad_offset if t.requires_grad else -1
+            leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), chunk, offset, goff)
+            offset += numel
+            grad_offset += numel if t.requires_grad else 0
+        units.append(UnitLayout(len(units), path, tuple(names), offset, dtypes.pop(), grad_offset))
     ordered = {n: leaves[n] for n in params}
     return Layout(plan, mesh_shape, world, replicas, ordered, tuple(units))
 
@@ -241,9 +246,9 @@ def unpack_leaf(gathered: torch.Tensor, leaf: LeafLayout, world: int) -> torch.T
     return out.view(leaf.shape)
 
 
-def pack_leaf(buffer: torch.Tensor, full: torch.Tensor, leaf: LeafLayout, world: int) -> None:
-    """Writes a full-shaped tensor into a ``[world, unit.numel]`` buffer, zero padding."""
-    cols = buffer[:, leaf.offset : leaf.offset + leaf.shard_numel].view(world, leaf.chunk, leaf.row_numel)
+def pack_leaf(buffer: torch.Tensor, full: torch.Tensor, leaf: LeafLayout, world: int, offset: int) -> None:
+    """Writes a full-shaped tensor at column ``offset`` of a ``[world, n]`` buffer, zero padding."""
+    cols = buffer[:, offset : offset + leaf.shard_numel].view(world, leaf.chunk, leaf.row_numel)
     if not leaf.chunk:
         return
     src = full.reshape(leaf.rows, leaf.row_numel)

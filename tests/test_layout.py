@@ -36,7 +36,7 @@ def test_shard_pack_unpack_round_trip(shapes, world):
     # Packing full tensors gives back exactly the stacked shards (padding zeroed).
     buf = torch.full((world, unit.numel), float("nan"))
     for n in unit.leaves:
-        pack_leaf(buf, params[n], layout.leaves[n], world)
+        pack_leaf(buf, params[n], layout.leaves[n], world, layout.leaves[n].offset)
     torch.testing.assert_close(buf, gathered, rtol=0, atol=0)
     # Shard bytes: ceil(rows / world) rows per rank, 0-d parameters count as one row.
     expect = sum(math.ceil((s[0] if s else 1) / world) * math.prod(s[1:]) for s in shapes) * 4
