@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from . import _buffers
 from . import _collectives as C
 from ._layout import Layout, UnitLayout, pack_leaf, unpack_leaf
 
@@ -325,6 +326,7 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
     """``apply(sharded, *args, **kwargs)``: see [Note: how a sharded call works]."""
     layout: Layout = sharded.layout
     slots = _prepare(apply, layout)
+    _buffers.note(apply)
     units = {u.path: _Unit(layout, u, [sharded[n] for n in u.leaves], sharded.mesh, slots[u.path]) for u in layout.units}
     params: dict[str, torch.Tensor] = {}
     root = units.pop("", None)

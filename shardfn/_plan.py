@@ -133,6 +133,8 @@ class _ByPrefix(UnitPolicy):
     prefixes: tuple[str, ...]
 
     def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
+        if module is not None:  # aliases of tied weights are module paths too
+            names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
         for pre in self.prefixes:
             if not any(n.startswith(pre + ".") for n in names):
                 raise ValueError(

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from . import _buffers
 from . import _collectives as C
+from . import _psum
+from ._call import accumulate_locally
 from ._layout import Layout
 from ._mesh import Mesh
 from ._sharded import ShardedParams
 from .optim import GradientTransformation, apply_updates, apply_updates_
+
+
+def hyperparams(opt, state):  # replaced by shardfn.optim.hyperparams when it lands
+    fn = getattr(opt, 'hyperparams', None)
+    return fn(state) if fn is not None else {}
 
 __all__ = ["Step", "jit_step"]
 
@@ -27,16 +36,73 @@ _OTHER_LAYOUT = (
 class Step:
     """``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``; see :func:`jit_step`."""
 
-    def __init__(self, loss_fn: Callable[..., torch.Tensor], mesh: Mesh, optimizer: GradientTransformation, donate: bool):
+    def __init__(
+        self,
+        loss_fn: Callable[..., torch.Tensor],
+        mesh: Mesh,
+        optimizer: GradientTransformation,
+        donate: bool,
+        micro_batches: int,
+        accumulate: str,
+        sync_buffers: bool,
+    ):
         self.loss_fn = loss_fn
         self.mesh = mesh
         self.optimizer = optimizer
         self.donate = donate
+        self.micro_batches = micro_batches
+        self.accumulate = accumulate
+        self.sync_buffers = sync_buffers
         self.layout: Layout | None = None  # recorded on the first call
 
     def __call__(self, sharded: ShardedParams, opt_state: Any, batch: Any) -> tuple[ShardedParams, Any, dict[str, Any]]:
         self._check(sharded, opt_state)
+        ctx = _psum.StepContext(self.mesh, sharded.layout.strategy.sharded)
+        with C.record_collectives() as log, _psum.step_context(ctx), _buffers.track() as buffers:
+            loss, grads = self._grads(sharded, batch)
+            # The loss metric and the gradients' sum of squares share one all-reduce per axis.
+            loss, norm = self._reduce_metrics(loss, _psum.sum_of_squares(grads))
+            ctx.norms[id(grads)] = norm
+            metrics: dict[str, Any] = {"loss": loss, "grad_norm": float(norm)}
+            metrics.update(hyperparams(self.optimizer, opt_state))
+            updates, opt_state = self.optimizer.update(grads, opt_state, sharded)
+            if self.sync_buffers:
+                buffers.sync(self.mesh)
+        if self.donate:
+            apply_updates_(sharded, updates)
+            new = sharded
+        else:
+            new = sharded.replace(apply_updates(sharded, updates))
+        metrics["tokens"] = _count_tokens(batch) * self.mesh.size
+        metrics["comm_bytes"] = dict(log.bytes())
+        return new, opt_state, metrics
+
+    def _grads(self, sharded: ShardedParams, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Mean loss over the micro-batches, and the averaged gradients of the trainable shards."""
         trainable = [n for n, t in sharded.items() if t.requires_grad]
+        leaves = [sharded[n] for n in trainable]
+        k = self.micro_batches
+        total: list[torch.Tensor | None] = [None] * len(leaves)
+        losses = []
+        local = contextlib.nullcontext(None) if self.accumulate == "reduce_each" or k == 1 else accumulate_locally()
+        with local as acc:
+            for i in range(k):
+                mb = batch if k == 1 else _micro_batch(batch, i, k)
+                loss = self._loss(sharded, mb, trainable)
+                losses.append(loss.detach())
+                if acc is not None:
+                    acc.last = i == k - 1
+                if not leaves:
+                    continue
+                # Gradients of the mean over micro-batches: each backward carries 1/k.
+                grads = torch.autograd.grad(loss / k if k > 1 else loss, leaves, allow_unused=True)
+                for j, g in enumerate(grads):
+                    if g is not None:
+                        total[j] = g if total[j] is None else total[j].add_(g)
+        out = {n: g if g is not None else torch.zeros_like(sharded[n]) for n, g in zip(trainable, total)}
+        return torch.stack(losses).mean(), out
+
+    def _loss(self, sharded: ShardedParams, batch: Any, trainable: list[str]) -> torch.Tensor:
         loss = self.loss_fn(sharded, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
@@ -45,23 +111,24 @@ class Step:
                 "loss_fn returned a tensor that does not depend on the parameters: call apply(params, ...) on the "
                 "params loss_fn receives (the sharded tree), not on a captured copy."
             )
-        grads_list = torch.autograd.grad(loss, [sharded[n] for n in trainable], allow_unused=True) if trainable else ()
-        grads = {n: g if g is not None else torch.zeros_like(sharded[n]) for n, g in zip(trainable, grads_list)}
-        updates, opt_state = self.optimizer.update(grads, opt_state, sharded)
-        if self.donate:
-            apply_updates_(sharded, updates)
-            new = sharded
-        else:
-            new = sharded.replace(apply_updates(sharded, updates))
-        metrics = {"loss": self._global_mean(loss.detach())}
-        return new, opt_state, metrics
+        return loss.reshape(())
 
-    def _global_mean(self, loss: torch.Tensor) -> float:
-        loss = loss.reshape(1).float().clone()
-        for axis in self.mesh.axis_names:  # the mean of equal-sized means, axis by axis
-            if self.mesh.axis_size(axis) > 1:
-                C.all_reduce(loss, self.mesh.group(axis), tag="metrics:loss")
-        return float(loss.item())
+    def _reduce_metrics(self, loss: torch.Tensor, sq: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """Global mean loss and global gradient norm: one 2-element all-reduce per mesh axis.
+
+        The loss is averaged over every axis (equal-sized batches). The sum of squares is
+        summed over the axis whose ranks hold different shards and averaged over axes
+        whose ranks hold the same values (replicas), which leaves it unchanged there.
+        """
+        v = torch.stack([loss.float(), sq.float()]).to(self.mesh.device)
+        for axis in self.mesh.axis_names:
+            n = self.mesh.axis_size(axis)
+            if n == 1:
+                continue
+            differs = axis == "shard" and self.layout is not None and self.layout.strategy.sharded
+            v = v * torch.tensor([1.0 / n, 1.0 if differs else 1.0 / n], device=v.device)
+            C.all_reduce(v, self.mesh.group(axis), tag="metrics", op="sum")
+        return float(v[0]), v[1].sqrt()
 
     def _check(self, sharded: Any, opt_state: Any) -> None:
         if not isinstance(sharded, ShardedParams):
@@ -108,12 +175,39 @@ def check_opt_state(opt_state: Any, sharded: ShardedParams) -> None:
         )
 
 
+def _micro_batch(batch: Any, i: int, k: int) -> Any:
+    def take(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.shape[0] % k:
+            raise ValueError(
+                f"jit_step(micro_batches={k}): a local batch of {t.shape[0]} rows does not split into {k} equal "
+                f"micro-batches; use a per-rank batch size divisible by {k}."
+            )
+        b = t.shape[0] // k
+        return t[i * b : (i + 1) * b]
+
+    return pytree.tree_map(take, batch)
+
+
+def _count_tokens(batch: Any) -> int:
+    """Elements of the batch's first integer tensor (token ids), else its rows."""
+    leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    for t in leaves:
+        if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+            return t.numel()
+    return leaves[0].shape[0] if leaves and leaves[0].dim() else 0
+
+
 def jit_step(
     loss_fn: Callable[[Mapping[str, torch.Tensor], Any], torch.Tensor],
     mesh: Mesh,
     *,
     optimizer: GradientTransformation,
     donate: bool = True,
+    micro_batches: int = 1,
+    accumulate: str = "reduce_each",
+    sync_buffers: bool = True,
 ) -> Step:
     """Builds ``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``.
 
@@ -129,6 +223,22 @@ def jit_step(
         donate: update the shards in place (as JAX's ``donate_argnums``): the returned
             ``sharded`` is the same tensors, and the tree you passed in must not be used
             for anything but this call. ``False`` returns new tensors.
+        micro_batches: gradient accumulation: split each rank's batch into this many
+            equal micro-batches (dim 0), one forward and backward each, one optimizer
+            update on the mean. Equals one step on the whole batch.
+        accumulate: with ``micro_batches > 1``: ``"reduce_each"`` reduce-scatters every
+            micro-batch's gradients and sums the shards (memory stays sharded; one
+            reduce-scatter per unit and micro-batch), ``"local"`` sums unreduced unit
+            gradients locally and reduce-scatters once on the last micro-batch (one per
+            unit and step; a full gradient buffer per unit meanwhile).
+        sync_buffers: average the floating-point buffers that the forward updated in
+            place (running statistics) over all ranks after the backward, so every rank
+            holds the same values (one all-reduce per mesh axis, only when some changed).
+
+    ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
+    gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),
+    ``tokens`` (global count: elements of the batch's first integer tensor, else rows)
+    and ``comm_bytes`` (bytes per collective kind issued by this rank in the step).
 
     Example:
         >>> step = jit_step(loss_fn, mesh, optimizer=shardfn.optim.adamw(3e-4))
@@ -143,4 +253,8 @@ def jit_step(
             f"jit_step: optimizer must have init and update functions (a GradientTransformation such as "
             f"shardfn.optim.adamw(3e-4)), got {type(optimizer).__name__}."
         )
-    return Step(loss_fn, mesh, optimizer, donate)
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"jit_step: micro_batches must be a positive int, got {micro_batches!r}")
+    if accumulate not in ("reduce_each", "local"):
+        raise ValueError(f"jit_step: accumulate must be 'reduce_each' or 'local', got {accumulate!r}")
+    return Step(loss_fn, mesh, optimizer, donate, micro_batches, accumulate, sync_buffers)

@@ -65,9 +65,9 @@ def test_full_shard_two_gathers_one_reduce_scatter_per_unit(clusters, world):
     r = clusters[world].run(count_one_step, "FULL_SHARD")[0]
     blocks, root = r["expected_block_bytes"], r["expected_root_bytes"]
     # 3 blocks gathered twice (forward, backward), the root once; one reduce-scatter per unit;
-    # plus the one scalar all-reduce of the loss metric.
+    # plus one all-reduce of two floats: the loss metric and the gradients' sum of squares.
     assert r["counts"] == {"all_gather": 2 * 3 + 1, "reduce_scatter": 4, "all_reduce": 1}
-    assert r["bytes"] == {"all_gather": 2 * sum(blocks) + root, "reduce_scatter": sum(blocks) + root, "all_reduce": 4}
+    assert r["bytes"] == {"all_gather": 2 * sum(blocks) + root, "reduce_scatter": sum(blocks) + root, "all_reduce": 8}
     assert r["layout_expectation"] == {"all_gather": (7, 2 * sum(blocks) + root), "reduce_scatter": (4, sum(blocks) + root)}
     assert r["groups_ok"]
     assert all(dtype == "torch.float32" for _, _, dtype in r["calls"]["all_gather"])
@@ -88,7 +88,7 @@ def test_shard_grad_op_one_gather_one_reduce_scatter_per_unit(clusters):
     r = clusters[2].run(count_one_step, "SHARD_GRAD_OP")[0]
     blocks, root = r["expected_block_bytes"], r["expected_root_bytes"]
     assert r["counts"] == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1}
-    assert r["bytes"] == {"all_gather": sum(blocks) + root, "reduce_scatter": sum(blocks) + root, "all_reduce": 4}
+    assert r["bytes"] == {"all_gather": sum(blocks) + root, "reduce_scatter": sum(blocks) + root, "all_reduce": 8}
     assert r["layout_expectation"] == {"all_gather": (4, sum(blocks) + root), "reduce_scatter": (4, sum(blocks) + root)}
     # Kept from forward into backward: all three blocks are gathered at the end of forward.
     assert r["max_live"] == 3
@@ -99,7 +99,7 @@ def test_no_shard_one_all_reduce_per_unit(clusters):
     r = clusters[2].run(count_one_step, "NO_SHARD")[0]
     blocks, root = r["expected_block_bytes"], r["expected_root_bytes"]
     assert r["counts"] == {"all_reduce": 4 + 1}
-    assert r["bytes"] == {"all_reduce": sum(blocks) + root + 4}
+    assert r["bytes"] == {"all_reduce": sum(blocks) + root + 8}
     assert r["layout_expectation"] == {"all_reduce": (4, sum(blocks) + root)}
     assert r["max_live"] == 3
 

@@ -77,9 +77,9 @@ def test_hybrid_collectives_per_process_group(clusters, strategy):
             ("shard", "all_gather"): (gathers, gather_bytes),
             ("shard", "reduce_scatter"): (4, sum(blocks) + root),
             # over "replicate" (2 ranks): each unit's shard-sized gradient (half the unit)
-            ("replicate", "all_reduce"): (4 + 1, (sum(blocks) + root) // 2 + 4),
-            # the loss metric: one scalar per axis
-            ("shard", "all_reduce"): (1, 4),
+            ("replicate", "all_reduce"): (4 + 1, (sum(blocks) + root) // 2 + 8),
+            # the metrics (loss, gradient sum of squares): two floats per axis
+            ("shard", "all_reduce"): (1, 8),
         }
         assert persistent == (sum(blocks) + root) // 2  # 1/|shard| of the padded total
 

@@ -46,6 +46,7 @@ def reference_training(model_fn, loss_fn: LossFn, batches: Sequence[Any], optimi
 
     ``model_fn()`` is called after ``torch.manual_seed(seed)``; ``optimizer()`` builds
     the GradientTransformation; ``loss_fn(apply, params, batch)`` returns the mean loss.
+    The final params include the model's floating-point buffers, as ``"buffer:<name>"``.
     """
     torch.manual_seed(seed)
     params, apply = functionalize(model_fn())
@@ -60,15 +61,29 @@ def reference_training(model_fn, loss_fn: LossFn, batches: Sequence[Any], optimi
         updates, state = opt.update(grads, state, params)
         params = {n: t.detach().requires_grad_(t.requires_grad) for n, t in apply_updates(params, updates).items()}
         losses.append(float(loss.detach()))
-    return losses, {n: t.detach() for n, t in params.items()}
+    return losses, {**{n: t.detach() for n, t in params.items()}, **_float_buffers(apply)}
+
+
+def _float_buffers(apply: Apply) -> dict[str, torch.Tensor]:
+    return {f"buffer:{n}": b.detach().clone() for n, b in apply.buffers.items() if b.is_floating_point()}
 
 
 def sharded_training(
-    model_fn, loss_fn: LossFn, batches, optimizer, strategy, units=None, *, seed: int = 0, replicate: int | None = None
+    model_fn,
+    loss_fn: LossFn,
+    batches,
+    optimizer,
+    strategy,
+    units=None,
+    *,
+    seed: int = 0,
+    replicate: int | None = None,
+    step_options: Mapping[str, Any] | None = None,
 ):
     """Runs on every rank of a cluster: the same training, sharded. Returns (losses, full params).
 
-    ``replicate=R`` trains on a 2-D mesh of R replicas (the hybrid strategies).
+    ``replicate=R`` trains on a 2-D mesh of R replicas (the hybrid strategies);
+    ``step_options`` go to :func:`shardfn.jit_step` (``micro_batches=``, ...).
     """
     mesh = Mesh.from_group(replicate=replicate)
     torch.manual_seed(seed)
@@ -77,12 +92,12 @@ def sharded_training(
     del params
     opt = optimizer()
     state = opt.init(sharded)
-    step = jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt)
+    step = jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt, **(step_options or {}))
     losses = []
     for batch in batches:
         sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.rank, mesh.size))
         losses.append(metrics["loss"])
-    return losses, gather(sharded)
+    return losses, {**gather(sharded), **_float_buffers(apply)}
 
 
 @dataclasses.dataclass
@@ -144,6 +159,7 @@ def check_equivalence(
     seed: int = 0,
     clusters: Mapping[int, Cluster] | None = None,
     raise_on_failure: bool = True,
+    step_options: Mapping[str, Any] | None = None,
 ) -> EquivalenceReport:
     """Checks that sharded training of your model equals single-process training.
 
@@ -162,6 +178,12 @@ def check_equivalence(
         rtol, atol: the tolerance per element (``|diff| <= atol + rtol * |ref|``).
         clusters: reuse running clusters, by world size (the test suite does).
         raise_on_failure: raise ``AssertionError`` listing every failure (default).
+        step_options: keyword arguments for :func:`shardfn.jit_step` in the sharded runs
+            (``micro_batches=4``, ``accumulate="local"``, ...); the reference always
+            takes one plain step per global batch.
+
+    Floating-point buffers are compared too (as ``buffer:<name>``), and must be equal on
+    every rank.
 
     ``model_fn``, ``loss_fn`` and ``optimizer`` travel to the ranks by pickle: use
     module-level functions or ``functools.partial`` of them, not lambdas.
@@ -184,12 +206,16 @@ def check_equivalence(
         try:
             for strategy in strategies:
                 results = cluster.run(
-                    sharded_training, model_fn, loss_fn, batches, optimizer, strategy, units, seed=seed, replicate=replicate
+                    sharded_training, model_fn, loss_fn, batches, optimizer, strategy, units,
+                    seed=seed, replicate=replicate, step_options=step_options,
                 )
                 losses, params = results[0]
-                for r, (other_losses, _) in enumerate(results[1:], 1):
+                for r, (other_losses, other) in enumerate(results[1:], 1):
                     if list(other_losses) != list(losses):
                         raise AssertionError(f"{strategy} world={world}: rank {r} reports losses {other_losses}, rank 0 {losses}")
+                    for name in (n for n in params if n.startswith("buffer:")):
+                        if not torch.equal(other[name], params[name]):
+                            raise AssertionError(f"{strategy} world={world}: {name} differs between rank 0 and rank {r}")
                 compare(report, (str(strategy), world), losses, ref_losses, params, ref_params)
         finally:
             if own:

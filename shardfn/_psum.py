@@ -1,0 +1,89 @@
+"""Mesh-aware reductions for code that runs on local shards inside a step (optimizers).
+
+The analogue of ``jax.lax.psum`` inside ``shard_map``: an optimizer sees only this
+rank's shard of each parameter and gradient, so a statistic over a whole parameter (its
+norm, a trust ratio) is the sum of per-shard partial results over the ranks that hold
+the other shards. :func:`psum` does that sum; outside a step, or when parameters are not
+sharded (NO_SHARD, a world of one), it returns its input, so the same optimizer code runs
+unchanged on one device.
+
+[Note: padding]
+Padding rows of a shard are zero in parameters and gradients (packing zeroes them and the
+built-in optimizers keep them zero), so sums of squares over padded shards equal those
+over the real parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from . import _collectives as C
+
+__all__ = ["global_norm", "psum"]
+
+
+@dataclasses.dataclass
+class StepContext:
+    mesh: object  # shardfn.Mesh
+    sharded: bool  # whether ranks along the "shard" axis hold different shards
+    norms: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # id(tree) -> global norm
+    trees: list = dataclasses.field(default_factory=list)  # keeps the cached trees' ids valid
+
+
+_CONTEXT: list[StepContext] = []
+
+
+@contextlib.contextmanager
+def step_context(ctx: StepContext) -> Iterator[StepContext]:
+    _CONTEXT.append(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.remove(ctx)
+
+
+def current() -> StepContext | None:
+    return _CONTEXT[-1] if _CONTEXT else None
+
+
+def psum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of ``t`` over the ranks that hold the other shards of the parameters.
+
+    Every rank must call it (it is a collective inside a step). Outside a step, or
+    when parameters are replicated, it returns ``t`` unchanged.
+
+    Example:
+        >>> # inside an optimizer's update, on local shards:
+        >>> param_norm = psum(p.square().sum()).sqrt()    # the norm of the whole parameter
+    """
+    ctx = current()
+    if ctx is None or not ctx.sharded or ctx.mesh.axis_size("shard") == 1:
+        return t
+    out = t.detach().clone()
+    C.all_reduce(out, ctx.mesh.group("shard"), tag="psum", op="sum")
+    return out
+
+
+def sum_of_squares(tree: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """This rank's partial sum of squares of a tree of shards, in fp32."""
+    parts = [t.detach().float().square().sum() for t in tree.values() if t is not None]
+    return torch.stack(parts).sum() if parts else torch.zeros(())
+
+
+def global_norm(tree: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of a whole tree given as local shards (a 0-d fp32 tensor, every rank).
+
+    Inside a step, the norm of the gradients the optimizer receives is computed once
+    with the loss metric and reused here without a collective.
+
+    Example:
+        >>> norm = global_norm(grads)      # equals clip_grad_norm_'s total norm on one device
+    """
+    ctx = current()
+    if ctx is not None and id(tree) in ctx.norms:
+        return ctx.norms[id(tree)]
+    return psum(sum_of_squares(tree)).sqrt()
