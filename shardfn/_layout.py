@@ -109,7 +109,9 @@ class Layout:
         """Expected ``{kind: (count, bytes)}`` of one training step on one rank.
 
         FULL_SHARD gathers every unit twice (forward, backward) except the root unit,
-        which stays gathered from its forward into its backward (as FSDP2's root does);
+        which stays gathered from its forward into its backward (as FSDP2's root does).
+        (A unit whose parameters backward never reads, such as a first layer whose input
+        needs no gradient, is not gathered again: the count is then one lower.)
         SHARD_GRAD_OP gathers once; all reduce-scatter once. NO_SHARD all-reduces once
         per unit. The hybrid strategies do what FULL_SHARD / SHARD_GRAD_OP do over the
         ``shard`` axis, then all-reduce each unit's shard-sized gradient over

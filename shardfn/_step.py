@@ -16,12 +16,7 @@ from ._call import accumulate_locally
 from ._layout import Layout
 from ._mesh import Mesh
 from ._sharded import ShardedParams
-from .optim import GradientTransformation, apply_updates, apply_updates_
-
-
-def hyperparams(opt, state):  # replaced by shardfn.optim.hyperparams when it lands
-    fn = getattr(opt, 'hyperparams', None)
-    return fn(state) if fn is not None else {}
+from .optim import GradientTransformation, apply_updates, apply_updates_, hyperparams
 
 __all__ = ["Step", "jit_step"]
 

@@ -412,3 +412,249 @@ def test_foreign_state_is_a_type_error():
     params = {"w": torch.ones(2, requires_grad=True)}
     with pytest.raises(TypeError, match="state is tuple, not AdamWState"):
         optim.adamw(1e-3).update({"w": torch.ones(2)}, (), params)
+
+
+# -- clip_by_global_norm -------------------------------------------------------------------
+
+
+def test_clip_by_global_norm_matches_clip_grad_norm():
+    # Steps 0 and 2 have norms far above max_norm, step 1 far below: both branches run.
+    params, grads = make_problem([(4, 3), (3,), ()], seed=8, steps=3)
+    for g, factor in zip(grads, [10.0, 0.01, 5.0]):
+        for k in g:
+            g[k] = g[k] * factor
+    ours, state = run_shardfn(optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1)), params, grads)
+    assert state[0] == optim.EmptyState()
+
+    ref = {k: torch.nn.Parameter(p.detach().clone()) for k, p in params.items()}
+    opt = torch.optim.SGD(ref.values(), lr=0.1)
+    norms = []
+    for g in grads:
+        for k, p in ref.items():
+            p.grad = g[k].clone()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.values(), 1.0)))
+        opt.step()
+    assert norms[0] > 1.0 and norms[1] < 1.0 and norms[2] > 1.0
+    assert_params_close(ours, ref)
+
+
+def test_clip_by_global_norm_scales_every_leaf_by_one_factor():
+    grads = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor(4.0)}  # global norm 5
+    clip = optim.clip_by_global_norm(2.5)
+    updates, _ = clip.update(grads, clip.init({}), None)
+    factor = 2.5 / (5.0 + 1e-6)
+    torch.testing.assert_close(updates["a"], torch.tensor([3.0 * factor, 0.0]))
+    torch.testing.assert_close(updates["b"], torch.tensor(4.0 * factor))
+    small, _ = clip.update({"a": torch.tensor([0.3, 0.4])}, optim.EmptyState(), None)
+    torch.testing.assert_close(small["a"], torch.tensor([0.3, 0.4]), rtol=0, atol=0)
+
+
+def test_clip_by_global_norm_uses_the_norm_of_the_step():
+    # Inside a step the norm comes from shardfn._psum.global_norm, which returns the
+    # norm the step computed (over all shards) instead of this rank's local one.
+    from shardfn import _psum
+
+    grads = {"w": torch.tensor([3.0, 4.0])}
+    ctx = _psum.StepContext(mesh=None, sharded=False)
+    ctx.norms[id(grads)] = torch.tensor(10.0)
+    clip = optim.clip_by_global_norm(1.0)
+    with _psum.step_context(ctx):
+        updates, _ = clip.update(grads, clip.init({}), None)
+    torch.testing.assert_close(updates["w"], grads["w"] / (10.0 + 1e-6))
+
+
+def test_clip_by_global_norm_keeps_the_grad_dtype():
+    clip = optim.clip_by_global_norm(1.0)
+    grads = {"w": torch.full((4,), 8.0, dtype=torch.bfloat16)}
+    updates, _ = clip.update(grads, clip.init({}), None)
+    assert updates["w"].dtype == torch.bfloat16
+    torch.testing.assert_close(updates["w"].float(), torch.full((4,), 0.5), rtol=1e-2, atol=0)
+
+
+# -- hyperparams ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda lr: optim.sgd(lr, momentum=0.9), lambda lr: optim.adamw(lr),
+     lambda lr: optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(lr))],
+    ids=["sgd", "adamw", "chain"],
+)
+def test_hyperparams_report_the_next_learning_rate(make):
+    opt = make(lambda count: 0.1 / (1 + count))
+    params, grads = make_problem([(2, 3)], seed=9, steps=3)
+    state = opt.init(params)
+    for count, g in enumerate(grads):
+        assert optim.hyperparams(opt, state) == {"learning_rate": pytest.approx(0.1 / (1 + count), rel=1e-15)}
+        _, state = opt.update(g, state, params)
+    assert optim.hyperparams(opt, state) == {"learning_rate": pytest.approx(0.1 / 4, rel=1e-15)}
+
+
+def test_hyperparams_learning_rate_is_the_one_update_uses():
+    # Plain SGD: update = -lr * g, so the reported lr can be read back from the update.
+    opt = optim.sgd(lambda count: [0.5, 0.25, 0.125][count])
+    params = {"w": torch.zeros(2, requires_grad=True)}
+    state = opt.init(params)
+    for _ in range(3):
+        reported = opt.hyperparams(state)["learning_rate"]
+        updates, state = opt.update({"w": torch.ones(2)}, state, params)
+        assert float(-updates["w"][0]) == reported
+
+
+def test_chain_merges_hyperparams_later_members_win():
+    momentum = optim.GradientTransformation(
+        lambda params: optim.EmptyState(),
+        lambda grads, state, params=None: (dict(grads), state),
+        lambda state: {"momentum": 0.9, "learning_rate": 1.0},
+    )
+    opt = optim.chain(momentum, optim.scale(1.0), optim.sgd(0.3), optim.masked(optim.scale(2.0), lambda n: True))
+    assert optim.hyperparams(opt, opt.init({})) == {"momentum": 0.9, "learning_rate": 0.3}
+    opt = optim.chain(optim.sgd(0.3), momentum)
+    assert optim.hyperparams(opt, opt.init({})) == {"momentum": 0.9, "learning_rate": 1.0}
+    with pytest.raises(ValueError, match="tuple of 2 states"):
+        optim.hyperparams(opt, optim.EmptyState())
+
+
+def test_hyperparams_of_stateless_and_user_written_optimizers_are_empty():
+    for opt in (optim.scale(2.0), optim.add_decayed_weights(0.1), optim.clip_by_global_norm(1.0)):
+        assert opt.hyperparams(optim.EmptyState()) == {}
+
+    class MySgd:  # a user's own optimizer: init and update only
+        init = staticmethod(lambda params: ())
+        update = staticmethod(lambda grads, state, params=None: ({k: -g for k, g in grads.items()}, state))
+
+    assert optim.hyperparams(MySgd(), ()) == {}
+    two_fields = optim.GradientTransformation(MySgd.init, MySgd.update)
+    assert two_fields.hyperparams is None and optim.hyperparams(two_fields, ()) == {}
+    chained = optim.chain(two_fields, optim.sgd(0.1))
+    assert optim.hyperparams(chained, chained.init({})) == {"learning_rate": 0.1}
+
+
+def test_hyperparams_reject_a_foreign_state():
+    with pytest.raises(TypeError, match="state is tuple, not SgdState"):
+        optim.hyperparams(optim.sgd(0.1), ())
+
+
+def test_from_torch_hyperparams_follow_a_torch_scheduler():
+    opt = optim.from_torch(torch.optim.SGD, lr=0.2)
+    params = {"w": torch.ones(2, requires_grad=True)}
+    state = opt.init(params)
+    sched = torch.optim.lr_scheduler.StepLR(state.optimizer, step_size=1, gamma=0.5)
+    assert optim.hyperparams(opt, state) == {"learning_rate": 0.2}
+    _, state = opt.update({"w": torch.ones(2)}, state, params)
+    sched.step()
+    assert optim.hyperparams(opt, state) == {"learning_rate": 0.1}
+
+
+# -- masked and adamw(mask=...) ------------------------------------------------------------
+
+NAMES = ["layers.0.weight", "layers.0.bias", "norm.weight", "head.weight"]
+SHAPES = [(4, 3), (4,), (4,), (2, 4)]
+
+
+def decays(name):
+    return name.startswith(("layers", "head")) and name.endswith("weight")
+
+
+MASKS = {"callable": decays, "mapping": {n: decays(n) for n in NAMES}}
+
+
+def named_problem(seed):
+    gen = torch.Generator().manual_seed(seed)
+    params = {n: torch.randn(s, generator=gen).requires_grad_() for n, s in zip(NAMES, SHAPES)}
+    grads = [{n: torch.randn(s, generator=gen) for n, s in zip(NAMES, SHAPES)} for _ in range(STEPS)]
+    return params, grads
+
+
+def param_groups(ps, weight_decay):
+    """torch param groups: ``weight_decay`` for weights, 0.0 for biases and norm weights."""
+    by_name = dict(zip(NAMES, ps))
+    return [
+        {"params": [p for n, p in by_name.items() if decays(n)], "weight_decay": weight_decay},
+        {"params": [p for n, p in by_name.items() if not decays(n)], "weight_decay": 0.0},
+    ]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_adamw_mask_matches_torch_param_groups(mask):
+    params, grads = named_problem(seed=10)
+    opt = optim.adamw(1e-2, b1=0.8, b2=0.95, eps=1e-2, weight_decay=0.1, mask=MASKS[mask])
+    ours, _ = run_shardfn(opt, params, grads)
+    ref = run_torch(lambda ps: torch.optim.AdamW(param_groups(ps, 0.1), lr=1e-2, betas=(0.8, 0.95), eps=1e-2),
+                    params, grads)
+    assert_params_close(ours, ref)
+    # The mask matters at this tolerance: decaying everything gives different params.
+    everything, _ = run_shardfn(optim.adamw(1e-2, b1=0.8, b2=0.95, eps=1e-2, weight_decay=0.1), params, grads)
+    assert not torch.allclose(everything["layers.0.bias"], ours["layers.0.bias"], **TOL)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_masked_decay_then_sgd_matches_torch_param_groups(mask):
+    params, grads = named_problem(seed=11)
+    opt = optim.chain(optim.masked(optim.add_decayed_weights(0.1), MASKS[mask]), optim.sgd(0.1, momentum=0.9))
+    ours, _ = run_shardfn(opt, params, grads)
+    ref = run_torch(lambda ps: torch.optim.SGD(param_groups(ps, 0.1), lr=0.1, momentum=0.9), params, grads)
+    assert_params_close(ours, ref)
+
+
+def test_masked_passes_other_grads_through_unchanged():
+    params, grads = named_problem(seed=12)
+    opt = optim.masked(optim.scale(-2.0), decays)
+    updates, _ = opt.update(grads[0], opt.init(params), params)
+    assert list(updates) == NAMES
+    for n in NAMES:
+        expected = -2.0 * grads[0][n] if decays(n) else grads[0][n]
+        torch.testing.assert_close(updates[n], expected, rtol=0, atol=0)
+
+
+def test_masked_state_covers_selected_trainable_params_only():
+    seen = []
+    spy = optim.GradientTransformation(lambda p: seen.append(p) or optim.EmptyState(), None)
+    params, grads = named_problem(seed=13)
+    params["head.weight"].requires_grad_(False)
+    optim.masked(spy, decays).init(params)
+    assert type(seen[0]) is dict and list(seen[0]) == ["layers.0.weight"]
+
+    opt = optim.masked(optim.adamw(1e-2), MASKS["mapping"])
+    state = opt.init(params)
+    assert isinstance(state, optim.AdamWState) and set(state.mu) == {"layers.0.weight"}
+    del grads[0]["head.weight"]  # frozen: no gradient
+    updates, state = opt.update(grads[0], state, params)
+    assert set(updates) == set(grads[0]) and int(state.count) == 1
+
+
+def test_masked_hyperparams_delegate_to_inner():
+    opt = optim.masked(optim.sgd(lambda count: 0.5**count), decays)
+    params, grads = named_problem(seed=14)
+    state = opt.init(params)
+    _, state = opt.update(grads[0], state, params)
+    assert optim.hyperparams(opt, state) == {"learning_rate": 0.5}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda m: optim.masked(optim.scale(1.0), m), lambda m: optim.adamw(1e-3, weight_decay=0.1, mask=m)],
+    ids=["masked", "adamw"],
+)
+def test_mapping_mask_missing_a_name_names_it(make):
+    params, _ = named_problem(seed=15)
+    opt = make({"layers.0.weight": True, "layers.0.bias": False})
+    with pytest.raises(ValueError, match=r"no entry for 'norm\.weight', 'head\.weight'.*callable"):
+        opt.init(params)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: optim.masked(optim.scale(1.0), "bias"), lambda: optim.adamw(1e-3, mask=["bias"]),
+     lambda: optim.masked(torch.optim.SGD, decays), lambda: optim.clip_by_global_norm(-1.0)],
+    ids=["masked-str", "adamw-list", "masked-inner", "clip-negative"],
+)
+def test_bad_new_arguments_are_rejected(make):
+    with pytest.raises((TypeError, ValueError), match="mask must be|not a GradientTransformation|max_norm must be"):
+        make()
+
+
+def test_all_is_sorted_and_exported():
+    assert optim.__all__ == sorted(optim.__all__)
+    assert {"clip_by_global_norm", "masked", "hyperparams"} <= set(optim.__all__)
+    assert all(hasattr(optim, name) for name in optim.__all__)

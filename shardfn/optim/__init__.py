@@ -6,8 +6,12 @@ Example:
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
     >>> optim.apply_updates_(params, updates)
+    >>> optim.hyperparams(opt, state)
+    {'learning_rate': 0.0003}
 """
 
+from .._psum import global_norm as global_norm
+from .._psum import psum as psum
 from ._adamw import AdamWState as AdamWState
 from ._adamw import adamw as adamw
 from ._base import EmptyState as EmptyState
@@ -18,7 +22,10 @@ from ._base import add_decayed_weights as add_decayed_weights
 from ._base import apply_updates as apply_updates
 from ._base import apply_updates_ as apply_updates_
 from ._base import chain as chain
+from ._base import hyperparams as hyperparams
 from ._base import scale as scale
+from ._clip import clip_by_global_norm as clip_by_global_norm
+from ._masked import masked as masked
 from ._sgd import SgdState as SgdState
 from ._sgd import sgd as sgd
 from ._torch import TorchOptimizerState as TorchOptimizerState
@@ -37,7 +44,12 @@ __all__ = [
     "apply_updates",
     "apply_updates_",
     "chain",
+    "clip_by_global_norm",
     "from_torch",
+    "global_norm",
+    "hyperparams",
+    "masked",
+    "psum",
     "scale",
     "sgd",
 ]

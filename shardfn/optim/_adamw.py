@@ -20,6 +20,7 @@ from ._base import (
     _resolve_learning_rate,
     _trainable,
 )
+from ._masked import Mask, _check_mask, _selected
 
 
 class AdamWState(NamedTuple):
@@ -45,6 +46,7 @@ def adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.01,
+    mask: Mask | None = None,
 ) -> GradientTransformation:
     """Adam with decoupled weight decay.
 
@@ -60,12 +62,18 @@ def adamw(
         b2: decay rate of the second moment.
         eps: added to the denominator for numerical stability.
         weight_decay: decoupled decay rate; non-zero needs ``params`` in ``update``.
+        mask: which params decay, as ``optax.adamw``'s mask: a callable
+            ``name -> bool`` or a Mapping ``name -> bool`` (with an entry for every
+            trainable param). ``None`` decays all. Equals torch param groups with
+            ``weight_decay=0.0`` for the unselected params.
 
     Returns:
-        A :class:`GradientTransformation` with state :class:`AdamWState`.
+        A :class:`GradientTransformation` with state :class:`AdamWState`; its
+        hyperparams are ``{"learning_rate": lr}`` for the next update.
 
     Example:
-        >>> opt = adamw(3e-4, weight_decay=0.1)
+        >>> no_decay = ("bias", "norm.weight")
+        >>> opt = adamw(3e-4, weight_decay=0.1, mask=lambda name: not name.endswith(no_decay))
         >>> state = opt.init(params)
         >>> updates, state = opt.update(grads, state, params)
         >>> apply_updates_(params, updates)
@@ -75,9 +83,15 @@ def adamw(
     _check_hyper("b2", b2, "adamw", lo=0.0, hi=1.0)
     _check_hyper("eps", eps, "adamw", lo=0.0)
     _check_hyper("weight_decay", weight_decay, "adamw", lo=0.0)
+    if mask is not None:
+        _check_mask(mask, "adamw")
+
+    def decays(names: Params) -> set[str]:
+        return set(names) if mask is None else _selected(mask, names, "adamw")
 
     def init(params: Params) -> AdamWState:
         trainable = _trainable(params)
+        decays(trainable)  # a Mapping mask that lacks a name fails here, not mid-training
         mu = {k: torch.zeros_like(p) for k, p in trainable.items()}
         nu = {k: torch.zeros_like(p) for k, p in trainable.items()}
         return AdamWState(_new_count(), mu, nu)
@@ -96,6 +110,7 @@ def adamw(
         t = count + 1
         step_size = lr / (1 - b1**t)
         bias_correction2_sqrt = (1 - b2**t) ** 0.5
+        decayed = decays(grads) if weight_decay else set()
 
         updates: Updates = {}
         mu, nu = dict(state.mu), dict(state.nu)
@@ -105,11 +120,15 @@ def adamw(
                 mu[k] = torch.lerp(mu[k], g, 1 - b1)
                 nu[k] = torch.addcmul(nu[k] * b2, g, g, value=1 - b2)
                 denom = (nu[k].sqrt() / bias_correction2_sqrt).add_(eps)
-                if weight_decay:
+                if k in decayed:
                     decay = params[k].to(mu[k].dtype) * -(lr * weight_decay)
                     updates[k] = torch.addcdiv(decay, mu[k], denom, value=-step_size)
                 else:
                     updates[k] = (mu[k] / denom).mul_(-step_size)
         return updates, AdamWState(state.count + 1, mu, nu)
 
-    return GradientTransformation(init, update)
+    def adamw_hyperparams(state: AdamWState) -> dict[str, float]:
+        _check_state(state, AdamWState, "adamw")
+        return {"learning_rate": _resolve_learning_rate(learning_rate, int(state.count))}
+
+    return GradientTransformation(init, update, adamw_hyperparams)

@@ -6,6 +6,8 @@ protocol is used here):
 
 * ``init(params) -> state``
 * ``update(grads, state, params) -> (updates, new_state)``
+* optionally ``hyperparams(state) -> dict``, what the next update will use (for
+  logging; read it with :func:`hyperparams`)
 
 ``grads`` may hold a subset of the keys of ``params``: a frozen parameter has no
 gradient and gets no update. State is NamedTuples of dicts of tensors.
@@ -37,16 +39,53 @@ class GradientTransformation(NamedTuple):
             arguments (``from_torch`` advances its state object in place). ``params`` is required by transforms that read them (weight
             decay). Runs under ``torch.no_grad()``: updates carry no autograd
             history, so optimizers are not differentiable.
+        hyperparams: ``hyperparams(state) -> dict[str, float]``, the hyperparameters
+            the next ``update`` with this state will use (``{"learning_rate": ...}``
+            with any schedule resolved), for logging. Optional: ``None`` reports
+            nothing; read it with :func:`hyperparams`, which also accepts objects
+            without this field.
 
     Example:
         >>> opt = sgd(0.1)
         >>> state = opt.init(params)
         >>> updates, state = opt.update(grads, state, params)
         >>> params = apply_updates(params, updates)
+        >>> opt.hyperparams(state)
+        {'learning_rate': 0.1}
     """
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
+    hyperparams: Callable[[OptState], dict[str, float]] | None = None
+
+
+def hyperparams(opt: Any, state: OptState) -> dict[str, float]:
+    """The hyperparameters that ``opt.update(grads, state, ...)`` will use next.
+
+    Call it before ``update`` (``jit_step`` does, to report
+    ``metrics["learning_rate"]``). Optimizers without a ``hyperparams`` function,
+    such as a user's own ``init``/``update`` pair, report ``{}``.
+
+    Args:
+        opt: a :class:`GradientTransformation`, or any object with ``init`` and
+            ``update``.
+        state: ``opt``'s current state.
+
+    Returns:
+        A new dict name -> float, e.g. ``{"learning_rate": 3e-4}``.
+
+    Example:
+        >>> opt = chain(clip_by_global_norm(1.0), adamw(lambda count: 1e-3 / (1 + count)))
+        >>> state = opt.init(params)
+        >>> hyperparams(opt, state)
+        {'learning_rate': 0.001}
+    """
+    fn = getattr(opt, "hyperparams", None)
+    return {} if fn is None else dict(fn(state))
+
+
+def _no_hyperparams(state: OptState) -> dict[str, float]:
+    return {}
 
 
 class EmptyState(NamedTuple):
@@ -202,7 +241,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         *transforms: applied in order.
 
     Returns:
-        A transformation whose state is a tuple with one state per transform.
+        A transformation whose state is a tuple with one state per transform. Its
+        hyperparams merge the members' (each read from its own state); a later
+        member wins a clash.
 
     Example:
         >>> opt = chain(add_decayed_weights(1e-4), sgd(0.1, momentum=0.9))
@@ -215,18 +256,21 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 "GradientTransformation; pass optimizers such as sgd(...) or adamw(...)."
             )
 
-    def init(params: Params) -> tuple[OptState, ...]:
-        return tuple(t.init(params) for t in transforms)
-
-    def update(
-        grads: Params, state: tuple[OptState, ...], params: Params | None = None
-    ) -> tuple[Updates, tuple[OptState, ...]]:
+    def check(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(
                 f"chain: expected a tuple of {len(transforms)} states, one per "
                 f"transform, got {type(state).__name__}; pass the state returned by "
                 "this chain's init."
             )
+
+    def init(params: Params) -> tuple[OptState, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(
+        grads: Params, state: tuple[OptState, ...], params: Params | None = None
+    ) -> tuple[Updates, tuple[OptState, ...]]:
+        check(state)
         updates: Params = grads
         new_state = []
         for t, s in zip(transforms, state):
@@ -234,7 +278,15 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return dict(updates), tuple(new_state)
 
-    return GradientTransformation(init, update)
+    def chain_hyperparams(state: tuple[OptState, ...]) -> dict[str, float]:
+        # Later members win a clash, so the optimizer at the end of a chain names the learning rate.
+        check(state)
+        merged: dict[str, float] = {}
+        for t, s in zip(transforms, state):
+            merged.update(hyperparams(t, s))
+        return merged
+
+    return GradientTransformation(init, update, chain_hyperparams)
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -254,7 +306,7 @@ def scale(factor: float) -> GradientTransformation:
         with torch.no_grad():
             return {k: g * factor for k, g in grads.items()}, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, _no_hyperparams)
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -282,7 +334,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         with torch.no_grad():
             return {k: g.add(params[k], alpha=weight_decay) for k, g in grads.items()}, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, _no_hyperparams)
 
 
 def _check_updates(params: Params, updates: Params, fn: str) -> None:

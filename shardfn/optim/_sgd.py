@@ -66,7 +66,8 @@ def sgd(
             ``update``.
 
     Returns:
-        A :class:`GradientTransformation` with state :class:`SgdState`.
+        A :class:`GradientTransformation` with state :class:`SgdState`; its
+        hyperparams are ``{"learning_rate": lr}`` for the next update.
 
     Example:
         >>> opt = sgd(0.1, momentum=0.9, nesterov=True)
@@ -113,4 +114,8 @@ def sgd(
                 updates[k] = g * -lr
         return updates, SgdState(state.count + 1, buffers)
 
-    return GradientTransformation(init, update)
+    def sgd_hyperparams(state: SgdState) -> dict[str, float]:
+        _check_state(state, SgdState, "sgd")
+        return {"learning_rate": _resolve_learning_rate(learning_rate, int(state.count))}
+
+    return GradientTransformation(init, update, sgd_hyperparams)

@@ -71,7 +71,8 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> G
         **kwargs: passed to its constructor (``lr``, ``betas``, ...).
 
     Returns:
-        A :class:`GradientTransformation` with state :class:`TorchOptimizerState`.
+        A :class:`GradientTransformation` with state :class:`TorchOptimizerState`;
+        its hyperparams report the optimizer's current ``lr``.
 
     Example:
         >>> opt = from_torch(torch.optim.RMSprop, lr=1e-3, alpha=0.9)
@@ -132,4 +133,9 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> G
                 q.grad = None  # do not keep a gradient-sized buffer alive between steps
         return updates, state
 
-    return GradientTransformation(init, update)
+    def torch_hyperparams(state: TorchOptimizerState) -> dict[str, float]:
+        # What the next step() reads, after any torch lr_scheduler has stepped.
+        group = state.optimizer.param_groups[0] if state.optimizer is not None else {}
+        return {"learning_rate": float(group["lr"])} if "lr" in group else {}
+
+    return GradientTransformation(init, update, torch_hyperparams)

@@ -1,0 +1,56 @@
+"""Gradient clipping by the global norm over all leaves (and all shards)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._psum import global_norm
+from ._base import (
+    EmptyState,
+    GradientTransformation,
+    Params,
+    Updates,
+    _check_hyper,
+    _check_mapping,
+    _no_hyperparams,
+)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scales all grads by ``min(1, max_norm / (norm + 1e-6))``.
+
+    ``norm`` is the L2 norm of all incoming grads together, taken over whole
+    parameters: inside a sharded step, :func:`shardfn._psum.global_norm` sums the
+    shards' squares across ranks (and reuses the norm the step already computed
+    for ``metrics["grad_norm"]``). On one device this equals
+    ``torch.nn.utils.clip_grad_norm_(params, max_norm)``. The scale stays a
+    tensor, so clipping does not sync the host with an accelerator.
+
+    Args:
+        max_norm: the largest global norm let through.
+
+    Returns:
+        A :class:`GradientTransformation` with state :class:`EmptyState`.
+
+    Example:
+        >>> opt = chain(clip_by_global_norm(1.0), adamw(3e-4))
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update(grads, state, params)
+    """
+    _check_hyper("max_norm", max_norm, "clip_by_global_norm", lo=0.0)
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        grads: Params, state: EmptyState, params: Params | None = None
+    ) -> tuple[Updates, EmptyState]:
+        _check_mapping(grads, "grads")
+        if not grads:
+            return {}, state
+        with torch.no_grad():
+            # The same expression as clip_grad_norm_, clamped rather than branched on.
+            factor = (max_norm / (global_norm(grads) + 1e-6)).clamp(max=1.0)
+            return {k: g * factor.to(g.device) for k, g in grads.items()}, state
+
+    return GradientTransformation(init, update, _no_hyperparams)
