@@ -23,6 +23,7 @@ from ._plan import UnitPolicy as UnitPolicy
 from ._plan import by_module_type as by_module_type
 from ._plan import by_param_count as by_param_count
 from ._plan import by_prefix as by_prefix
+from ._precision import Precision as Precision
 from ._sharded import ShardedParams as ShardedParams
 from ._sharded import gather as gather
 from ._sharded import shard as shard
@@ -43,6 +44,7 @@ __all__ = [
     "NoShard",
     "Params",
     "Plan",
+    "Precision",
     "Residency",
     "ShardGradOp",
     "ShardedParams",

@@ -40,6 +40,7 @@ from torch.func import functional_call
 from . import _buffers
 from . import _collectives as C
 from ._layout import Layout, UnitLayout, pack_leaf, unpack_leaf
+from ._precision import cast_floating
 
 __all__ = ["Residency", "accumulate_locally", "sharded_call", "track_residency"]
 
@@ -150,12 +151,14 @@ class _Unit:
         """Full parameters of the unit (no autograd); one all-gather of the flat shards."""
         lay, world = self.layout, self.layout.world
         leaves = [lay.leaves[n] for n in self.unit.leaves]
+        dtype = self.unit.param_dtype
         with torch.no_grad():
             if world == 1:  # NO_SHARD, or a world of one: the shard is the parameter
-                full = [s.detach().view(leaf.shape) for s, leaf in zip(self.shards, leaves)]
+                full = [s.detach().view(leaf.shape).to(dtype) for s, leaf in zip(self.shards, leaves)]
             else:
-                flat = torch.cat([s.detach().reshape(-1) for s in self.shards])
-                out = torch.empty(world * self.unit.numel, dtype=flat.dtype, device=flat.device)
+                # Cast before the collective: it moves param_dtype elements (see _precision).
+                flat = torch.cat([s.detach().reshape(-1) for s in self.shards]).to(dtype)
+                out = torch.empty(world * self.unit.numel, dtype=dtype, device=flat.device)
                 C.all_gather(out, flat, self.group, tag=f"{event}:{self.unit.name}")
                 out2d = out.view(world, self.unit.numel)
                 full = [unpack_leaf(out2d, leaf, world) for leaf in leaves]
@@ -181,12 +184,12 @@ class _Unit:
         leaves = [lay.leaves[n] for n in unit.leaves]
         world, tag = lay.world, f"reduce:{unit.name}"
         device = self.shards[0].device
-        buf = torch.empty(world, unit.grad_numel, dtype=unit.dtype, device=device)
+        buf = torch.empty(world, unit.grad_numel, dtype=unit.reduce_dtype, device=device)
         for g, leaf in zip(grads, leaves):
             if leaf.grad_offset < 0:
                 continue
             if g is None:
-                g = torch.zeros(leaf.shape, dtype=unit.dtype, device=device)
+                g = torch.zeros(leaf.shape, dtype=unit.reduce_dtype, device=device)
             pack_leaf(buf, g, leaf, world, leaf.grad_offset)
         acc = _ACCUMULATORS[-1] if _ACCUMULATORS else None
         if acc is not None:
@@ -199,10 +202,11 @@ class _Unit:
         if world == 1:
             out = buf.view(-1)
         else:
-            out = torch.empty(unit.grad_numel, dtype=unit.dtype, device=device)
+            out = torch.empty(unit.grad_numel, dtype=unit.reduce_dtype, device=device)
             C.reduce_scatter(out, buf.view(-1), self.group, tag=tag)
         if lay.replicas > 1:  # NO_SHARD, and the hybrid strategies' replicate axis
             C.all_reduce(out, self.replicate_group, tag=tag)
+        out = out.to(unit.dtype)  # the master dtype, whatever the reduce dtype was
         return [
             out[leaf.grad_offset : leaf.grad_offset + leaf.shard_numel].view(leaf.shard_shape)
             if leaf.grad_offset >= 0
@@ -332,9 +336,13 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
     root = units.pop("", None)
     if root is not None:
         params.update(zip(root.unit.leaves, _GatherUnit.apply(root, "gather", *root.shards)))
+    precision = layout.plan.precision
+    if precision.cast_inputs:
+        args, kwargs = cast_floating((args, kwargs), precision.param)
     _ACTIVE.append(units)
     try:
-        return functional_call(apply.module, {**params, **apply.buffers}, args, kwargs, tie_weights=True, strict=False)
+        out = functional_call(apply.module, {**params, **apply.buffers}, args, kwargs, tie_weights=True, strict=False)
+        return cast_floating(out, precision.output)
     finally:
         _ACTIVE.pop()
         for u in units.values():

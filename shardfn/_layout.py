@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -70,6 +71,8 @@ class UnitLayout:
     numel: int  # elements of the flat shard buffer per rank
     dtype: torch.dtype
     grad_numel: int  # elements of the flat gradient buffer per rank: trainable leaves only
+    param_dtype: torch.dtype  # what the unit is gathered and computed in (see _precision)
+    reduce_dtype: torch.dtype  # what its gradients are reduced in
 
     @property
     def name(self) -> str:
@@ -127,14 +130,14 @@ class Layout:
             out[kind] = (c + count, b + count * nbytes)
 
         for u in self.units:
-            item = u.dtype.itemsize
+            item, red = u.param_dtype.itemsize, u.reduce_dtype.itemsize
             if self.world > 1:
                 twice = self.strategy.reshard_after_forward and u.path != ""
                 add("all_gather", 2 if twice else 1, self.world * u.numel * item)
                 if u.grad_numel:
-                    add("reduce_scatter", 1, self.world * u.grad_numel * item)
+                    add("reduce_scatter", 1, self.world * u.grad_numel * red)
             if self.replicas > 1 and u.grad_numel:  # NO_SHARD; hybrid's shard-sized gradient
-                add("all_reduce", 1, u.grad_numel * item)
+                add("all_reduce", 1, u.grad_numel * red)
         return out
 
     def fingerprint(self) -> int:
@@ -145,7 +148,9 @@ class Layout:
     def __str__(self) -> str:
         mb = 1 / 2**20
         lines = [
-            f"Layout({self.strategy.value}, mesh {self.mesh_shape}, units={self.plan.units!r}): "
+            f"Layout({self.strategy.value}, mesh {self.mesh_shape}, units={self.plan.units!r}"
+            + (f", precision={self.plan.precision!r}" if self.plan.precision.param or self.plan.precision.reduce else "")
+            + "): "
             f"{self.num_params:,} params, {self.full_bytes() * mb:.2f} MiB full, "
             f"{self.shard_bytes() * mb:.2f} MiB of shards per rank",
             f"  {'unit':<24} {'params':>12} {'shard MiB/rank':>15} {'pad elems':>10}  leaves",
@@ -177,13 +182,16 @@ def build_layout(
     params: Mapping[str, torch.Tensor],
     unit_paths: list[str],
     aliases: Mapping[str, tuple[str, ...]],
+    unit_modules: Mapping[str, Any] | None = None,
 ) -> Layout:
     """Assigns each leaf to a unit and computes chunks and offsets.
 
     ``aliases`` maps a leaf to every module path it is reachable under (tied weights);
     a leaf whose aliases fall into different units goes to the root unit, which is
-    gathered for the whole forward, so each of its uses sees it.
+    gathered for the whole forward, so each of its uses sees it. ``unit_modules`` (path
+    -> module, when the module tree is known) lets precision overrides match by type.
     """
+    unit_modules = unit_modules or {}
 
     def owner(name: str) -> str:
         best = ""
@@ -228,7 +236,9 @@ def build_layout(
             leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), chunk, offset, goff)
             offset += numel
             grad_offset += numel if t.requires_grad else 0
-        units.append(UnitLayout(len(units), path, tuple(names), offset, dtypes.pop(), grad_offset))
+        master = dtypes.pop()
+        param_dtype, reduce_dtype = plan.precision.unit_dtypes(path, unit_modules.get(path), master)
+        units.append(UnitLayout(len(units), path, tuple(names), offset, master, grad_offset, param_dtype, reduce_dtype))
     ordered = {n: leaves[n] for n in params}
     return Layout(plan, mesh_shape, world, replicas, ordered, tuple(units))
 

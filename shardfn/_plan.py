@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
-from typing import Union
+from typing import Any, Union
 
 import torch.nn as nn
+
+from ._precision import Precision
 
 __all__ = [
     "Plan",
@@ -257,54 +259,62 @@ class Plan:
     """A strategy plus its policies; immutable, hashable, printable.
 
     Example:
-        >>> plan = Plan("FULL_SHARD", units=by_module_type(Block))
+        >>> plan = Plan("FULL_SHARD", units=by_module_type(Block), precision=Precision(param=torch.bfloat16))
         >>> sharded = shard(params, mesh, plan)
     """
 
     strategy: Strategy
     units: UnitPolicy = dataclasses.field(default_factory=_DefaultUnits)
+    precision: Precision = dataclasses.field(default_factory=Precision)
 
-    def __init__(self, strategy: Strategy | str = Strategy.FULL_SHARD, *, units: UnitsArg = None):
+    def __init__(
+        self, strategy: Strategy | str = Strategy.FULL_SHARD, *, units: UnitsArg = None, precision: Precision | None = None
+    ):
         object.__setattr__(self, "strategy", Strategy.parse(strategy))
         object.__setattr__(self, "units", _as_policy(units))
+        if precision is not None and not isinstance(precision, Precision):
+            raise TypeError(f"precision={precision!r}: pass a shardfn.Precision(param=..., reduce=...).")
+        object.__setattr__(self, "precision", precision or Precision())
 
     def __repr__(self) -> str:
-        return f"Plan({self.strategy.value}, units={self.units!r})"
+        extra = f", precision={self.precision!r}" if self.precision != Precision() else ""
+        return f"Plan({self.strategy.value}, units={self.units!r}{extra})"
 
 
-def FullShard(*, units: UnitsArg = None) -> Plan:
+def FullShard(**fields: Any) -> Plan:
     """``Plan("FULL_SHARD", ...)``."""
-    return Plan(Strategy.FULL_SHARD, units=units)
+    return Plan(Strategy.FULL_SHARD, **fields)
 
 
-def ShardGradOp(*, units: UnitsArg = None) -> Plan:
+def ShardGradOp(**fields: Any) -> Plan:
     """``Plan("SHARD_GRAD_OP", ...)``."""
-    return Plan(Strategy.SHARD_GRAD_OP, units=units)
+    return Plan(Strategy.SHARD_GRAD_OP, **fields)
 
 
-def NoShard(*, units: UnitsArg = None) -> Plan:
+def NoShard(**fields: Any) -> Plan:
     """``Plan("NO_SHARD", ...)``."""
-    return Plan(Strategy.NO_SHARD, units=units)
+    return Plan(Strategy.NO_SHARD, **fields)
 
 
-def HybridShard(*, units: UnitsArg = None) -> Plan:
+def HybridShard(**fields: Any) -> Plan:
     """``Plan("HYBRID_SHARD", ...)``: needs a 2-D mesh (``Mesh.from_env(replicate=...)``)."""
-    return Plan(Strategy.HYBRID_SHARD, units=units)
+    return Plan(Strategy.HYBRID_SHARD, **fields)
 
 
-def HybridShardZero2(*, units: UnitsArg = None) -> Plan:
+def HybridShardZero2(**fields: Any) -> Plan:
     """``Plan("HYBRID_SHARD_ZERO2", ...)``: needs a 2-D mesh."""
-    return Plan(Strategy.HYBRID_SHARD_ZERO2, units=units)
+    return Plan(Strategy.HYBRID_SHARD_ZERO2, **fields)
 
 
-def make_plan(strategy: Plan | Strategy | str, **fields) -> Plan:
+_FIELDS = ("units", "precision")
+
+
+def make_plan(strategy: Plan | Strategy | str, **fields: Any) -> Plan:
     """``shard()``'s ``strategy`` argument plus keyword fields -> a Plan."""
-    unknown = set(fields) - {"units"}
+    unknown = set(fields) - set(_FIELDS)
     if unknown:
-        raise TypeError(f"shard(): unknown plan field(s) {sorted(unknown)}; this version knows 'units'.")
+        raise TypeError(f"shard(): unknown plan field(s) {sorted(unknown)}; the fields are {list(_FIELDS)}.")
+    given = {k: v for k, v in fields.items() if v is not None}
     if isinstance(strategy, Plan):
-        if any(v is not None for v in fields.values()):
-            return dataclasses.replace(strategy, **{k: v for k, v in fields.items() if v is not None})
-        return strategy
-    return Plan(strategy, **fields)
-
+        return dataclasses.replace(strategy, **given) if given else strategy
+    return Plan(strategy, **given)

@@ -13,6 +13,7 @@ from . import _collectives as C
 from ._layout import Layout, build_layout, local_shard, unpack_leaf
 from ._mesh import Mesh
 from ._plan import Plan, Strategy, check_unit_modules, make_plan
+from ._precision import Precision
 
 __all__ = ["ShardedParams", "gather", "shard"]
 
@@ -75,7 +76,14 @@ pytree.register_pytree_node(
 )
 
 
-def shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Strategy | str = "FULL_SHARD", *, units: Any = None) -> ShardedParams:
+def shard(
+    params: Mapping[str, torch.Tensor],
+    mesh: Mesh,
+    strategy: Plan | Strategy | str = "FULL_SHARD",
+    *,
+    units: Any = None,
+    precision: Precision | None = None,
+) -> ShardedParams:
     """This rank's shards of ``params`` under ``strategy`` on ``mesh``.
 
     Args:
@@ -109,14 +117,17 @@ def shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Strat
     bad = [k for k, v in params.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise TypeError(f"shard(): params[{bad[0]!r}] is a {type(params[bad[0]]).__name__}, not a tensor.")
-    plan = make_plan(strategy, units=units)
+    plan = make_plan(strategy, units=units, precision=precision)
     module: nn.Module | None = getattr(params, "module", None)
     unit_paths = plan.units.resolve(module, list(params))
     check_unit_modules(module, unit_paths)
     _check_mesh(plan.strategy, mesh)
     world = mesh.axis_size("shard") if plan.strategy.sharded else 1
     replicas = mesh.size // world
-    layout = build_layout(plan, mesh.shape, world, replicas, params, unit_paths, _aliases(module, params))
+    unit_modules = {p: module.get_submodule(p) for p in unit_paths} if module is not None else {}
+    if module is not None:
+        unit_modules[""] = module
+    layout = build_layout(plan, mesh.shape, world, replicas, params, unit_paths, _aliases(module, params), unit_modules)
     verify_agreement(layout, mesh)
     rank = mesh.axis_rank("shard") if plan.strategy.sharded else 0
     data = {}

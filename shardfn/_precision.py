@@ -1,0 +1,100 @@
+"""Mixed-precision policies: what dtype parameters travel and compute in, and gradients reduce in.
+
+[Note: where the casts happen]
+Master shards (and the optimizer state built from them) keep their own dtype, fp32
+normally. A unit's shards are cast to ``param`` *before* its all-gather, so the
+collective moves ``param``-sized elements (half of fp32 for bf16/fp16), and the unit
+computes in ``param``. In backward the unit's gradients (in ``param``) are packed into a
+``reduce``-dtype buffer, reduced in that dtype, and returned to the master dtype, so the
+optimizer always sees master-dtype gradients. Floating-point inputs are cast to the root
+unit's ``param`` dtype (``cast_inputs``), and floating-point outputs to ``output``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+import torch
+import torch.nn as nn
+
+__all__ = ["Precision"]
+
+Selector = Union[str, type]
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """A mixed-precision policy (FSDP's ``MixedPrecisionPolicy``).
+
+    Args:
+        param: dtype a unit is gathered and computed in (``None``: the master dtype).
+        reduce: dtype of the reduce-scatter / all-reduce of gradients (``None``: ``param``,
+            or the master dtype when ``param`` is ``None``).
+        output: dtype floating-point outputs of the model are cast to (``None``: as computed).
+        cast_inputs: cast floating-point inputs of the model to the root unit's ``param``.
+        overrides: ``((selector, Precision), ...)``: a unit whose module path equals a
+            string selector, or whose module is an instance of a type selector, uses that
+            policy's ``param`` and ``reduce`` instead (for example fp32 for normalisation
+            layers made their own units). The first match wins.
+
+    Gradients are returned to the optimizer in the master dtype (autograd requires a leaf's
+    gradient in the leaf's dtype); ``reduce`` decides the precision of their averaging.
+
+    Example:
+        >>> bf16 = Precision(param=torch.bfloat16, reduce=torch.float32, output=torch.float32)
+        >>> sharded = shard(params, mesh, "FULL_SHARD", precision=bf16)
+    """
+
+    param: torch.dtype | None = None
+    reduce: torch.dtype | None = None
+    output: torch.dtype | None = None
+    cast_inputs: bool = True
+    overrides: tuple[tuple[Selector, "Precision"], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("param", "reduce", "output"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(f"Precision({name}={value!r}): expected a floating-point torch.dtype or None.")
+        if not isinstance(self.overrides, tuple):
+            object.__setattr__(self, "overrides", tuple(self.overrides))
+        for sel, pol in self.overrides:
+            if not isinstance(sel, (str, type)) or not isinstance(pol, Precision):
+                raise TypeError(
+                    f"Precision(overrides=...): each entry is (module path or module class, Precision), got {(sel, pol)!r}."
+                )
+
+    def unit_dtypes(self, path: str, module: nn.Module | None, master: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """``(param dtype, reduce dtype)`` for the unit at ``path``."""
+        policy = self
+        for sel, pol in self.overrides:
+            if (isinstance(sel, str) and sel == path) or (isinstance(sel, type) and isinstance(module, sel)):
+                policy = pol
+                break
+        param = policy.param or master
+        return param, policy.reduce or param
+
+    def __repr__(self) -> str:
+        fields = [f"{f.name}={_short(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                  if getattr(self, f.name) != f.default]
+        return f"Precision({', '.join(fields)})"
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    if isinstance(v, tuple):
+        return "(" + ", ".join(f"({getattr(s, '__name__', repr(s))}, {p!r})" for s, p in v) + ")"
+    return repr(v)
+
+
+def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
+    """Casts every floating-point tensor in a pytree to ``dtype`` (``None``: unchanged)."""
+    if dtype is None:
+        return tree
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree
+    )

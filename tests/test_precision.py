@@ -1,0 +1,131 @@
+"""Mixed precision: casts before the all-gather, reduce dtype, master shards, per-unit overrides."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+import shardfn as sf
+from shardfn.testing import split_batch
+from test_equivalence import gpt_batches, gpt_loss, gpt_model
+
+BF16 = sf.Precision(param=torch.bfloat16, reduce=torch.float32, output=torch.float32)
+FP16 = sf.Precision(param=torch.float16, reduce=torch.float16, output=torch.float32)
+LR, STEPS = 0.1, 3
+
+
+def reference(precision):
+    """Single process, same casts: params cast to `param` (autograd casts gradients back),
+    output cast to `output`, the loss in fp32, plain SGD on the fp32 masters."""
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    masters = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    start = {n: p.detach().clone() for n, p in masters.items()}
+    losses = []
+    for b in gpt_batches(STEPS):
+        compute = {n: p.to(precision.param) for n, p in masters.items()}
+        logits = functional_call(apply.module, {**compute, **apply.buffers}, (b["x"],)).to(precision.output)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["y"].flatten())
+        grads = torch.autograd.grad(loss, list(masters.values()))
+        with torch.no_grad():
+            for p, g in zip(masters.values(), grads):
+                p.sub_(LR * g)
+        losses.append(loss.item())
+    return losses, {n: masters[n].detach() - start[n] for n in masters}
+
+
+def sharded_run(strategy, precision, units=None):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    start = {n: p.detach().clone() for n, p in params.items()}
+    sharded = sf.shard(params, mesh, strategy, units=units, precision=precision)
+    opt = sf.optim.sgd(LR)
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    losses, calls = [], []
+    for b in gpt_batches(STEPS):
+        with sf.record_collectives() as log:
+            sharded, state, m = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+        losses.append(m["loss"])
+        calls = [(c.kind, c.tag, c.nbytes, str(c.dtype)) for c in log.calls]
+    full = sf.gather(sharded)
+    return {
+        "losses": losses,
+        "delta": {n: full[n] - start[n] for n in full},
+        "shard_dtypes": {str(t.dtype) for t in sharded.values()},
+        "calls": calls,
+        "expected": sharded.layout.collectives_per_step(),
+        "numel": {u.name: (u.numel, u.grad_numel) for u in sharded.layout.units},
+    }
+
+
+# bf16 keeps 8 significant bits (eps 2^-8 relative rounding), fp16 11 bits (2^-11).
+# The sharded run and the reference do the same casts; they differ in where low-precision
+# sums are rounded: each rank's backward sums its own slice of the batch in `param`
+# precision, the reference sums the global batch at once. Each gradient element is thus
+# off by a few roundings of the largest partial sums, so the parameter updates agree
+# to a few eps of their own scale. The bound below allows 8 eps of the largest update,
+# and 8 eps relative on the loss (its logits carry the same kind of rounding).
+EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("precision", [BF16, FP16], ids=["bf16", "fp16"])
+def test_low_precision_matches_a_reference_with_the_same_casts(clusters, precision, strategy, world):
+    ref_losses, ref_delta = reference(precision)
+    bound = 8 * EPS[precision.param]
+    for r in clusters[world].run(sharded_run, strategy, precision):
+        assert r["shard_dtypes"] == {"torch.float32"}  # master shards stay fp32
+        assert r["losses"] == pytest.approx(ref_losses, rel=bound)
+        scale = max(d.abs().max().item() for d in ref_delta.values())
+        worst = max((r["delta"][n] - d).abs().max().item() for n, d in ref_delta.items())
+        assert worst <= bound * scale, (worst, bound * scale)
+
+
+@pytest.mark.parametrize("precision", [None, BF16, FP16], ids=["fp32", "bf16", "fp16"])
+def test_every_collective_moves_the_configured_dtype(clusters, precision):
+    r = clusters[2].run(sharded_run, "FULL_SHARD", precision)[0]
+    param = str(precision.param if precision else torch.float32)
+    reduce = str(precision.reduce if precision else torch.float32)
+    size = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+    for kind, tag, nbytes, dtype in r["calls"]:
+        if kind == "all_reduce":  # the step's metrics: two fp32 scalars
+            assert tag == "metrics" and dtype == "torch.float32"
+            continue
+        unit = tag.split(":", 1)[1]
+        numel, grad_numel = r["numel"].get(unit, (None, None))
+        if kind == "all_gather":
+            assert dtype == param and nbytes == 2 * numel * size[param]
+        elif kind == "reduce_scatter":
+            assert dtype == reduce and nbytes == 2 * grad_numel * size[reduce]
+    gathered = sum(n for k, _, n, _ in r["calls"] if k == "all_gather")
+    assert gathered == r["expected"]["all_gather"][1]
+    assert sum(n for k, _, n, _ in r["calls"] if k == "reduce_scatter") == r["expected"]["reduce_scatter"][1]
+
+
+def test_all_gather_bytes_halve_in_bf16(clusters):
+    fp32 = clusters[2].run(sharded_run, "FULL_SHARD", None)[0]["expected"]
+    bf16 = clusters[2].run(sharded_run, "FULL_SHARD", BF16)[0]["expected"]
+    assert bf16["all_gather"][1] * 2 == fp32["all_gather"][1]
+    assert bf16["reduce_scatter"] == fp32["reduce_scatter"]  # reduced in fp32
+
+
+def test_per_unit_override_keeps_fp32_for_norm_layers(clusters):
+    policy = sf.Precision(param=torch.bfloat16, reduce=torch.float32, output=torch.float32,
+                          overrides=((nn.LayerNorm, sf.Precision()),))
+    units = sf.by_prefix("blocks.0", "blocks.1", "ln_f")
+    r = clusters[2].run(sharded_run, "SHARD_GRAD_OP", policy, units)[0]
+    gathers = {tag: dtype for kind, tag, _, dtype in r["calls"] if kind == "all_gather"}
+    assert gathers == {"gather:<root>": "torch.bfloat16", "gather:blocks.0": "torch.bfloat16",
+                       "gather:blocks.1": "torch.bfloat16", "gather:ln_f": "torch.float32"}
+    assert all(l == l for l in r["losses"])  # finite
+
+
+def test_precision_validation():
+    with pytest.raises(TypeError, match="floating-point torch.dtype"):
+        sf.Precision(param=torch.int8)
+    with pytest.raises(TypeError, match="module path or module class"):
+        sf.Precision(overrides=((3, sf.Precision()),))
+    assert "param=bfloat16" in repr(sf.Plan("FULL_SHARD", precision=BF16))
