@@ -17,6 +17,7 @@ from ._plan import HybridShard as HybridShard
 from ._plan import HybridShardZero2 as HybridShardZero2
 from ._plan import NoShard as NoShard
 from ._plan import Plan as Plan
+from ._plan import Remat as Remat
 from ._plan import ShardGradOp as ShardGradOp
 from ._plan import Strategy as Strategy
 from ._plan import UnitPolicy as UnitPolicy
@@ -45,6 +46,7 @@ __all__ = [
     "Params",
     "Plan",
     "Precision",
+    "Remat",
     "Residency",
     "ShardGradOp",
     "ShardedParams",

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.func import functional_call
 
 from . import _buffers
@@ -117,12 +118,16 @@ class _Unit:
         return self.originals is not None
 
     def enter(self) -> None:
-        """Places the gathered parameters into the module; packs saved ones as handles."""
+        """Places the gathered parameters into the module; packs saved ones as handles.
+
+        A rematerialised unit's saved tensors belong to its checkpoint (which keeps none
+        and recomputes, gather included), so it gets no handles of ours.
+        """
         assert self.outputs is not None
         self.originals = [sub._parameters[attr] for sub, attr, _ in self.slots]
         for sub, attr, i in self.slots:
             sub._parameters[attr] = self.outputs[i]
-        if self.layout.strategy.sharded:
+        if self.layout.strategy.sharded and not self.unit.remat:
             self.hooks = _saved_tensor_hooks(self)
             self.hooks.__enter__()
 
@@ -248,8 +253,10 @@ class _GatherUnit(torch.autograd.Function):
     def forward(ctx, unit: _Unit, event: str, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.unit = unit
         full = unit.full if unit.full is not None else unit.all_gather(event)
-        # Outputs must be distinct from the inputs for autograd; at world 1 they are views.
-        return tuple(full)
+        # Fresh tensor objects on the same storage: autograd attaches this node to them,
+        # and a second application (a recompute that reuses the kept parameters) must
+        # not rewire the tensors of the first.
+        return tuple(t.detach() for t in full)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -308,7 +315,7 @@ def _active_unit(path: str) -> _Unit | None:
 def _pre_hook(path: str):
     def hook(module: nn.Module, args: Any) -> None:
         unit = _active_unit(path)
-        if unit is None:
+        if unit is None or unit.unit.remat:  # a remat unit gathers inside its checkpoint
             return
         if unit.outputs is None:  # SHARD_GRAD_OP reuses a unit called twice in one forward
             unit.outputs = _GatherUnit.apply(unit, "gather", *unit.shards)
@@ -320,10 +327,55 @@ def _pre_hook(path: str):
 def _post_hook(path: str):
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         unit = _active_unit(path)
-        if unit is not None and unit.entered:
+        if unit is not None and unit.entered and not unit.unit.remat:
             unit.exit()
 
     return hook
+
+
+def _remat_forward(path: str, forward: Any):
+    """The unit module's forward, run under ``torch.utils.checkpoint`` in a sharded call.
+
+    The checkpointed region gathers the unit, runs the original forward and reshards,
+    so the recompute in backward gathers again (FULL_SHARD) or reuses the kept
+    parameters (SHARD_GRAD_OP) without any handle of ours.
+    """
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        unit = _active_unit(path)
+        if unit is None or not unit.unit.remat:
+            return forward(*args, **kwargs)
+
+        def region(*args: Any, **kwargs: Any) -> Any:
+            event = "regather" if torch._C._current_graph_task_id() != -1 else "gather"
+            unit.outputs = _GatherUnit.apply(unit, event, *unit.shards)
+            unit.enter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                unit.exit()
+                if not unit.layout.strategy.reshard_after_forward:
+                    unit.outputs = None  # the kept parameters live on in unit.full
+
+        context_fn = _selective(unit.layout.plan.remat.save) if unit.unit.remat == "selective" else _noop_contexts
+        return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return wrapped
+
+
+def _noop_contexts() -> tuple[Any, Any]:
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def _selective(save: tuple[str, ...]):
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    ops = {getattr(torch.ops.aten, name).default for name in save if hasattr(torch.ops.aten, name)}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return lambda: create_selective_checkpoint_contexts(policy)
 
 
 def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
@@ -386,6 +438,8 @@ def _prepare(apply: Any, layout: Layout) -> dict[str, list[tuple[nn.Module, str,
         if u.path not in apply.hooked:
             m.register_forward_pre_hook(_pre_hook(u.path))
             m.register_forward_hook(_post_hook(u.path), always_call=True)
+            # Inert unless the unit is rematerialised in the active call's layout.
+            m.forward = _remat_forward(u.path, m.forward)
             apply.hooked.add(u.path)
         slots[u.path] = []
         for i, leaf in enumerate(u.leaves):

@@ -73,6 +73,7 @@ class UnitLayout:
     grad_numel: int  # elements of the flat gradient buffer per rank: trainable leaves only
     param_dtype: torch.dtype  # what the unit is gathered and computed in (see _precision)
     reduce_dtype: torch.dtype  # what its gradients are reduced in
+    remat: str = ""  # "", "full" or "selective" (see shardfn.Remat)
 
     @property
     def name(self) -> str:
@@ -183,6 +184,7 @@ def build_layout(
     unit_paths: list[str],
     aliases: Mapping[str, tuple[str, ...]],
     unit_modules: Mapping[str, Any] | None = None,
+    remat: Mapping[str, str] | None = None,
 ) -> Layout:
     """Assigns each leaf to a unit and computes chunks and offsets.
 
@@ -238,7 +240,10 @@ def build_layout(
             grad_offset += numel if t.requires_grad else 0
         master = dtypes.pop()
         param_dtype, reduce_dtype = plan.precision.unit_dtypes(path, unit_modules.get(path), master)
-        units.append(UnitLayout(len(units), path, tuple(names), offset, master, grad_offset, param_dtype, reduce_dtype))
+        units.append(UnitLayout(
+            len(units), path, tuple(names), offset, master, grad_offset, param_dtype, reduce_dtype,
+            (remat or {}).get(path, ""),
+        ))
     ordered = {n: leaves[n] for n in params}
     return Layout(plan, mesh_shape, world, replicas, ordered, tuple(units))
 

@@ -20,6 +20,7 @@ from ._precision import Precision
 
 __all__ = [
     "Plan",
+    "Remat",
     "Strategy",
     "UnitPolicy",
     "by_module_type",
@@ -255,6 +256,61 @@ def _as_policy(units: UnitsArg) -> UnitPolicy:
 
 
 @dataclasses.dataclass(frozen=True)
+class Remat:
+    """Activation rematerialisation (checkpointing), per unit.
+
+    Args:
+        units: which units to recompute: a unit policy (``by_module_type(Block)``,
+            ``by_prefix(...)``); ``None`` means every unit except the root. Each selected
+            module must be a unit of the plan (remat works at unit granularity).
+        mode: ``"full"`` saves only the unit's inputs and recomputes its whole forward
+            in backward; ``"selective"`` also saves the outputs of the ops in ``save``
+            (the matmuls) and recomputes the cheap rest.
+        every: recompute every ``every``-th selected unit (1: all of them).
+        save: names of ``torch.ops.aten`` ops whose outputs selective mode keeps.
+
+    Under FULL_SHARD the recompute gathers the unit again (the all-gather is part of the
+    recomputed region), so a step still costs two all-gathers and one reduce-scatter per
+    unit; under SHARD_GRAD_OP the kept parameters are reused.
+
+    Example:
+        >>> shard(params, mesh, "FULL_SHARD", remat=Remat(by_module_type(Block), mode="selective"))
+    """
+
+    units: UnitPolicy | None = None
+    mode: str = "full"
+    every: int = 1
+    save: tuple[str, ...] = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu")
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("full", "selective"):
+            raise ValueError(f"Remat(mode={self.mode!r}): use 'full' or 'selective'.")
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"Remat(every={self.every!r}): a positive int.")
+        object.__setattr__(self, "units", None if self.units is None else _as_policy(self.units))
+
+    def select(self, module: nn.Module | None, names: Sequence[str], unit_paths: Sequence[str]) -> dict[str, str]:
+        """Unit path -> mode, for the units to recompute."""
+        chosen = list(unit_paths) if self.units is None else self.units.resolve(module, names)
+        missing = [p for p in chosen if p not in unit_paths]
+        if missing:
+            raise ValueError(
+                f"remat: {missing[:4]} are not units of this plan (units are {list(unit_paths)[:6]}...). Remat "
+                "recomputes whole units: choose remat modules among the units, or make them units with units=."
+            )
+        chosen = [p for p in unit_paths if p in chosen]
+        return {p: self.mode for i, p in enumerate(chosen) if i % self.every == 0}
+
+
+def _as_remat(remat: Any) -> Remat | None:
+    if remat is None or isinstance(remat, Remat):
+        return remat
+    if remat is True:
+        return Remat()
+    return Remat(units=remat)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A strategy plus its policies; immutable, hashable, printable.
 
@@ -266,18 +322,26 @@ class Plan:
     strategy: Strategy
     units: UnitPolicy = dataclasses.field(default_factory=_DefaultUnits)
     precision: Precision = dataclasses.field(default_factory=Precision)
+    remat: Remat | None = None
 
     def __init__(
-        self, strategy: Strategy | str = Strategy.FULL_SHARD, *, units: UnitsArg = None, precision: Precision | None = None
+        self,
+        strategy: Strategy | str = Strategy.FULL_SHARD,
+        *,
+        units: UnitsArg = None,
+        precision: Precision | None = None,
+        remat: Remat | UnitPolicy | bool | None = None,
     ):
         object.__setattr__(self, "strategy", Strategy.parse(strategy))
         object.__setattr__(self, "units", _as_policy(units))
         if precision is not None and not isinstance(precision, Precision):
             raise TypeError(f"precision={precision!r}: pass a shardfn.Precision(param=..., reduce=...).")
         object.__setattr__(self, "precision", precision or Precision())
+        object.__setattr__(self, "remat", _as_remat(remat))
 
     def __repr__(self) -> str:
         extra = f", precision={self.precision!r}" if self.precision != Precision() else ""
+        extra += f", remat={self.remat!r}" if self.remat is not None else ""
         return f"Plan({self.strategy.value}, units={self.units!r}{extra})"
 
 
@@ -306,7 +370,7 @@ def HybridShardZero2(**fields: Any) -> Plan:
     return Plan(Strategy.HYBRID_SHARD_ZERO2, **fields)
 
 
-_FIELDS = ("units", "precision")
+_FIELDS = ("units", "precision", "remat")
 
 
 def make_plan(strategy: Plan | Strategy | str, **fields: Any) -> Plan:

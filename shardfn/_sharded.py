@@ -83,6 +83,7 @@ def shard(
     *,
     units: Any = None,
     precision: Precision | None = None,
+    remat: Any = None,
 ) -> ShardedParams:
     """This rank's shards of ``params`` under ``strategy`` on ``mesh``.
 
@@ -117,7 +118,7 @@ def shard(
     bad = [k for k, v in params.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise TypeError(f"shard(): params[{bad[0]!r}] is a {type(params[bad[0]]).__name__}, not a tensor.")
-    plan = make_plan(strategy, units=units, precision=precision)
+    plan = make_plan(strategy, units=units, precision=precision, remat=remat)
     module: nn.Module | None = getattr(params, "module", None)
     unit_paths = plan.units.resolve(module, list(params))
     check_unit_modules(module, unit_paths)
@@ -127,7 +128,10 @@ def shard(
     unit_modules = {p: module.get_submodule(p) for p in unit_paths} if module is not None else {}
     if module is not None:
         unit_modules[""] = module
-    layout = build_layout(plan, mesh.shape, world, replicas, params, unit_paths, _aliases(module, params), unit_modules)
+    remat_units = plan.remat.select(module, list(params), unit_paths) if plan.remat is not None else {}
+    layout = build_layout(
+        plan, mesh.shape, world, replicas, params, unit_paths, _aliases(module, params), unit_modules, remat_units
+    )
     verify_agreement(layout, mesh)
     rank = mesh.axis_rank("shard") if plan.strategy.sharded else 0
     data = {}
