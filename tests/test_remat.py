@@ -105,4 +105,6 @@ def test_remat_saves_activation_memory(clusters):
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
         none, sel, full = (results[(strategy, n)] for n in ("none", "selective", "full"))
         assert none > sel > full > 0
-        assert full < none / 3  # each block keeps only its input; the root (embeddings, head, loss) keeps its own
+    # Under FULL_SHARD each block keeps only its input (SHARD_GRAD_OP also keeps the gathered
+    # parameters); the root (embeddings, head, loss) keeps its own activations.
+    assert results[("FULL_SHARD", "full")] < results[("FULL_SHARD", "none")] / 3
