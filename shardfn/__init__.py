@@ -24,6 +24,7 @@ from ._plan import UnitPolicy as UnitPolicy
 from ._plan import by_module_type as by_module_type
 from ._plan import by_param_count as by_param_count
 from ._plan import by_prefix as by_prefix
+from ._precision import DynamicLossScale as DynamicLossScale
 from ._precision import Precision as Precision
 from ._sharded import ShardedParams as ShardedParams
 from ._sharded import gather as gather
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Apply",
     "CollectiveLog",
+    "DynamicLossScale",
     "FullShard",
     "HybridShard",
     "HybridShardZero2",

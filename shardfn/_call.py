@@ -40,6 +40,7 @@ from torch.func import functional_call
 
 from . import _buffers
 from . import _collectives as C
+from . import _psum
 from ._layout import Layout, UnitLayout, pack_leaf, unpack_leaf
 from ._precision import cast_floating
 
@@ -204,13 +205,15 @@ class _Unit:
             if not acc.last:
                 acc.buffers[unit.path] = buf
                 return [None] * len(leaves)
+        step = _psum.current()
+        op = "sum" if step is not None and step.predivided else "avg"
         if world == 1:
             out = buf.view(-1)
         else:
             out = torch.empty(unit.grad_numel, dtype=unit.reduce_dtype, device=device)
-            C.reduce_scatter(out, buf.view(-1), self.group, tag=tag)
+            C.reduce_scatter(out, buf.view(-1), self.group, tag=tag, op=op)
         if lay.replicas > 1:  # NO_SHARD, and the hybrid strategies' replicate axis
-            C.all_reduce(out, self.replicate_group, tag=tag)
+            C.all_reduce(out, self.replicate_group, tag=tag, op=op)
         out = out.to(unit.dtype)  # the master dtype, whatever the reduce dtype was
         return [
             out[leaf.grad_offset : leaf.grad_offset + leaf.shard_numel].view(leaf.shard_shape)

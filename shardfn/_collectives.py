@@ -95,15 +95,18 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, tag: s
         dist.all_gather_single(out, inp, group=group)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, tag: str) -> None:
-    """``out`` receives this rank's chunk of the average of ``inp`` over ``group``."""
+_OPS = {"avg": ReduceOp.AVG, "sum": ReduceOp.SUM, "max": ReduceOp.MAX}
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, tag: str, op: str = "avg") -> None:
+    """``out`` receives this rank's chunk of the average (or ``op``) of ``inp`` over ``group``."""
     _record("reduce_scatter", group, inp, tag)
     with _range("reduce_scatter", tag):
-        dist.reduce_scatter_single(out, inp, op=ReduceOp.AVG, group=group)
+        dist.reduce_scatter_single(out, inp, op=_OPS[op], group=group)
 
 
 def all_reduce(t: torch.Tensor, group: ProcessGroup, tag: str, op: str = "avg") -> None:
     """In-place all-reduce of ``t`` over ``group``: ``op`` is "avg", "sum" or "max"."""
     _record("all_reduce", group, t, tag)
     with _range("all_reduce", tag):
-        dist.all_reduce(t, op={"avg": ReduceOp.AVG, "sum": ReduceOp.SUM, "max": ReduceOp.MAX}[op], group=group)
+        dist.all_reduce(t, op=_OPS[op], group=group)

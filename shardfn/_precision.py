@@ -18,7 +18,7 @@ from typing import Any, Union
 import torch
 import torch.nn as nn
 
-__all__ = ["Precision"]
+__all__ = ["DynamicLossScale", "Precision"]
 
 Selector = Union[str, type]
 
@@ -98,3 +98,49 @@ def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
     return pytree.tree_map(
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """fp16 dynamic loss scaling (``torch.amp.GradScaler``'s rule), for ``jit_step(loss_scale=...)``.
+
+    The loss is multiplied by the current scale before backward and the gradients divided
+    by it after the reduce. If any gradient on any rank is inf or nan the step is skipped
+    (parameters and optimizer state unchanged) and the scale multiplied by ``backoff``;
+    after ``growth_interval`` good steps in a row it is multiplied by ``growth``. The check
+    needs no collective of its own: it rides on the step's metrics all-reduce (a non-finite
+    gradient anywhere makes the global sum of squares non-finite on every rank).
+
+    Example:
+        >>> step = jit_step(loss_fn, mesh, optimizer=opt, loss_scale=DynamicLossScale())
+        >>> sharded, opt_state, m = step(sharded, opt_state, batch)   # m["loss_scale"], m["skipped"]
+    """
+
+    init_scale: float = 2.0**16
+    growth: float = 2.0
+    backoff: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if not (self.init_scale > 0 and self.growth > 1 and 0 < self.backoff < 1 and self.growth_interval >= 1):
+            raise ValueError(
+                f"{self!r}: need init_scale > 0, growth > 1, 0 < backoff < 1 and growth_interval >= 1."
+            )
+
+
+@dataclasses.dataclass
+class LossScaleState:
+    """The scaler's running state, held by the step."""
+
+    scale: float
+    good_steps: int = 0
+
+    def update(self, config: DynamicLossScale, finite: bool) -> None:
+        if not finite:
+            self.scale *= config.backoff
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps == config.growth_interval:
+            self.scale *= config.growth
+            self.good_steps = 0

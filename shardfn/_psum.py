@@ -30,6 +30,10 @@ __all__ = ["global_norm", "psum"]
 class StepContext:
     mesh: object  # shardfn.Mesh
     sharded: bool  # whether ranks along the "shard" axis hold different shards
+    # The step divides each rank's loss by the number of ranks before backward, so
+    # gradient reductions sum: gradients (and fp16 intermediate magnitudes) are those
+    # of the global mean loss, as on one device. Outside a step, reductions average.
+    predivided: bool = False
     norms: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # id(tree) -> global norm
     trees: list = dataclasses.field(default_factory=list)  # keeps the cached trees' ids valid
 

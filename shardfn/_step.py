@@ -15,6 +15,7 @@ from . import _psum
 from ._call import accumulate_locally
 from ._layout import Layout
 from ._mesh import Mesh
+from ._precision import DynamicLossScale, LossScaleState
 from ._sharded import ShardedParams
 from .optim import GradientTransformation, apply_updates, apply_updates_, hyperparams
 
@@ -40,6 +41,7 @@ class Step:
         micro_batches: int,
         accumulate: str,
         sync_buffers: bool,
+        loss_scale: DynamicLossScale | None,
     ):
         self.loss_fn = loss_fn
         self.mesh = mesh
@@ -48,11 +50,13 @@ class Step:
         self.micro_batches = micro_batches
         self.accumulate = accumulate
         self.sync_buffers = sync_buffers
+        self.loss_scale = loss_scale
+        self.scaler = LossScaleState(loss_scale.init_scale) if loss_scale is not None else None
         self.layout: Layout | None = None  # recorded on the first call
 
     def __call__(self, sharded: ShardedParams, opt_state: Any, batch: Any) -> tuple[ShardedParams, Any, dict[str, Any]]:
         self._check(sharded, opt_state)
-        ctx = _psum.StepContext(self.mesh, sharded.layout.strategy.sharded)
+        ctx = _psum.StepContext(self.mesh, sharded.layout.strategy.sharded, predivided=True)
         with C.record_collectives() as log, _psum.step_context(ctx), _buffers.track() as buffers:
             loss, grads = self._grads(sharded, batch)
             # The loss metric and the gradients' sum of squares share one all-reduce per axis.
@@ -60,10 +64,19 @@ class Step:
             ctx.norms[id(grads)] = norm
             metrics: dict[str, Any] = {"loss": loss, "grad_norm": float(norm)}
             metrics.update(hyperparams(self.optimizer, opt_state))
-            updates, opt_state = self.optimizer.update(grads, opt_state, sharded)
+            skip = False
+            if self.scaler is not None:
+                # The same value on every rank: the norm came out of an all-reduce.
+                skip = not bool(torch.isfinite(norm))
+                metrics.update(loss_scale=self.scaler.scale, skipped=skip)
+                self.scaler.update(self.loss_scale, not skip)
+            if not skip:
+                updates, opt_state = self.optimizer.update(grads, opt_state, sharded)
             if self.sync_buffers:
                 buffers.sync(self.mesh)
-        if self.donate:
+        if skip:
+            new = sharded
+        elif self.donate:
             apply_updates_(sharded, updates)
             new = sharded
         else:
@@ -89,12 +102,17 @@ class Step:
                     acc.last = i == k - 1
                 if not leaves:
                     continue
-                # Gradients of the mean over micro-batches: each backward carries 1/k.
-                grads = torch.autograd.grad(loss / k if k > 1 else loss, leaves, allow_unused=True)
+                # Gradients of the mean over micro-batches: each backward carries 1/k (and
+                # the loss scale, divided out below).
+                # Also 1/N: each rank's loss is a mean over its slice, and the reduce sums.
+                scale = (self.scaler.scale if self.scaler is not None else 1.0) / (k * self.mesh.size)
+                grads = torch.autograd.grad(loss * scale if scale != 1.0 else loss, leaves, allow_unused=True)
                 for j, g in enumerate(grads):
                     if g is not None:
                         total[j] = g if total[j] is None else total[j].add_(g)
         out = {n: g if g is not None else torch.zeros_like(sharded[n]) for n, g in zip(trainable, total)}
+        if self.scaler is not None:
+            out = {n: g.div_(self.scaler.scale) for n, g in out.items()}
         return torch.stack(losses).mean(), out
 
     def _loss(self, sharded: ShardedParams, batch: Any, trainable: list[str]) -> torch.Tensor:
@@ -203,6 +221,7 @@ def jit_step(
     micro_batches: int = 1,
     accumulate: str = "reduce_each",
     sync_buffers: bool = True,
+    loss_scale: DynamicLossScale | None = None,
 ) -> Step:
     """Builds ``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``.
 
@@ -230,6 +249,10 @@ def jit_step(
             place (running statistics) over all ranks after the backward, so every rank
             holds the same values (one all-reduce per mesh axis, only when some changed).
 
+        loss_scale: a :class:`shardfn.DynamicLossScale` for fp16 training: skips steps
+            whose gradients overflow on any rank; ``metrics`` then has ``loss_scale`` (the
+            scale this step used) and ``skipped``.
+
     ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
     gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),
     ``tokens`` (global count: elements of the batch's first integer tensor, else rows)
@@ -252,4 +275,6 @@ def jit_step(
         raise ValueError(f"jit_step: micro_batches must be a positive int, got {micro_batches!r}")
     if accumulate not in ("reduce_each", "local"):
         raise ValueError(f"jit_step: accumulate must be 'reduce_each' or 'local', got {accumulate!r}")
-    return Step(loss_fn, mesh, optimizer, donate, micro_batches, accumulate, sync_buffers)
+    if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+        raise TypeError(f"jit_step: loss_scale must be a shardfn.DynamicLossScale, got {loss_scale!r}")
+    return Step(loss_fn, mesh, optimizer, donate, micro_batches, accumulate, sync_buffers, loss_scale)

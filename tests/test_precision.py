@@ -129,3 +129,53 @@ def test_precision_validation():
     with pytest.raises(TypeError, match="module path or module class"):
         sf.Precision(overrides=((3, sf.Precision()),))
     assert "param=bfloat16" in repr(sf.Plan("FULL_SHARD", precision=BF16))
+
+
+def reference_fp16_scaled(init_scale, growth_interval, steps):
+    """Single process, fp16 casts, torch.amp.GradScaler and torch SGD on fp32 masters."""
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    masters = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    opt = torch.optim.SGD(masters.values(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    trace = []
+    for b in gpt_batches(steps):
+        compute = {n: p.to(torch.float16) for n, p in masters.items()}
+        logits = functional_call(apply.module, {**compute, **apply.buffers}, (b["x"],)).float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["y"].flatten())
+        opt.zero_grad()
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        trace.append((loss.item(), scale, scaler.get_scale() < scale))
+    return trace, {n: p.detach() for n, p in masters.items()}
+
+
+def sharded_fp16_scaled(strategy, init_scale, growth_interval, steps):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, strategy, precision=FP16)
+    opt = sf.optim.sgd(LR)
+    state = opt.init(sharded)
+    scale = sf.DynamicLossScale(init_scale=init_scale, growth_interval=growth_interval)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, loss_scale=scale)
+    trace = []
+    for b in gpt_batches(steps):
+        sharded, state, m = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+        trace.append((m["loss"], m["loss_scale"], m["skipped"]))
+    return trace, sf.gather(sharded)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp16_dynamic_loss_scale_skips_overflow_on_every_rank(clusters, world):
+    init, interval, steps = 2.0**24, 2, 6
+    ref_trace, ref_params = reference_fp16_scaled(init, interval, steps)
+    skipped = [s for _, _, s in ref_trace]
+    assert skipped[0] and not all(skipped)  # the scenario overflows at first, then recovers
+    for trace, params in clusters[world].run(sharded_fp16_scaled, "FULL_SHARD", init, interval, steps):
+        assert [(s, k) for _, s, k in trace] == [(s, k) for _, s, k in ref_trace]  # same scales, same skips
+        assert [l for l, _, _ in trace] == pytest.approx([l for l, _, _ in ref_trace], rel=8 * EPS[torch.float16])
+        for n, p in ref_params.items():
+            torch.testing.assert_close(params[n], p, rtol=0, atol=8 * EPS[torch.float16] * 0.1)
