@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import shardfn as sf
-from shardfn.testing.models import GPT, MLP, GPTConfig, lm_loss
+from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
 
 def _catch(fn, *args, **kwargs):

@@ -24,6 +24,7 @@ from ._base import apply_updates_ as apply_updates_
 from ._base import chain as chain
 from ._base import hyperparams as hyperparams
 from ._base import scale as scale
+from ._base import stateless as stateless
 from ._clip import clip_by_global_norm as clip_by_global_norm
 from ._masked import masked as masked
 from ._sgd import SgdState as SgdState
@@ -52,4 +53,5 @@ __all__ = [
     "psum",
     "scale",
     "sgd",
+    "stateless",
 ]

@@ -289,24 +289,33 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update, chain_hyperparams)
 
 
+def stateless(fn: Callable[[Params, Params | None], Updates]) -> GradientTransformation:
+    """A transformation without state from ``fn(grads, params) -> updates``.
+
+    Example:
+        >>> negate = stateless(lambda grads, params: {k: -g for k, g in grads.items()})
+    """
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(grads: Params, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        _check_mapping(grads, "grads")
+        if not grads:
+            return {}, state
+        with torch.no_grad():
+            return fn(grads, params), state
+
+    return GradientTransformation(init, update, _no_hyperparams)
+
+
 def scale(factor: float) -> GradientTransformation:
     """Multiplies every update by ``factor``.
 
     Example:
         >>> opt = chain(add_decayed_weights(1e-4), scale(-0.1))  # plain SGD
     """
-
-    def init(params: Params) -> EmptyState:
-        return EmptyState()
-
-    def update(
-        grads: Params, state: EmptyState, params: Params | None = None
-    ) -> tuple[Updates, EmptyState]:
-        _check_mapping(grads, "grads")
-        with torch.no_grad():
-            return {k: g * factor for k, g in grads.items()}, state
-
-    return GradientTransformation(init, update, _no_hyperparams)
+    return stateless(lambda grads, params: {k: g * factor for k, g in grads.items()})
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -321,20 +330,13 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """
     _check_hyper("weight_decay", weight_decay, "add_decayed_weights", lo=0.0)
 
-    def init(params: Params) -> EmptyState:
-        return EmptyState()
-
-    def update(
-        grads: Params, state: EmptyState, params: Params | None = None
-    ) -> tuple[Updates, EmptyState]:
-        _check_mapping(grads, "grads")
+    def decay(grads: Params, params: Params | None) -> Updates:
         if weight_decay == 0:
-            return dict(grads), state
+            return dict(grads)
         params = _check_params(grads, params, "add_decayed_weights")
-        with torch.no_grad():
-            return {k: g.add(params[k], alpha=weight_decay) for k, g in grads.items()}, state
+        return {k: g.add(params[k], alpha=weight_decay) for k, g in grads.items()}
 
-    return GradientTransformation(init, update, _no_hyperparams)
+    return stateless(decay)
 
 
 def _check_updates(params: Params, updates: Params, fn: str) -> None:

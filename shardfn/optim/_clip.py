@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from .._psum import global_norm
-from ._base import (
-    EmptyState,
-    GradientTransformation,
-    Params,
-    Updates,
-    _check_hyper,
-    _check_mapping,
-    _no_hyperparams,
-)
+from ._base import GradientTransformation, Params, Updates, _check_hyper, stateless
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -39,18 +29,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """
     _check_hyper("max_norm", max_norm, "clip_by_global_norm", lo=0.0)
 
-    def init(params: Params) -> EmptyState:
-        return EmptyState()
+    def clip(grads: Params, params: Params | None) -> Updates:
+        # The same expression as clip_grad_norm_, clamped rather than branched on.
+        factor = (max_norm / (global_norm(grads) + 1e-6)).clamp(max=1.0)
+        return {k: g * factor.to(g.device) for k, g in grads.items()}
 
-    def update(
-        grads: Params, state: EmptyState, params: Params | None = None
-    ) -> tuple[Updates, EmptyState]:
-        _check_mapping(grads, "grads")
-        if not grads:
-            return {}, state
-        with torch.no_grad():
-            # The same expression as clip_grad_norm_, clamped rather than branched on.
-            factor = (max_norm / (global_norm(grads) + 1e-6)).clamp(max=1.0)
-            return {k: g * factor.to(g.device) for k, g in grads.items()}, state
-
-    return GradientTransformation(init, update, _no_hyperparams)
+    return stateless(clip)
