@@ -1,5 +1,6 @@
 """shardfn: JAX-style functional sharding (FSDP semantics) for PyTorch."""
 
+from . import checkpoint as checkpoint
 from . import optim as optim
 from ._call import Residency as Residency
 from ._call import track_residency as track_residency
@@ -57,6 +58,7 @@ __all__ = [
     "UnitLayout",
     "UnitPolicy",
     "by_module_type",
+    "checkpoint",
     "by_param_count",
     "by_prefix",
     "functionalize",

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-__all__ = ["CollectiveLog", "all_gather", "all_reduce", "reduce_scatter", "record_collectives"]
+__all__ = ["CollectiveLog", "all_gather", "all_reduce", "barrier", "reduce_scatter", "record_collectives"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,3 +110,9 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup, tag: str, op: str = "avg") 
     _record("all_reduce", group, t, tag)
     with _range("all_reduce", tag):
         dist.all_reduce(t, op=_OPS[op], group=group)
+
+
+def barrier(group: ProcessGroup | None) -> None:
+    """Waits for every rank of ``group`` (checkpoint publication; not counted as traffic)."""
+    with _range("barrier", "checkpoint"):
+        dist.barrier(group=group)

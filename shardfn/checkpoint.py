@@ -1,0 +1,12 @@
+"""Sharded checkpoints (``torch.distributed.checkpoint``) and exports.
+
+Example:
+    >>> shardfn.checkpoint.save("ckpt/step-100", sharded, opt_state, extra={"step": 100})
+    >>> sharded, opt_state, extra = shardfn.checkpoint.load("ckpt/step-100", sharded, opt_state)
+"""
+
+from ._checkpoint import export_safetensors as export_safetensors
+from ._checkpoint import load as load
+from ._checkpoint import save as save
+
+__all__ = ["export_safetensors", "load", "save"]
