@@ -9,6 +9,7 @@ from ._collectives import record_collectives as record_collectives
 from ._functionalize import Apply as Apply
 from ._functionalize import Params as Params
 from ._functionalize import functionalize as functionalize
+from ._init import materialize as materialize
 from ._layout import Layout as Layout
 from ._layout import LeafLayout as LeafLayout
 from ._layout import UnitLayout as UnitLayout
@@ -64,6 +65,7 @@ __all__ = [
     "functionalize",
     "gather",
     "jit_step",
+    "materialize",
     "optim",
     "record_collectives",
     "shard",

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-__all__ = ["CollectiveLog", "all_gather", "all_reduce", "barrier", "reduce_scatter", "record_collectives"]
+__all__ = [
+    "CollectiveLog", "all_gather", "all_reduce", "barrier", "broadcast", "reduce_scatter", "record_collectives", "scatter",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,3 +118,17 @@ def barrier(group: ProcessGroup | None) -> None:
     """Waits for every rank of ``group`` (checkpoint publication; not counted as traffic)."""
     with _range("barrier", "checkpoint"):
         dist.barrier(group=group)
+
+
+def broadcast(t: torch.Tensor, group_src: int, group: ProcessGroup, tag: str) -> None:
+    """``t`` on every rank of ``group`` becomes the ``t`` of its rank ``group_src``."""
+    _record("broadcast", group, t, tag)
+    with _range("broadcast", tag):
+        dist.broadcast(t, group=group, group_src=group_src)
+
+
+def scatter(out: torch.Tensor, inp: torch.Tensor | None, group_src: int, group: ProcessGroup, tag: str) -> None:
+    """Rank ``r`` of ``group`` receives row ``r`` of ``inp`` (``[group size, n]``, given on ``group_src``)."""
+    _record("scatter", group, out, tag)
+    with _range("scatter", tag):
+        dist.scatter(out, list(inp.unbind(0)) if inp is not None else None, group=group, group_src=group_src)

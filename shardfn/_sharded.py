@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from . import _collectives as C
+from ._init import deferred_shards, scattered_shards
 from ._layout import Layout, build_layout, local_shard, unpack_leaf
 from ._mesh import Mesh
 from ._plan import Plan, Strategy, check_unit_modules, make_plan
@@ -84,6 +85,9 @@ def shard(
     units: Any = None,
     precision: Precision | None = None,
     remat: Any = None,
+    seed: int | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    src_rank: int | None = None,
 ) -> ShardedParams:
     """This rank's shards of ``params`` under ``strategy`` on ``mesh``.
 
@@ -98,6 +102,17 @@ def shard(
             a unit policy (``by_module_type(Block)``, ``by_param_count(n)``, ``by_prefix(...)``),
             module classes, or module paths. Default: each block of the model's longest
             list of repeated blocks (``blocks.0``, ``blocks.1``, ...); the rest is the root unit.
+        precision: a :class:`shardfn.Precision` (mixed precision); default: none.
+        remat: a :class:`shardfn.Remat` (activation rematerialisation of units), or a
+            unit policy as a shorthand for full remat of those units; default: none.
+        seed: deferred init: ``params`` may be meta tensors (a model built under
+            ``torch.device("meta")``); each unit is materialised in turn on every rank,
+            initialised by ``reset_parameters()`` (and ``init_fn(module)``) from a seed
+            derived from ``(seed, unit path)``, and only this rank's shard is kept.
+            Equals :func:`shardfn.materialize` on one device, at every world size.
+        init_fn: with ``seed``: called on each module after ``reset_parameters``.
+        src_rank: the real values live on this rank only (e.g. pretrained weights loaded
+            there; other ranks may pass meta tensors): each unit is scattered from it.
 
     Returns:
         A :class:`ShardedParams`; ``print(sharded.layout)`` shows units and costs.
@@ -132,12 +147,28 @@ def shard(
     layout = build_layout(
         plan, mesh.shape, world, replicas, params, unit_paths, _aliases(module, params), unit_modules, remat_units
     )
-    verify_agreement(layout, mesh)
+    if seed is not None and src_rank is not None:
+        raise ValueError("shard(): pass seed= (deferred init) or src_rank= (load from one rank), not both.")
+    meta = [n for n, t in params.items() if t.is_meta] if seed is None and src_rank is None else []
+    # Whether a rank passed meta tensors is part of what ranks must agree on, so that a
+    # rank missing its weights makes every rank fail here instead of hanging later.
+    meta_error = (
+        f"shard(): {len(meta)} parameters are on the meta device ({', '.join(meta[:4])}{' ...' if len(meta) > 4 else ''})"
+        f" on {mesh!r}. Pass seed=... to initialise them unit by unit (deferred init), or load real values "
+        "on one rank and pass src_rank=that rank."
+    )
+    verify_agreement(layout, mesh, salt=1 if meta else 0, hint=meta_error if meta else "")
+    if meta:
+        raise ValueError(meta_error)
     rank = mesh.axis_rank("shard") if plan.strategy.sharded else 0
-    data = {}
-    for name, leaf in layout.leaves.items():
-        with torch.no_grad():
-            data[name] = local_shard(params[name], leaf, rank, mesh.device).requires_grad_(leaf.requires_grad)
+    with torch.no_grad():
+        if seed is not None:
+            data = deferred_shards(module, layout, rank, mesh.device, seed, init_fn)
+        elif src_rank is not None:
+            data = scattered_shards(params, layout, mesh, src_rank)
+        else:
+            data = {n: local_shard(params[n], leaf, rank, mesh.device) for n, leaf in layout.leaves.items()}
+    data = {n: t.requires_grad_(layout.leaves[n].requires_grad) for n, t in data.items()}
     return ShardedParams(data, layout, mesh)
 
 
@@ -170,15 +201,15 @@ def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
         )
 
 
-def verify_agreement(layout: Layout, mesh: Mesh) -> None:
-    """Raises on every rank if any two ranks' layouts differ.
+def verify_agreement(layout: Layout, mesh: Mesh, salt: int = 0, hint: str = "") -> None:
+    """Raises on every rank if any two ranks' layouts (or ``salt``) differ.
 
     One all-gather of an int64 per mesh axis: the first over ``shard``, the next over
     ``replicate`` of the whole ``shard`` row, so every rank sees every fingerprint.
     """
     if mesh.size == 1:
         return
-    fps = torch.tensor([layout.fingerprint()], dtype=torch.int64, device=mesh.device)
+    fps = torch.tensor([layout.fingerprint() ^ salt], dtype=torch.int64, device=mesh.device)
     for axis in reversed(mesh.axis_names):
         n = mesh.axis_size(axis)
         if n == 1:
@@ -190,7 +221,7 @@ def verify_agreement(layout: Layout, mesh: Mesh) -> None:
     allfp = fps.tolist()
     if len(set(allfp)) > 1:
         bad = [r for r, f in enumerate(allfp) if f != allfp[0]]
-        raise ValueError(_DISAGREE.format(rank=mesh.rank, fps=allfp, bad=bad))
+        raise ValueError(_DISAGREE.format(rank=mesh.rank, fps=allfp, bad=bad) + (f"\nOn this rank: {hint}" if hint else ""))
 
 
 def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
