@@ -247,8 +247,11 @@ def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.de
                 flat = torch.cat([sharded[n].detach().reshape(-1) for n in unit.leaves])
                 got = torch.empty(layout.world * unit.numel, dtype=flat.dtype, device=flat.device)
                 C.all_gather(got, flat, mesh.group("shard"), tag=f"gather:{unit.name}")
+                del flat
                 got2d = got.view(layout.world, unit.numel)
-                full = {n: unpack_leaf(got2d, layout.leaves[n], layout.world) for n in unit.leaves}
+                # Ranks that return nothing do not unpack: they hold one gathered unit at most.
+                full = {n: unpack_leaf(got2d, layout.leaves[n], layout.world) for n in unit.leaves} if keep else {}
+                del got, got2d
             if keep:
                 out.update({n: t.to(device) if device is not None else t for n, t in full.items()})
     return {n: out[n] for n in layout.leaves if n in out}
