@@ -95,7 +95,7 @@ class _Unit:
 
     __slots__ = (
         "layout", "unit", "shards", "group", "replicate_group", "slots", "full", "storages", "outputs", "originals",
-        "hooks", "pending",
+        "hooks", "pending", "range",
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, shards: list[torch.Tensor], mesh: Any, slots: list):
@@ -113,6 +113,7 @@ class _Unit:
         self.originals: list[torch.Tensor] | None = None  # the module's own tensors, while entered
         self.hooks: Any = None
         self.pending = 0  # handles packed and not yet unpacked
+        self.range: Any = None  # the profiler range of the unit's forward, while entered
 
     @property
     def entered(self) -> bool:
@@ -125,6 +126,8 @@ class _Unit:
         and recomputes, gather included), so it gets no handles of ours.
         """
         assert self.outputs is not None
+        self.range = torch.profiler.record_function(f"shardfn::forward[{self.unit.name}]")
+        self.range.__enter__()
         self.originals = [sub._parameters[attr] for sub, attr, _ in self.slots]
         for sub, attr, i in self.slots:
             sub._parameters[attr] = self.outputs[i]
@@ -140,6 +143,9 @@ class _Unit:
         for (sub, attr, _), t in zip(self.slots, self.originals or []):
             sub._parameters[attr] = t
         self.originals = None
+        if self.range is not None:
+            self.range.__exit__(None, None, None)
+            self.range = None
         if self.layout.strategy.reshard_after_forward:
             self.outputs = None
             self.release("free")
@@ -180,6 +186,10 @@ class _Unit:
             self._note(event)
 
     def reduce(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        with torch.profiler.record_function(f"shardfn::backward_reduce[{self.unit.name}]"):
+            return self._reduce(grads)
+
+    def _reduce(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         """Gradients of the full parameters -> averaged gradients of this rank's shards.
 
         Only trainable leaves enter the buffer. Inside :func:`accumulate_locally` the

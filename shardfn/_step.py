@@ -71,7 +71,8 @@ class Step:
                 metrics.update(loss_scale=self.scaler.scale, skipped=skip)
                 self.scaler.update(self.loss_scale, not skip)
             if not skip:
-                updates, opt_state = self.optimizer.update(grads, opt_state, sharded)
+                with torch.profiler.record_function("shardfn::optimizer"):
+                    updates, opt_state = self.optimizer.update(grads, opt_state, sharded)
             if self.sync_buffers:
                 buffers.sync(self.mesh)
         if skip:
@@ -106,7 +107,8 @@ class Step:
                 # the loss scale, divided out below).
                 # Also 1/N: each rank's loss is a mean over its slice, and the reduce sums.
                 scale = (self.scaler.scale if self.scaler is not None else 1.0) / (k * self.mesh.size)
-                grads = torch.autograd.grad(loss * scale if scale != 1.0 else loss, leaves, allow_unused=True)
+                with torch.profiler.record_function("shardfn::backward"):
+                    grads = torch.autograd.grad(loss * scale if scale != 1.0 else loss, leaves, allow_unused=True)
                 for j, g in enumerate(grads):
                     if g is not None:
                         total[j] = g if total[j] is None else total[j].add_(g)

@@ -182,3 +182,19 @@ def test_full_shard_frees_gathered_memory_not_just_the_count(clusters):
         ("regather", "blocks.2"), ("regather", "blocks.1"), ("regather", "blocks.0"),
     ]
     assert all(alive == [] for _, alive in dead_at), dead_at
+
+
+def profiled_step():
+    mesh, sharded, state, step, batch, *_ = _setup("FULL_SHARD")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(sharded, state, batch)
+    return sorted({e.name for e in prof.events() if e.name.startswith("shardfn::")})
+
+
+def test_profiler_ranges_name_units_collectives_and_optimizer(clusters):
+    names = set(clusters[2].run(profiled_step)[0])
+    for unit in ("blocks.0", "blocks.2"):
+        assert {f"shardfn::forward[{unit}]", f"shardfn::all_gather[gather:{unit}]",
+                f"shardfn::all_gather[regather:{unit}]", f"shardfn::backward_reduce[{unit}]",
+                f"shardfn::reduce_scatter[reduce:{unit}]"} <= names
+    assert {"shardfn::backward", "shardfn::optimizer", "shardfn::all_reduce[metrics]"} <= names
