@@ -142,3 +142,25 @@ def test_user_and_torch_optimizers_on_shards(clusters, opt_name, world):
         strategies=["FULL_SHARD", "NO_SHARD"], world_sizes=[world], clusters=clusters,
     )
     assert report.failures() == []
+
+
+class Recurrent(torch.nn.Module):
+    """Each unit runs twice per forward (weights shared across "time")."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(12, 12), torch.nn.Linear(12, 12)])
+        self.head = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        for _ in range(2):
+            for b in self.blocks:
+                x = F.gelu(b(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_units_called_twice_per_forward(clusters, world):
+    report = check_equivalence(Recurrent, mlp_loss, mlp_batches(12, 5), optimizer=OPTIMIZERS["adamw"],
+                               world_sizes=[world], clusters=clusters)
+    assert report.failures() == []
