@@ -95,7 +95,7 @@ class _Unit:
 
     __slots__ = (
         "layout", "unit", "shards", "group", "replicate_group", "slots", "full", "storages", "outputs", "originals",
-        "hooks", "pending", "range",
+        "hooks", "pending", "range", "calls",
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, shards: list[torch.Tensor], mesh: Any, slots: list):
@@ -114,6 +114,7 @@ class _Unit:
         self.hooks: Any = None
         self.pending = 0  # handles packed and not yet unpacked
         self.range: Any = None  # the profiler range of the unit's forward, while entered
+        self.calls = 0  # forward gathers in this call (more than one: the unit runs twice)
 
     @property
     def entered(self) -> bool:
@@ -217,13 +218,25 @@ class _Unit:
                 return [None] * len(leaves)
         step = _psum.current()
         op = "sum" if step is not None and step.predivided else "avg"
+        # [Note: overlapped reductions] Inside a step, a unit's single reduction is issued
+        # asynchronously and the step waits for it after the backward, so it runs while
+        # autograd computes the next units. Only when nothing reads the gradient before
+        # then: one collective (not hybrid's two in a row), no cast back to the master
+        # dtype, and a unit gathered once (a second use would add into the gradient).
+        asynchronous = (
+            step is not None and step.overlap and self.calls == 1 and unit.reduce_dtype == unit.dtype
+            and (world == 1) != (lay.replicas == 1)
+        )
+        work = None
         if world == 1:
             out = buf.view(-1)
         else:
             out = torch.empty(unit.grad_numel, dtype=unit.reduce_dtype, device=device)
-            C.reduce_scatter(out, buf.view(-1), self.group, tag=tag, op=op)
+            work = C.reduce_scatter(out, buf.view(-1), self.group, tag=tag, op=op, async_op=asynchronous)
         if lay.replicas > 1:  # NO_SHARD, and the hybrid strategies' replicate axis
-            C.all_reduce(out, self.replicate_group, tag=tag, op=op)
+            work = C.all_reduce(out, self.replicate_group, tag=tag, op=op, async_op=asynchronous)
+        if asynchronous and work is not None:
+            step.pending.append((work, (buf, out)))
         out = out.to(unit.dtype)  # the master dtype, whatever the reduce dtype was
         return [
             out[leaf.grad_offset : leaf.grad_offset + leaf.shard_numel].view(leaf.shard_shape)
@@ -332,6 +345,7 @@ def _pre_hook(path: str):
             return
         if unit.outputs is None:  # SHARD_GRAD_OP reuses a unit called twice in one forward
             unit.outputs = _GatherUnit.apply(unit, "gather", *unit.shards)
+            unit.calls += 1
         unit.enter()
 
     return hook
@@ -362,6 +376,7 @@ def _remat_forward(path: str, forward: Any):
         def region(*args: Any, **kwargs: Any) -> Any:
             event = "regather" if torch._C._current_graph_task_id() != -1 else "gather"
             unit.outputs = _GatherUnit.apply(unit, event, *unit.shards)
+            unit.calls += event == "gather"
             unit.enter()
             try:
                 return forward(*args, **kwargs)
@@ -401,6 +416,7 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
     root = units.pop("", None)
     if root is not None:
         params.update(zip(root.unit.leaves, _GatherUnit.apply(root, "gather", *root.shards)))
+        root.calls = 1
     precision = layout.plan.precision
     if precision.cast_inputs:
         args, kwargs = cast_floating((args, kwargs), precision.param)

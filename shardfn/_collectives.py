@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,18 +101,24 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, tag: s
 _OPS = {"avg": ReduceOp.AVG, "sum": ReduceOp.SUM, "max": ReduceOp.MAX}
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, tag: str, op: str = "avg") -> None:
-    """``out`` receives this rank's chunk of the average (or ``op``) of ``inp`` over ``group``."""
+def reduce_scatter(
+    out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, tag: str, op: str = "avg", async_op: bool = False
+) -> Any:
+    """``out`` receives this rank's chunk of the average (or ``op``) of ``inp`` over ``group``.
+
+    With ``async_op`` it returns the work handle: ``out`` is valid after ``work.wait()``
+    and ``inp`` must stay alive until then.
+    """
     _record("reduce_scatter", group, inp, tag)
     with _range("reduce_scatter", tag):
-        dist.reduce_scatter_single(out, inp, op=_OPS[op], group=group)
+        return dist.reduce_scatter_single(out, inp, op=_OPS[op], group=group, async_op=async_op)
 
 
-def all_reduce(t: torch.Tensor, group: ProcessGroup, tag: str, op: str = "avg") -> None:
+def all_reduce(t: torch.Tensor, group: ProcessGroup, tag: str, op: str = "avg", async_op: bool = False) -> Any:
     """In-place all-reduce of ``t`` over ``group``: ``op`` is "avg", "sum" or "max"."""
     _record("all_reduce", group, t, tag)
     with _range("all_reduce", tag):
-        dist.all_reduce(t, op=_OPS[op], group=group)
+        return dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
 
 
 def barrier(group: ProcessGroup | None) -> None:

@@ -34,6 +34,15 @@ class StepContext:
     # gradient reductions sum: gradients (and fp16 intermediate magnitudes) are those
     # of the global mean loss, as on one device. Outside a step, reductions average.
     predivided: bool = False
+    # Asynchronous gradient reductions still in flight: (work, buffers to keep alive).
+    # The step waits for them right after each backward (see _Unit._reduce).
+    overlap: bool = False
+    pending: list = dataclasses.field(default_factory=list)
+
+    def wait_pending(self) -> None:
+        while self.pending:
+            work, _keepalive = self.pending.pop(0)
+            work.wait()
     norms: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # id(tree) -> global norm
     trees: list = dataclasses.field(default_factory=list)  # keeps the cached trees' ids valid
 

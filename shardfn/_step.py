@@ -42,6 +42,7 @@ class Step:
         accumulate: str,
         sync_buffers: bool,
         loss_scale: DynamicLossScale | None,
+        overlap: bool,
     ):
         self.loss_fn = loss_fn
         self.mesh = mesh
@@ -51,12 +52,13 @@ class Step:
         self.accumulate = accumulate
         self.sync_buffers = sync_buffers
         self.loss_scale = loss_scale
+        self.overlap = overlap
         self.scaler = LossScaleState(loss_scale.init_scale) if loss_scale is not None else None
         self.layout: Layout | None = None  # recorded on the first call
 
     def __call__(self, sharded: ShardedParams, opt_state: Any, batch: Any) -> tuple[ShardedParams, Any, dict[str, Any]]:
         self._check(sharded, opt_state)
-        ctx = _psum.StepContext(self.mesh, sharded.layout.strategy.sharded, predivided=True)
+        ctx = _psum.StepContext(self.mesh, sharded.layout.strategy.sharded, predivided=True, overlap=self.overlap)
         with C.record_collectives() as log, _psum.step_context(ctx), _buffers.track() as buffers:
             loss, grads = self._grads(sharded, batch)
             # The loss metric and the gradients' sum of squares share one all-reduce per axis.
@@ -107,8 +109,12 @@ class Step:
                 # the loss scale, divided out below).
                 # Also 1/N: each rank's loss is a mean over its slice, and the reduce sums.
                 scale = (self.scaler.scale if self.scaler is not None else 1.0) / (k * self.mesh.size)
-                with torch.profiler.record_function("shardfn::backward"):
-                    grads = torch.autograd.grad(loss * scale if scale != 1.0 else loss, leaves, allow_unused=True)
+                ctx = _psum.current()
+                try:
+                    with torch.profiler.record_function("shardfn::backward"):
+                        grads = torch.autograd.grad(loss * scale if scale != 1.0 else loss, leaves, allow_unused=True)
+                finally:
+                    ctx.wait_pending()  # overlapped reductions: the gradients are complete after this
                 for j, g in enumerate(grads):
                     if g is not None:
                         total[j] = g if total[j] is None else total[j].add_(g)
@@ -224,6 +230,7 @@ def jit_step(
     accumulate: str = "reduce_each",
     sync_buffers: bool = True,
     loss_scale: DynamicLossScale | None = None,
+    overlap: bool = True,
 ) -> Step:
     """Builds ``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``.
 
@@ -255,6 +262,9 @@ def jit_step(
             whose gradients overflow on any rank; ``metrics`` then has ``loss_scale`` (the
             scale this step used) and ``skipped``.
 
+        overlap: issue each unit's gradient reduction asynchronously, overlapping the
+            rest of the backward (``False``: each reduction blocks, for comparison).
+
     ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
     gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),
     ``tokens`` (global count: elements of the batch's first integer tensor, else rows)
@@ -279,4 +289,4 @@ def jit_step(
         raise ValueError(f"jit_step: accumulate must be 'reduce_each' or 'local', got {accumulate!r}")
     if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
         raise TypeError(f"jit_step: loss_scale must be a shardfn.DynamicLossScale, got {loss_scale!r}")
-    return Step(loss_fn, mesh, optimizer, donate, micro_batches, accumulate, sync_buffers, loss_scale)
+    return Step(loss_fn, mesh, optimizer, donate, micro_batches, accumulate, sync_buffers, loss_scale, overlap)

@@ -306,3 +306,12 @@ def test_custom_optimizers(clusters, world, strategy, name):
     report = check_equivalence(mlp_model, mlp_loss, mlp_batches(), optimizer=CUSTOM[name], strategies=[strategy],
                                world_sizes=[world], clusters=clusters)
     assert report.failures() == []
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"])
+def test_blocking_reductions_equal_overlapped_ones(clusters, strategy):
+    world = (2, 2) if strategy == "HYBRID_SHARD" else 2
+    for overlap in (True, False):
+        report = check_equivalence(mlp_model, mlp_loss, mlp_batches(), optimizer=SGD, strategies=[strategy],
+                                   world_sizes=[world], clusters=clusters, step_options={"overlap": overlap})
+        assert report.failures() == []
