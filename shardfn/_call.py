@@ -50,7 +50,7 @@ __all__ = ["Residency", "accumulate_locally", "sharded_call", "track_residency"]
 # -- residency accounting ----------------------------------------------------------------
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Residency:
     """Which non-root units held gathered parameters, event by event (this process)."""
 

@@ -38,7 +38,7 @@ class CollectiveCall:
     tag: str  # what it was for: a unit name, "loss", "layout", ...
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class CollectiveLog:
     """What a :func:`record_collectives` block saw, call by call.
 

@@ -26,7 +26,7 @@ from . import _collectives as C
 __all__ = ["global_norm", "psum"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class StepContext:
     mesh: object  # shardfn.Mesh
     sharded: bool  # whether ranks along the "shard" axis hold different shards

@@ -198,3 +198,18 @@ def test_profiler_ranges_name_units_collectives_and_optimizer(clusters):
                 f"shardfn::all_gather[regather:{unit}]", f"shardfn::backward_reduce[{unit}]",
                 f"shardfn::reduce_scatter[reduce:{unit}]"} <= names
     assert {"shardfn::backward", "shardfn::optimizer", "shardfn::all_reduce[metrics]"} <= names
+
+
+def nested_recorders():
+    mesh, sharded, state, step, batch, *_ = _setup("FULL_SHARD")
+    with sf.record_collectives() as outer:
+        step(sharded, state, batch)
+        with sf.record_collectives() as inner, sf.track_residency() as r1, sf.track_residency() as r2:
+            step(sharded, state, batch)
+        step(sharded, state, batch)
+    return len(outer.calls), len(inner.calls), r1.events == r2.events and len(r1.events) > 0
+
+
+def test_nested_recorders_each_see_their_own_block(clusters):
+    outer, inner, same = clusters[2].run(nested_recorders)[0]
+    assert outer == 3 * inner and same
