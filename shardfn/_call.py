@@ -19,8 +19,10 @@ pre-hook and a forward hook (registered once, inert outside a sharded call):
   drops its gathered tensors: with no references left in the graph their memory is
   freed at once. Under SHARD_GRAD_OP the unit keeps them until its backward.
 * in backward, the first unpack of a handle gathers the unit again (a plain all-gather,
-  no recompute of the forward) and rebuilds the view; ``_GatherUnit.backward`` then
-  reduce-scatters the gradients and drops the regathered parameters.
+  no recompute of the forward) and rebuilds the view; the last unpack drops the unit's
+  reference (the consuming node holds the view until it is done), and
+  ``_GatherUnit.backward`` reduce-scatters the gradients (asynchronously inside a step,
+  see [Note: overlapped reductions]).
 
 So FULL_SHARD holds at most the running unit's parameters (plus the root's) in forward
 and in backward, gathering each non-root unit twice per step, with no recompute.
