@@ -112,20 +112,27 @@ def adamw(
         bias_correction2_sqrt = (1 - b2**t) ** 0.5
         decayed = decays(grads) if weight_decay else set()
 
-        updates: Updates = {}
-        mu, nu = dict(state.mu), dict(state.nu)
+        keys = list(grads)
+        if not keys:
+            return {}, AdamWState(state.count + 1, dict(state.mu), dict(state.nu))
         with torch.no_grad():
-            for k, g in grads.items():
-                g = g.to(mu[k].dtype)
-                mu[k] = torch.lerp(mu[k], g, 1 - b1)
-                nu[k] = torch.addcmul(nu[k] * b2, g, g, value=1 - b2)
-                denom = (nu[k].sqrt() / bias_correction2_sqrt).add_(eps)
-                if k in decayed:
-                    decay = params[k].to(mu[k].dtype) * -(lr * weight_decay)
-                    updates[k] = torch.addcdiv(decay, mu[k], denom, value=-step_size)
-                else:
-                    updates[k] = (mu[k] / denom).mul_(-step_size)
-        return updates, AdamWState(state.count + 1, mu, nu)
+            # One foreach kernel per operation over all leaves (fewer, larger launches than
+            # a Python loop per leaf); new tensors, so the state passed in is untouched.
+            gs = [grads[k].to(state.mu[k].dtype) for k in keys]
+            mus = torch._foreach_lerp([state.mu[k] for k in keys], gs, 1 - b1)
+            nus = torch._foreach_mul([state.nu[k] for k in keys], b2)
+            torch._foreach_addcmul_(nus, gs, gs, value=1 - b2)
+            denoms = torch._foreach_sqrt(nus)
+            torch._foreach_div_(denoms, bias_correction2_sqrt)
+            torch._foreach_add_(denoms, eps)
+            ups = list(torch._foreach_div(mus, denoms))
+            torch._foreach_mul_(ups, -step_size)
+            for i, k in enumerate(keys):
+                if k in decayed:  # decay + (-step_size) * mu / denom, as torch's addcdiv
+                    ups[i] = ups[i].add_(params[k].to(mus[i].dtype) * -(lr * weight_decay))
+        mu = {**state.mu, **dict(zip(keys, mus))}
+        nu = {**state.nu, **dict(zip(keys, nus))}
+        return dict(zip(keys, ups)), AdamWState(state.count + 1, mu, nu)
 
     def adamw_hyperparams(state: AdamWState) -> dict[str, float]:
         _check_state(state, AdamWState, "adamw")
