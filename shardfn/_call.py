@@ -61,7 +61,7 @@ class Residency:
     events: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (event, unit)
 
     def note(self, event: str, unit: str) -> None:
-        if event in ("gather", "regather"):
+        if event in ("gather", "regather", "prefetch"):
             self.live.add(unit)
         else:
             self.live.discard(unit)
@@ -97,7 +97,7 @@ class _Unit:
 
     __slots__ = (
         "layout", "unit", "shards", "group", "replicate_group", "slots", "full", "storages", "outputs", "originals",
-        "hooks", "pending", "range", "calls",
+        "hooks", "pending", "range", "calls", "inflight",
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, shards: list[torch.Tensor], mesh: Any, slots: list):
@@ -117,6 +117,7 @@ class _Unit:
         self.pending = 0  # handles packed and not yet unpacked
         self.range: Any = None  # the profiler range of the unit's forward, while entered
         self.calls = 0  # forward gathers in this call (more than one: the unit runs twice)
+        self.inflight: Any = None  # a prefetched all-gather: (work, input, output)
 
     @property
     def entered(self) -> bool:
@@ -162,19 +163,35 @@ class _Unit:
             for r in _TRACKERS:
                 r.note(event, self.unit.name)
 
+    def _issue(self, event: str, async_op: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        dtype = self.unit.param_dtype
+        with torch.no_grad():
+            # Cast before the collective: it moves param_dtype elements (see _precision).
+            flat = torch.cat([s.detach().reshape(-1) for s in self.shards]).to(dtype)
+            out = torch.empty(self.layout.world * self.unit.numel, dtype=dtype, device=flat.device)
+            work = C.all_gather(out, flat, self.group, tag=f"{event}:{self.unit.name}", async_op=async_op)
+        return work, flat, out
+
+    def prefetch(self, event: str) -> None:
+        """Starts this unit's all-gather now; :meth:`all_gather` will wait for it."""
+        if self.layout.world > 1 and self.full is None and self.inflight is None:
+            self.inflight = self._issue(event, async_op=True)
+            self._note("prefetch")
+
     def all_gather(self, event: str) -> list[torch.Tensor]:
         """Full parameters of the unit (no autograd); one all-gather of the flat shards."""
         lay, world = self.layout, self.layout.world
         leaves = [lay.leaves[n] for n in self.unit.leaves]
-        dtype = self.unit.param_dtype
         with torch.no_grad():
             if world == 1:  # NO_SHARD, or a world of one: the shard is the parameter
-                full = [s.detach().view(leaf.shape).to(dtype) for s, leaf in zip(self.shards, leaves)]
+                full = [s.detach().view(leaf.shape).to(self.unit.param_dtype) for s, leaf in zip(self.shards, leaves)]
             else:
-                # Cast before the collective: it moves param_dtype elements (see _precision).
-                flat = torch.cat([s.detach().reshape(-1) for s in self.shards]).to(dtype)
-                out = torch.empty(world * self.unit.numel, dtype=dtype, device=flat.device)
-                C.all_gather(out, flat, self.group, tag=f"{event}:{self.unit.name}")
+                if self.inflight is not None:
+                    work, _, out = self.inflight
+                    work.wait()
+                    self.inflight = None
+                else:
+                    _, _, out = self._issue(event, async_op=False)
                 out2d = out.view(world, self.unit.numel)
                 full = [unpack_leaf(out2d, leaf, world) for leaf in leaves]
         self.full = full
@@ -318,7 +335,11 @@ def _saved_tensor_hooks(unit: _Unit):
         if not isinstance(packed, _Handle):
             return packed
         u = packed.unit
-        full = u.full if u.full is not None else u.all_gather("regather")
+        if u.full is None:
+            full = u.all_gather("regather")
+            _prefetch_after(u.unit.path, forward=False)
+        else:
+            full = u.full
         view = full[packed.index].detach().as_strided(packed.size, packed.stride, packed.offset)
         u.pending -= 1
         if u.pending == 0 and not u.entered:
@@ -348,9 +369,31 @@ def _pre_hook(path: str):
         if unit.outputs is None:  # SHARD_GRAD_OP reuses a unit called twice in one forward
             unit.outputs = _GatherUnit.apply(unit, "gather", *unit.shards)
             unit.calls += 1
+            _prefetch_after(path, forward=True)
         unit.enter()
 
     return hook
+
+
+def _prefetch_after(path: str, forward: bool) -> None:
+    """[Note: prefetch] With ``jit_step(prefetch=True)``, gathering a unit starts the
+    all-gather of the unit that runs next: the next one in the forward order recorded on
+    the previous step, or, in backward, the previous one that will be regathered. At most
+    one unit is in flight beside the running one, so FULL_SHARD holds about two units."""
+    step = _psum.current()
+    if step is None or not step.prefetch or (forward and not _ACTIVE):
+        return
+    if forward:
+        step.seen.append(path)
+    order = step.order if forward else step.order[::-1]
+    if path not in order:
+        return
+    i = order.index(path)
+    units = _ACTIVE[-1] if forward else step.units
+    for nxt in order[i + 1 : i + 2]:
+        unit = units.get(nxt)
+        if unit is not None and (forward or unit.pending > 0) and not unit.unit.remat:
+            unit.prefetch("regather" if not forward else "gather")
 
 
 def _post_hook(path: str):
@@ -422,6 +465,9 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
     precision = layout.plan.precision
     if precision.cast_inputs:
         args, kwargs = cast_floating((args, kwargs), precision.param)
+    step = _psum.current()
+    if step is not None:
+        step.units = units  # for prefetching regathers in backward
     _ACTIVE.append(units)
     try:
         out = functional_call(apply.module, {**params, **apply.buffers}, args, kwargs, tie_weights=True, strict=False)

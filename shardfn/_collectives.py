@@ -91,11 +91,11 @@ def _range(kind: str, tag: str):
     return torch.profiler.record_function(f"shardfn::{kind}[{tag}]")
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, tag: str) -> None:
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, tag: str, async_op: bool = False) -> Any:
     """``out`` (``group size * inp.numel()`` elements) receives every rank's ``inp``, rank-major."""
     _record("all_gather", group, out, tag)
     with _range("all_gather", tag):
-        dist.all_gather_single(out, inp, group=group)
+        return dist.all_gather_single(out, inp, group=group, async_op=async_op)
 
 
 _OPS = {"avg": ReduceOp.AVG, "sum": ReduceOp.SUM, "max": ReduceOp.MAX}

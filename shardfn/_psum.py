@@ -38,6 +38,12 @@ class StepContext:
     # The step waits for them right after each backward (see _Unit._reduce).
     overlap: bool = False
     pending: list = dataclasses.field(default_factory=list)
+    # Prefetch (see _call [Note: prefetch]): the non-root units' forward order recorded
+    # on the previous step, and the order seen in this one.
+    prefetch: bool = False
+    order: list = dataclasses.field(default_factory=list)
+    seen: list = dataclasses.field(default_factory=list)
+    units: dict = dataclasses.field(default_factory=dict)  # the sharded call's non-root units
 
     def wait_pending(self) -> None:
         while self.pending:

@@ -43,6 +43,7 @@ class Step:
         sync_buffers: bool,
         loss_scale: DynamicLossScale | None,
         overlap: bool,
+        prefetch: bool,
     ):
         self.loss_fn = loss_fn
         self.mesh = mesh
@@ -53,12 +54,17 @@ class Step:
         self.sync_buffers = sync_buffers
         self.loss_scale = loss_scale
         self.overlap = overlap
+        self.prefetch = prefetch
+        self.order: list[str] = []  # units' forward order, recorded on each step for the next
         self.scaler = LossScaleState(loss_scale.init_scale) if loss_scale is not None else None
         self.layout: Layout | None = None  # recorded on the first call
 
     def __call__(self, sharded: ShardedParams, opt_state: Any, batch: Any) -> tuple[ShardedParams, Any, dict[str, Any]]:
         self._check(sharded, opt_state)
-        ctx = _psum.StepContext(self.mesh, sharded.layout.strategy.sharded, predivided=True, overlap=self.overlap)
+        ctx = _psum.StepContext(
+            self.mesh, sharded.layout.strategy.sharded, predivided=True, overlap=self.overlap,
+            prefetch=self.prefetch, order=self.order,
+        )
         with C.record_collectives() as log, _psum.step_context(ctx), _buffers.track() as buffers:
             loss, grads = self._grads(sharded, batch)
             # The loss metric and the gradients' sum of squares share one all-reduce per axis.
@@ -77,6 +83,7 @@ class Step:
                     updates, opt_state = self.optimizer.update(grads, opt_state, sharded)
             if self.sync_buffers:
                 buffers.sync(self.mesh)
+        self._finish_prefetch(ctx)
         if skip:
             new = sharded
         elif self.donate:
@@ -87,6 +94,16 @@ class Step:
         metrics["tokens"] = _count_tokens(batch) * self.mesh.size
         metrics["comm_bytes"] = dict(log.bytes())
         return new, opt_state, metrics
+
+    def _finish_prefetch(self, ctx: _psum.StepContext) -> None:
+        # The order seen this step is the next step's prefetch order. A prefetch that was
+        # never used (the order changed) is waited for, so no collective stays in flight.
+        if ctx.seen:
+            self.order = list(dict.fromkeys(ctx.seen))
+        for unit in ctx.units.values():
+            if unit.inflight is not None:
+                unit.inflight[0].wait()
+                unit.inflight = None
 
     def _grads(self, sharded: ShardedParams, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss over the micro-batches, and the averaged gradients of the trainable shards."""
@@ -231,6 +248,7 @@ def jit_step(
     sync_buffers: bool = True,
     loss_scale: DynamicLossScale | None = None,
     overlap: bool = True,
+    prefetch: bool = False,
 ) -> Step:
     """Builds ``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``.
 
@@ -264,6 +282,9 @@ def jit_step(
 
         overlap: issue each unit's gradient reduction asynchronously, overlapping the
             rest of the backward (``False``: each reduction blocks, for comparison).
+        prefetch: start each unit's all-gather while the unit before it computes (forward
+            order recorded on the previous step; reversed for backward's regathers), at
+            most one in flight; costs about one more unit of memory under FULL_SHARD.
 
     ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
     gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),
@@ -289,4 +310,4 @@ def jit_step(
         raise ValueError(f"jit_step: accumulate must be 'reduce_each' or 'local', got {accumulate!r}")
     if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
         raise TypeError(f"jit_step: loss_scale must be a shardfn.DynamicLossScale, got {loss_scale!r}")
-    return Step(loss_fn, mesh, optimizer, donate, micro_batches, accumulate, sync_buffers, loss_scale, overlap)
+    return Step(loss_fn, mesh, optimizer, donate, micro_batches, accumulate, sync_buffers, loss_scale, overlap, prefetch)

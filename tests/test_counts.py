@@ -213,3 +213,27 @@ def nested_recorders():
 def test_nested_recorders_each_see_their_own_block(clusters):
     outer, inner, same = clusters[2].run(nested_recorders)[0]
     assert outer == 3 * inner and same
+
+
+def prefetched_step(strategy):
+    mesh, sharded, state, step, batch, *_ = _setup(strategy)
+    step = sf.jit_step(step.loss_fn, mesh, optimizer=step.optimizer, prefetch=True)
+    step(sharded, state, batch)  # records the unit order
+    with sf.record_collectives() as log, sf.track_residency() as res:
+        step(sharded, state, batch)
+    return dict(log.counts()), res.max_live, res.events
+
+
+def test_prefetch_keeps_counts_and_at_most_two_units(clusters):
+    counts, max_live, events = clusters[2].run(prefetched_step, "FULL_SHARD")[0]
+    assert counts == {"all_gather": 7, "reduce_scatter": 4, "all_reduce": 1}  # as without prefetch
+    assert max_live == 2  # the running unit and the prefetched one
+    # Each unit's gather is started while the one before it still runs, in both directions.
+    assert events == [
+        ("gather", "blocks.0"), ("prefetch", "blocks.1"), ("free", "blocks.0"),
+        ("gather", "blocks.1"), ("prefetch", "blocks.2"), ("free", "blocks.1"),
+        ("gather", "blocks.2"), ("free", "blocks.2"),
+        ("regather", "blocks.2"), ("prefetch", "blocks.1"), ("free", "blocks.2"),
+        ("regather", "blocks.1"), ("prefetch", "blocks.0"), ("free", "blocks.1"),
+        ("regather", "blocks.0"), ("free", "blocks.0"),
+    ]

@@ -315,3 +315,15 @@ def test_blocking_reductions_equal_overlapped_ones(clusters, strategy):
         report = check_equivalence(mlp_model, mlp_loss, mlp_batches(), optimizer=SGD, strategies=[strategy],
                                    world_sizes=[world], clusters=clusters, step_options={"overlap": overlap})
         assert report.failures() == []
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"])
+def test_prefetch_equals_single_process(clusters, strategy, world):
+    from test_equivalence import gpt_batches, gpt_loss, gpt_model
+
+    world = (2, 2) if strategy == "HYBRID_SHARD" else world
+    for plan in (sf.Plan(strategy), sf.Plan(strategy, remat=sf.Remat(every=2))):
+        report = check_equivalence(gpt_model, gpt_loss, gpt_batches(4), optimizer=SGD, strategies=[plan],
+                                   world_sizes=[world], clusters=clusters, step_options={"prefetch": True})
+        assert report.failures() == []
