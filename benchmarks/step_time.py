@@ -8,6 +8,7 @@ initial weights) on the same global batches with AdamW, on CPU with gloo:
 * ``ddp``: ``DistributedDataParallel`` + ``torch.optim.AdamW``;
 * ``fsdp2`` / ``fsdp2_noreshard``: ``fully_shard`` on each Block and on the root, with
   ``reshard_after_forward`` True / False, + ``torch.optim.AdamW``;
+* ``shardfn_full_prefetch``: ``shardfn_full`` with ``jit_step(prefetch=True)``.
 * ``shardfn_full`` / ``shardfn_grad_op`` / ``shardfn_no_shard``: ``shardfn.shard`` with
   FULL_SHARD / SHARD_GRAD_OP / NO_SHARD (default units: one per Block, plus the root),
   ``shardfn.optim.adamw`` and ``shardfn.jit_step``.
@@ -52,10 +53,12 @@ import shardfn as sf
 from shardfn.testing import Cluster
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
-CONFIGS = ("single", "ddp", "fsdp2", "fsdp2_noreshard", "shardfn_full", "shardfn_grad_op", "shardfn_no_shard")
-FSDP2_PEER = {"fsdp2": "fsdp2", "fsdp2_noreshard": "fsdp2_noreshard",
-              "shardfn_full": "fsdp2", "shardfn_grad_op": "fsdp2_noreshard"}
-SHARDFN_STRATEGY = {"shardfn_full": "FULL_SHARD", "shardfn_grad_op": "SHARD_GRAD_OP", "shardfn_no_shard": "NO_SHARD"}
+CONFIGS = ("single", "ddp", "fsdp2", "fsdp2_noreshard", "shardfn_full", "shardfn_full_prefetch", "shardfn_grad_op",
+           "shardfn_no_shard")
+FSDP2_PEER = {"fsdp2": "fsdp2", "fsdp2_noreshard": "fsdp2_noreshard", "shardfn_full": "fsdp2",
+              "shardfn_full_prefetch": "fsdp2", "shardfn_grad_op": "fsdp2_noreshard"}
+SHARDFN_STRATEGY = {"shardfn_full": "FULL_SHARD", "shardfn_full_prefetch": "FULL_SHARD",
+                    "shardfn_grad_op": "SHARD_GRAD_OP", "shardfn_no_shard": "NO_SHARD"}
 WARMUP = 2
 LOSS_TOL = 1e-4
 
@@ -95,7 +98,8 @@ def build_shardfn_step(config: str, model: torch.nn.Module, lr: float):
     opt = sf.optim.adamw(lr)
     state = {"sharded": sf.shard(params, mesh, SHARDFN_STRATEGY[config])}
     state["opt"] = opt.init(state["sharded"])
-    jstep = sf.jit_step(lambda p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt)
+    jstep = sf.jit_step(lambda p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt,
+                        prefetch=config.endswith("_prefetch"))
 
     def step(x, y):
         state["sharded"], state["opt"], metrics = jstep(state["sharded"], state["opt"], (x, y))
