@@ -480,8 +480,7 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
             u.outputs = None  # forward is over: only saved handles (and u.full) remain
         if root is not None:
             # The graph holds what backward needs; the call itself no longer does.
-            root.full = None
-            root.storages = {}
+            root.release("free")
 
 
 def _prepare(apply: Any, layout: Layout) -> dict[str, list[tuple[nn.Module, str, int]]]:

@@ -50,7 +50,6 @@ class StepContext:
             work, _keepalive = self.pending.pop(0)
             work.wait()
     norms: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # id(tree) -> global norm
-    trees: list = dataclasses.field(default_factory=list)  # keeps the cached trees' ids valid
 
 
 _CONTEXT: list[StepContext] = []
