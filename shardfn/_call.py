@@ -392,8 +392,21 @@ def _prefetch_after(path: str, forward: bool) -> None:
     units = _ACTIVE[-1] if forward else step.units
     for nxt in order[i + 1 : i + 2]:
         unit = units.get(nxt)
-        if unit is not None and (forward or unit.pending > 0) and not unit.unit.remat:
+        if unit is not None and unit.unit.remat != "selective" and (forward or _regathers(unit)):
             unit.prefetch("regather" if not forward else "gather")
+
+
+def _regathers(unit: _Unit) -> bool:
+    """Whether backward will gather ``unit`` again: it holds handles to its parameters, or
+    it is rematerialised, ran this forward and was resharded after it (the recompute gathers).
+
+    Selectively rematerialised units are neither prefetched nor prefetch from inside their
+    region: selective checkpointing replays the region's ops one for one, and a gather
+    that was prefetched in forward (no copy in the region) but not in the recompute, or
+    the reverse, would break that replay."""
+    if unit.unit.remat:
+        return unit.calls > 0 and unit.layout.strategy.reshard_after_forward
+    return unit.pending > 0
 
 
 def _post_hook(path: str):
@@ -422,6 +435,8 @@ def _remat_forward(path: str, forward: Any):
             event = "regather" if torch._C._current_graph_task_id() != -1 else "gather"
             unit.outputs = _GatherUnit.apply(unit, event, *unit.shards)
             unit.calls += event == "gather"
+            if unit.unit.remat != "selective":
+                _prefetch_after(path, forward=event == "gather")
             unit.enter()
             try:
                 return forward(*args, **kwargs)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import is_fake
 
 from . import _buffers
 from . import _collectives as C
@@ -70,12 +71,12 @@ class Step:
             # The loss metric and the gradients' sum of squares share one all-reduce per axis.
             loss, norm = self._reduce_metrics(loss, _psum.sum_of_squares(grads))
             ctx.norms[id(grads)] = norm
-            metrics: dict[str, Any] = {"loss": loss, "grad_norm": float(norm)}
+            metrics: dict[str, Any] = {"loss": loss, "grad_norm": _scalar(norm)}
             metrics.update(hyperparams(self.optimizer, opt_state))
             skip = False
             if self.scaler is not None:
                 # The same value on every rank: the norm came out of an all-reduce.
-                skip = not bool(torch.isfinite(norm))
+                skip = not is_fake(norm) and not bool(torch.isfinite(norm))
                 metrics.update(loss_scale=self.scaler.scale, skipped=skip)
                 self.scaler.update(self.loss_scale, not skip)
             if not skip:
@@ -166,7 +167,7 @@ class Step:
             differs = axis == "shard" and self.layout is not None and self.layout.strategy.sharded
             v = v * torch.tensor([1.0 / n, 1.0 if differs else 1.0 / n], device=v.device)
             C.all_reduce(v, self.mesh.group(axis), tag="metrics", op="sum")
-        return float(v[0]), v[1].sqrt()
+        return _scalar(v[0]), v[1].sqrt()
 
     def _check(self, sharded: Any, opt_state: Any) -> None:
         if not isinstance(sharded, ShardedParams):
@@ -213,6 +214,11 @@ def check_opt_state(opt_state: Any, sharded: ShardedParams) -> None:
         )
 
 
+def _scalar(t: torch.Tensor) -> float | None:
+    """A metric as a Python float; ``None`` for a fake tensor (a planning run has no values)."""
+    return None if is_fake(t) else float(t)
+
+
 def _micro_batch(batch: Any, i: int, k: int) -> Any:
     def take(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -248,7 +254,7 @@ def jit_step(
     sync_buffers: bool = True,
     loss_scale: DynamicLossScale | None = None,
     overlap: bool = True,
-    prefetch: bool = False,
+    prefetch: bool = True,
 ) -> Step:
     """Builds ``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``.
 
@@ -285,6 +291,7 @@ def jit_step(
         prefetch: start each unit's all-gather while the unit before it computes (forward
             order recorded on the previous step; reversed for backward's regathers), at
             most one in flight; costs about one more unit of memory under FULL_SHARD.
+            ``False`` gathers each unit only when it runs, for comparison.
 
     ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
     gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),

@@ -14,7 +14,8 @@ CFG = GPTConfig(vocab_size=31, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 FOUR = 4  # bytes per fp32 element
 
 
-def _setup(strategy, optimizer=None):
+def _setup(strategy, optimizer=None, prefetch=False):
+    """One step's setup; ``prefetch=False`` so that the exact gather/free order below holds."""
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(GPT(CFG))
@@ -23,7 +24,7 @@ def _setup(strategy, optimizer=None):
     sharded = sf.shard(params, mesh, strategy)
     opt = optimizer or sf.optim.sgd(0.1)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=opt)
+    step = sf.jit_step(lambda p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=opt, prefetch=prefetch)
     g = torch.Generator().manual_seed(0)
     batch = {k: torch.randint(0, 31, (12, 8), generator=g) for k in ("x", "y")}
     return mesh, sharded, state, step, split_batch(batch, mesh.rank, mesh.size), full_numel, rows
@@ -216,8 +217,7 @@ def test_nested_recorders_each_see_their_own_block(clusters):
 
 
 def prefetched_step(strategy):
-    mesh, sharded, state, step, batch, *_ = _setup(strategy)
-    step = sf.jit_step(step.loss_fn, mesh, optimizer=step.optimizer, prefetch=True)
+    mesh, sharded, state, step, batch, *_ = _setup(strategy, prefetch=True)
     step(sharded, state, batch)  # records the unit order
     with sf.record_collectives() as log, sf.track_residency() as res:
         step(sharded, state, batch)

@@ -29,14 +29,14 @@ def test_remat_matches_single_process(clusters, remat, strategy, world):
     assert report.failures() == []
 
 
-def train(strategy, remat, replicate=None):
+def train(strategy, remat, replicate=None, prefetch=False):
     mesh = sf.Mesh.from_group(replicate=replicate)
     torch.manual_seed(0)
     params, apply = sf.functionalize(gpt_model())
     sharded = sf.shard(params, mesh, strategy, remat=remat)
     opt = sf.optim.sgd(0.05, momentum=0.9)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, prefetch=prefetch)
     for b in gpt_batches():
         with sf.record_collectives() as log, sf.track_residency() as res:
             sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
@@ -55,6 +55,13 @@ def test_remat_gradients_equal_no_remat_and_counts_unchanged(clusters, strategy,
         assert counts == plain_counts and events == plain_events, name
         assert modes[1:] == {"full": ["full", "full"], "selective": ["selective", "selective"],
                              "every_2nd": ["full", ""]}[name]
+
+
+def test_fully_rematerialised_units_are_prefetched_like_plain_ones(clusters):
+    _, plain_counts, plain_events, _ = clusters[2].run(train, "FULL_SHARD", None, None, True)[0]
+    _, counts, events, _ = clusters[2].run(train, "FULL_SHARD", REMATS["full"], None, True)[0]
+    assert ("prefetch", "blocks.1") in plain_events
+    assert counts == plain_counts and events == plain_events
 
 
 class _LiveBytes(TorchDispatchMode):

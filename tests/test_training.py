@@ -319,11 +319,12 @@ def test_blocking_reductions_equal_overlapped_ones(clusters, strategy):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"])
-def test_prefetch_equals_single_process(clusters, strategy, world):
+def test_prefetch_off_equals_single_process(clusters, strategy, world):
+    """Prefetch is the default (every other equivalence test runs it); this checks the option off."""
     from test_equivalence import gpt_batches, gpt_loss, gpt_model
 
     world = (2, 2) if strategy == "HYBRID_SHARD" else world
     for plan in (sf.Plan(strategy), sf.Plan(strategy, remat=sf.Remat(every=2))):
         report = check_equivalence(gpt_model, gpt_loss, gpt_batches(4), optimizer=SGD, strategies=[plan],
-                                   world_sizes=[world], clusters=clusters, step_options={"prefetch": True})
+                                   world_sizes=[world], clusters=clusters, step_options={"prefetch": False})
         assert report.failures() == []
