@@ -6,11 +6,16 @@ from ._call import Residency as Residency
 from ._call import track_residency as track_residency
 from ._collectives import CollectiveLog as CollectiveLog
 from ._collectives import record_collectives as record_collectives
+from ._explain import Explanation as Explanation
+from ._explain import UnitCost as UnitCost
+from ._explain import explain as explain
 from ._functionalize import Apply as Apply
 from ._functionalize import Params as Params
 from ._functionalize import functionalize as functionalize
 from ._init import materialize as materialize
 from ._layout import Layout as Layout
+from ._memory import LiveBytes as LiveBytes
+from ._memory import track_live_bytes as track_live_bytes
 from ._layout import LeafLayout as LeafLayout
 from ._layout import UnitLayout as UnitLayout
 from ._mesh import Mesh as Mesh
@@ -40,10 +45,12 @@ __all__ = [
     "Apply",
     "CollectiveLog",
     "DynamicLossScale",
+    "Explanation",
     "FullShard",
     "HybridShard",
     "HybridShardZero2",
     "Layout",
+    "LiveBytes",
     "LeafLayout",
     "Mesh",
     "NoShard",
@@ -56,10 +63,12 @@ __all__ = [
     "ShardedParams",
     "Step",
     "Strategy",
+    "UnitCost",
     "UnitLayout",
     "UnitPolicy",
     "by_module_type",
     "checkpoint",
+    "explain",
     "by_param_count",
     "by_prefix",
     "functionalize",
@@ -69,5 +78,6 @@ __all__ = [
     "optim",
     "record_collectives",
     "shard",
+    "track_live_bytes",
     "track_residency",
 ]

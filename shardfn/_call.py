@@ -110,7 +110,7 @@ class _Unit:
         self.replicate_group = mesh.group("replicate") if mesh.ndim == 2 else self.group
         self.slots: list[tuple[nn.Module, str, int]] = slots  # where each full tensor goes
         self.full: list[torch.Tensor] | None = None  # gathered parameters, while live
-        self.storages: dict[int, int] = {}  # their storage data_ptr -> leaf index
+        self.storages: dict[int, int] = {}  # id() of their storages -> leaf index (fake tensors have no data_ptr)
         self.outputs: tuple[torch.Tensor, ...] | None = None  # _GatherUnit's outputs, during forward
         self.originals: list[torch.Tensor] | None = None  # the module's own tensors, while entered
         self.hooks: Any = None
@@ -195,7 +195,7 @@ class _Unit:
                 out2d = out.view(world, self.unit.numel)
                 full = [unpack_leaf(out2d, leaf, world) for leaf in leaves]
         self.full = full
-        self.storages = {t.untyped_storage().data_ptr(): i for i, t in enumerate(full)}
+        self.storages = {id(t.untyped_storage()): i for i, t in enumerate(full)}
         self._note(event)
         return full
 
@@ -325,7 +325,7 @@ class _Handle:
 def _saved_tensor_hooks(unit: _Unit):
     def pack(t: torch.Tensor) -> Any:
         if unit.storages and not t.is_sparse:
-            index = unit.storages.get(t.untyped_storage().data_ptr())
+            index = unit.storages.get(id(t.untyped_storage()))
             if index is not None and unit.full is not None and t.dtype == unit.full[index].dtype:
                 unit.pending += 1
                 return _Handle(unit, index, t)

@@ -122,23 +122,24 @@ class Layout:
         ``replicate``. An axis of size one issues nothing. The step adds a scalar
         all-reduce per mesh axis for the loss metric, which is not counted here.
         """
-        if self.world * self.replicas == 1:
-            return {}
         out: dict[str, tuple[int, int]] = {}
-
-        def add(kind: str, count: int, nbytes: int) -> None:
-            c, b = out.get(kind, (0, 0))
-            out[kind] = (c + count, b + count * nbytes)
-
         for u in self.units:
-            item, red = u.param_dtype.itemsize, u.reduce_dtype.itemsize
-            if self.world > 1:
-                twice = self.strategy.reshard_after_forward and u.path != ""
-                add("all_gather", 2 if twice else 1, self.world * u.numel * item)
-                if u.grad_numel:
-                    add("reduce_scatter", 1, self.world * u.grad_numel * red)
-            if self.replicas > 1 and u.grad_numel:  # NO_SHARD; hybrid's shard-sized gradient
-                add("all_reduce", 1, u.grad_numel * red)
+            for kind, (count, nbytes) in self.unit_collectives(u).items():
+                c, b = out.get(kind, (0, 0))
+                out[kind] = (c + count, b + nbytes)
+        return out
+
+    def unit_collectives(self, u: UnitLayout) -> dict[str, tuple[int, int]]:
+        """``{kind: (count, bytes)}`` of unit ``u`` in one step on one rank (see above)."""
+        out: dict[str, tuple[int, int]] = {}
+        item, red = u.param_dtype.itemsize, u.reduce_dtype.itemsize
+        if self.world > 1:
+            n = 2 if self.strategy.reshard_after_forward and u.path != "" else 1
+            out["all_gather"] = (n, n * self.world * u.numel * item)
+            if u.grad_numel:
+                out["reduce_scatter"] = (1, self.world * u.grad_numel * red)
+        if self.replicas > 1 and u.grad_numel:  # NO_SHARD; hybrid's shard-sized gradient
+            out["all_reduce"] = (1, u.grad_numel * red)
         return out
 
     def fingerprint(self) -> int:

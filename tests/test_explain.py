@@ -1,0 +1,134 @@
+"""shardfn.explain: a plan's per-rank costs, predicted on fake tensors, against real runs."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+from shardfn.testing.models import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_layers=4, n_heads=4)
+BATCH = 4  # sequences per rank
+
+PLANS = {
+    "full": sf.Plan("FULL_SHARD"),
+    "grad_op": sf.Plan("SHARD_GRAD_OP"),
+    "no_shard": sf.Plan("NO_SHARD"),
+    "hybrid": sf.Plan("HYBRID_SHARD"),
+    "bf16_remat": sf.Plan("FULL_SHARD", precision=sf.Precision(param=torch.bfloat16, reduce=torch.float32),
+                          remat=sf.Remat()),
+}
+MESHES = {"full": 2, "grad_op": 3, "no_shard": 2, "hybrid": (2, 2), "bf16_remat": 2}
+
+
+def loss_fn(apply, params, batch):
+    return lm_loss(apply(params, batch[0]), batch[1])
+
+
+def measured(plan, replicate):
+    """A real run's live tensor bytes (before, and at most during, its second step) and collectives."""
+    mesh = sf.Mesh.from_group(replicate=replicate)
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    sharded = sf.shard(params, mesh, plan)
+    opt = sf.optim.adamw(1e-3)
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt)
+    g = torch.Generator().manual_seed(mesh.rank)
+    x, y = (torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g) for _ in range(2))
+    sharded, state, _ = step(sharded, state, (x, y))
+    with sf.track_live_bytes(sharded, state) as mem, sf.record_collectives() as log:
+        persistent = mem.current
+        sharded, state, _ = step(sharded, state, (x, y))
+    return persistent, mem.peak, dict(log.counts()), dict(log.bytes())
+
+
+def predict(name, **kw):
+    with torch.device("meta"):
+        model = GPT(CFG)
+    batch = (torch.zeros(BATCH, CFG.seq_len, dtype=torch.long),) * 2
+    return sf.explain(model, MESHES[name], PLANS[name], batch, loss_fn=loss_fn, verbose=False, **kw)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_prediction_agrees_with_a_real_run(clusters, name):
+    mesh = MESHES[name]
+    world, replicate = (mesh, None) if isinstance(mesh, int) else (math.prod(mesh), mesh[0])
+    real = clusters[world].run(measured, PLANS[name], replicate)
+    report = predict(name)
+    assert not dist.is_initialized()  # the fake world is gone
+    persistent, peak, counts, nbytes = real[0]  # rank 0: the largest shards, as explain plans
+    assert report.persistent_bytes == persistent
+    assert abs(report.peak_bytes - peak) <= 0.10 * peak, (report.peak_bytes, peak)
+    assert {k: c for k, (c, _) in report.collectives.items()} == counts
+    assert {k: b for k, (_, b) in report.collectives.items()} == nbytes
+    assert all(p <= peak for _, p, _, _ in real)  # no other rank peaks higher than rank 0
+
+
+def test_static_figures_follow_the_layout():
+    report = predict("grad_op")
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(CFG).parameters())
+    assert report.params == n
+    for u in report.units:
+        assert u.grad_bytes == u.param_bytes  # every parameter trains
+        assert u.optim_bytes == 2 * u.param_bytes  # AdamW: two moments per shard element
+    # Shards are a padded third of the parameters: each leaf rounds up to whole rows per rank.
+    assert n * 4 / 3 <= report.total("param_bytes") < n * 4 / 3 + 4 * 3 * 64 * len(report.units) * 12
+    assert report.persistent_bytes == report.total("param_bytes") + report.total("optim_bytes") + 8  # + the count
+    assert "predicted peak" in str(report) and "blocks.3" in str(report)
+
+
+def test_without_a_batch_the_layout_predicts_communication():
+    with torch.device("meta"):
+        model = GPT(CFG)
+    report = sf.explain(model, 2, "FULL_SHARD", verbose=False)
+    stepped = predict("full")
+    assert report.peak_bytes is None and report.persistent_bytes == stepped.persistent_bytes
+    metrics = stepped.collectives.pop("all_reduce")  # the step's loss / grad-norm all-reduce
+    assert metrics == (1, 8) and report.collectives == stepped.collectives
+    assert [(u.gather_bytes, u.reduce_bytes) for u in report.units] == [
+        (u.gather_bytes, u.reduce_bytes) for u in stepped.units]
+
+
+def test_a_seven_billion_parameter_model_at_64_ranks_plans_in_one_process(capsys):
+    cfg = GPTConfig(vocab_size=32000, seq_len=256, d_model=4096, n_layers=32, n_heads=32)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    batch = (torch.zeros(1, cfg.seq_len, dtype=torch.long),) * 2
+    plan = sf.Plan("FULL_SHARD", precision=sf.Precision(param=torch.bfloat16, reduce=torch.float32), remat=sf.Remat())
+    report = sf.explain(model, 64, plan, batch, loss_fn=loss_fn)
+    assert "64 ranks" in capsys.readouterr().out
+    n = sum(p.numel() for p in model.parameters())
+    assert report.params == n > 6.5e9
+    # fp32 master shards: 4 bytes per parameter / 64, plus per-leaf row padding (under 0.1%).
+    assert 4 * n / 64 <= report.total("param_bytes") <= 1.001 * 4 * n / 64
+    gathers, gather_bytes = report.collectives["all_gather"]
+    assert gathers == 2 * cfg.n_layers + 1  # FULL_SHARD: each block twice, the root once
+    assert gather_bytes == sum(u.gather_bytes for u in report.units)
+    assert report.persistent_bytes < report.peak_bytes < 64 * report.persistent_bytes
+
+
+def world_has_a_group():
+    with torch.device("meta"):
+        model = GPT(CFG)
+    errors = []
+    for mesh in (4, sf.Mesh.from_group()):
+        try:
+            sf.explain(model, mesh, "FULL_SHARD", verbose=False)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_clear_errors_instead_of_touching_a_real_world(clusters):
+    errors = clusters[2].run(world_has_a_group)[0]
+    assert "already has a default process group" in errors[0] and "before init_process_group" in errors[0]
+    assert "runs on a real backend" in errors[1] and "mesh=2" in errors[1]
+    with pytest.raises(ValueError, match="world size, a \\(replicate, shard\\) pair or a Mesh"):
+        sf.explain(GPT(CFG), (1, 2, 3), verbose=False)
+    with pytest.raises(TypeError, match="pass the nn.Module"):
+        sf.explain({"w": torch.zeros(2)}, 2, verbose=False)
+    assert not dist.is_initialized()
