@@ -255,7 +255,7 @@ class _Unit:
         if lay.replicas > 1:  # NO_SHARD, and the hybrid strategies' replicate axis
             work = C.all_reduce(out, self.replicate_group, tag=tag, op=op, async_op=asynchronous)
         if asynchronous and work is not None:
-            step.pending.append((work, (buf, out)))
+            step.add_pending(work, (buf, out))
         out = out.to(unit.dtype)  # the master dtype, whatever the reduce dtype was
         return [
             out[leaf.grad_offset : leaf.grad_offset + leaf.shard_numel].view(leaf.shard_shape)

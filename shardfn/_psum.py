@@ -19,6 +19,8 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator, Mapping
 
+from typing import Any
+
 import torch
 
 from . import _collectives as C
@@ -44,6 +46,16 @@ class StepContext:
     order: list = dataclasses.field(default_factory=list)
     seen: list = dataclasses.field(default_factory=list)
     units: dict = dataclasses.field(default_factory=dict)  # the sharded call's non-root units
+
+    def add_pending(self, work: Any, keepalive: Any) -> None:
+        """Tracks an asynchronous reduction; waits for the one before it.
+
+        Each pending reduction keeps its unit's unsharded gradient buffer alive, so at
+        most one stays in flight while autograd computes the next unit: holding them all
+        until the end of backward would cost the whole model's unsharded gradients.
+        """
+        self.wait_pending()
+        self.pending.append((work, keepalive))
 
     def wait_pending(self) -> None:
         while self.pending:

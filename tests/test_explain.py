@@ -132,3 +132,27 @@ def test_clear_errors_instead_of_touching_a_real_world(clusters):
     with pytest.raises(TypeError, match="pass the nn.Module"):
         sf.explain({"w": torch.zeros(2)}, 2, verbose=False)
     assert not dist.is_initialized()
+
+
+def peak_with(overlap):
+    """Peak live bytes of a step of a model whose weights outweigh its activations."""
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=256, n_layers=4, n_heads=4)
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(cfg))
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    opt = sf.optim.sgd(0.1)
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt, overlap=overlap)
+    x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+    sharded, state, _ = step(sharded, state, (x, x))
+    with sf.track_live_bytes(sharded, state) as mem:
+        step(sharded, state, (x, x))
+    unit_grad = max(mesh.size * u.grad_numel * 4 for u in sharded.layout.units)
+    return mem.peak, unit_grad
+
+
+def test_overlapped_reductions_keep_at_most_one_more_unsharded_gradient(clusters):
+    (blocking, unit_grad), (overlapped, _) = (clusters[2].run(peak_with, o)[0] for o in (False, True))
+    # In flight: the previous unit's reduction while the next one is packed, not every unit's.
+    assert overlapped - blocking <= unit_grad, (overlapped, blocking, unit_grad)
