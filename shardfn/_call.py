@@ -43,7 +43,7 @@ from torch.func import functional_call
 from . import _buffers
 from . import _collectives as C
 from . import _psum
-from ._layout import Layout, UnitLayout, pack_leaf, unpack_leaf
+from ._layout import Layout, UnitLayout, pack_unit, unpack_unit
 from ._precision import cast_floating
 
 __all__ = ["Residency", "accumulate_locally", "sharded_call", "track_residency"]
@@ -91,13 +91,57 @@ def track_residency() -> Iterator[Residency]:
 
 # -- one unit within one call ------------------------------------------------------------
 
+# [Note: copies]
+# What one step copies per unit on one rank, and why each copy remains. n = unit.numel
+# (elements of a rank's shard buffer), W = world, g = the unit's all-gathers per step
+# (2 for a non-root unit under FULL_SHARD, else 1), gn = unit.grad_numel; p, r, m = bytes
+# per element of the param, reduce and master dtypes. Bytes are bytes written.
+# tests/test_copies.py counts every copy op of a step with a TorchDispatchMode and asserts
+# exactly these, derived from the layout.
+#
+# gather, each of the g all-gathers (_issue, all_gather):
+#   1. pack, 1 copy, n*p: the shards, cast to param dtype on the way, go straight into this
+#      rank's row of the all-gather output (torch.cat(out=)); the all-gather runs in place
+#      (NCCL and gloo take an input that is the rank's chunk of the output). Remains: the
+#      shards are separate tensors (one per parameter, owned by the optimizer) and one
+#      collective takes one buffer. Removed: the separate input buffer and, under mixed
+#      precision, a second copy (cat in the master dtype, then .to(param dtype)).
+#   2. unpack, 1 copy, W*n*p: one split_with_sizes_copy moves each leaf's columns into a
+#      [W, shard_numel] tensor of its own, whose first rows are the full parameter (a view;
+#      the padding rows, fewer than W per leaf, ride along). Inherent to a flat all-gather
+#      of dim-0 shards: a leaf's rows are spread over the W rows of the output, so its full
+#      tensor must be assembled (FSDP2 copies out the same way). Only a flat-parameter
+#      layout (FSDP1: shard the concatenation) avoids it, at the price of shards that are
+#      no longer per-parameter dim-0 chunks. Removed: one or two copy_ per leaf.
+#   NO_SHARD has no all-gather: the shard is the parameter, no copy; only when the param
+#   dtype differs, one cast per leaf (n*p in all), which is mixed precision itself.
+#
+# reduce, once per step (_reduce; trainable leaves only):
+#   3. pack, 1 copy, W*gn*r: one _chunk_cat writes every gradient into its columns of every
+#      rank's row, cast to the reduce dtype on the way, padding rows zeroed. Remains:
+#      autograd hands back one tensor per parameter and the collective takes one buffer
+#      (FSDP2: the same copy-in). Removed: one or two copy_ and a zero fill per leaf, plus
+#      the hidden copy reshape made of a non-contiguous gradient.
+#   4. cast back, only if the reduce dtype is not the master dtype: 1 copy, gn*m (autograd
+#      wants a leaf's gradient in the leaf's dtype). None for Precision(param=bf16,
+#      reduce=fp32) or in fp32.
+#   The reduce-scatter writes a fresh shard-sized output, not a view of its input: the
+#   optimizer's gradients are views of it, and a view would keep the W-times larger input
+#   alive until the update.
+#
+# Not ours: gloo's reduce_scatter_tensor clones its input, all-reduces the clone and copies
+# this rank's chunk into the output (that last copy, gn*r, shows up at wait(); the test
+# counts it apart), and its all-gather unflattens from an internal buffer; NCCL does
+# neither. The model's own copies (in the test GPT, merging attention heads) are those of
+# a plain functional_call, which the test checks. The step copies a few scalars (metrics).
+
 
 class _Unit:
     """A unit's runtime state during one sharded call (and its backward)."""
 
     __slots__ = (
         "layout", "unit", "shards", "group", "replicate_group", "slots", "full", "storages", "outputs", "originals",
-        "hooks", "pending", "range", "calls", "inflight",
+        "hooks", "pending", "range", "calls", "inflight", "rank",
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, shards: list[torch.Tensor], mesh: Any, slots: list):
@@ -105,6 +149,7 @@ class _Unit:
         self.unit = unit
         self.shards = shards
         self.group = mesh.group("shard")  # all-gathers and reduce-scatters
+        self.rank = mesh.axis_rank("shard")  # this rank's row of an all-gather's output
         # Gradients are averaged over the other ranks holding the same shard: the
         # "replicate" axis of a 2-D mesh, or the whole 1-D mesh under NO_SHARD.
         self.replicate_group = mesh.group("replicate") if mesh.ndim == 2 else self.group
@@ -117,7 +162,7 @@ class _Unit:
         self.pending = 0  # handles packed and not yet unpacked
         self.range: Any = None  # the profiler range of the unit's forward, while entered
         self.calls = 0  # forward gathers in this call (more than one: the unit runs twice)
-        self.inflight: Any = None  # a prefetched all-gather: (work, input, output)
+        self.inflight: Any = None  # a prefetched all-gather: (work, input, output); input is a row of output
 
     @property
     def entered(self) -> bool:
@@ -164,13 +209,19 @@ class _Unit:
                 r.note(event, self.unit.name)
 
     def _issue(self, event: str, async_op: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        dtype = self.unit.param_dtype
+        """Starts the unit's all-gather: ``(work, input, output)``, output ``[world, numel]``.
+
+        One copy (see [Note: copies]): the shards are written, cast to ``param_dtype``
+        on the way (the collective moves param-dtype elements, see _precision), straight
+        into this rank's row of the output, and the all-gather runs in place.
+        """
+        world, numel = self.layout.world, self.unit.numel
         with torch.no_grad():
-            # Cast before the collective: it moves param_dtype elements (see _precision).
-            flat = torch.cat([s.detach().reshape(-1) for s in self.shards]).to(dtype)
-            out = torch.empty(self.layout.world * self.unit.numel, dtype=dtype, device=flat.device)
-            work = C.all_gather(out, flat, self.group, tag=f"{event}:{self.unit.name}", async_op=async_op)
-        return work, flat, out
+            out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.shards[0].device)
+            mine = out[self.rank]
+            torch.cat([s.detach().reshape(-1) for s in self.shards], out=mine)
+            work = C.all_gather(out.view(-1), mine, self.group, tag=f"{event}:{self.unit.name}", async_op=async_op)
+        return work, mine, out
 
     def prefetch(self, event: str) -> None:
         """Starts this unit's all-gather now; :meth:`all_gather` will wait for it."""
@@ -192,8 +243,7 @@ class _Unit:
                     self.inflight = None
                 else:
                     _, _, out = self._issue(event, async_op=False)
-                out2d = out.view(world, self.unit.numel)
-                full = [unpack_leaf(out2d, leaf, world) for leaf in leaves]
+                full = unpack_unit(out, leaves, world)  # one copy: FSDP2's copy-out
         self.full = full
         self.storages = {id(t.untyped_storage()): i for i, t in enumerate(full)}
         self._note(event)
@@ -221,12 +271,13 @@ class _Unit:
         world, tag = lay.world, f"reduce:{unit.name}"
         device = self.shards[0].device
         buf = torch.empty(world, unit.grad_numel, dtype=unit.reduce_dtype, device=device)
-        for g, leaf in zip(grads, leaves):
-            if leaf.grad_offset < 0:
-                continue
-            if g is None:
-                g = torch.zeros(leaf.shape, dtype=unit.reduce_dtype, device=device)
-            pack_leaf(buf, g, leaf, world, leaf.grad_offset)
+        # One copy (see [Note: copies]): each gradient straight into its columns of every
+        # rank's row, cast to the reduce dtype on the way, padding rows zeroed.
+        pack_unit(buf, [
+            g if g is not None else torch.zeros(leaf.shape, dtype=unit.param_dtype, device=device)
+            for g, leaf in zip(grads, leaves)
+            if leaf.grad_offset >= 0
+        ], world)
         acc = _ACCUMULATORS[-1] if _ACCUMULATORS else None
         if acc is not None:
             previous = acc.buffers.pop(unit.path, None)

@@ -8,6 +8,8 @@ rank, so one all-gather of that buffer yields a ``[world, unit.numel]`` tensor i
 leaf ``i`` occupies columns ``offset_i : offset_i + chunk_i * row_numel_i`` of every
 row: rank ``r``'s chunk. Unpacking a leaf copies those columns out, rank after rank,
 and drops the padding rows; packing a gradient for the reduce-scatter does the reverse.
+A step does both for a whole unit in one copy (:func:`unpack_unit`, :func:`pack_unit`;
+see [Note: copies] in _call.py); :func:`unpack_leaf` and :func:`pack_leaf` do one leaf.
 Under NO_SHARD the "shard" is the whole parameter (``world`` is 1 for layout purposes)
 and the unit buffer is what the all-reduce runs on.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -262,6 +264,33 @@ def unpack_leaf(gathered: torch.Tensor, leaf: LeafLayout, world: int) -> torch.T
         if rem:
             out[q * leaf.chunk :].copy_(cols[q, :rem])
     return out.view(leaf.shape)
+
+
+def unpack_unit(gathered: torch.Tensor, leaves: Sequence[LeafLayout], world: int) -> list[torch.Tensor]:
+    """Every leaf's full parameter from a ``[world, unit.numel]`` all-gather result, in one copy.
+
+    One ``split_with_sizes_copy`` moves each leaf's columns into a ``[world, shard_numel]``
+    tensor of its own: rank after rank, that is the leaf's rows followed by its padding
+    rows, so the full parameter is a view of its first ``rows`` rows (a few padding rows
+    of memory per leaf, one kernel per unit). ``leaves`` are the unit's leaves in order.
+    """
+    outs = [gathered.new_empty((world, leaf.shard_numel)) for leaf in leaves]
+    if outs:
+        torch.split_with_sizes_copy(gathered, [leaf.shard_numel for leaf in leaves], dim=1, out=outs)
+    return [t.view(-1)[: math.prod(leaf.shape)].view(leaf.shape) for t, leaf in zip(outs, leaves)]
+
+
+def pack_unit(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], world: int) -> None:
+    """Writes full-shaped tensors, laid end to end, into a ``[world, n]`` buffer, in one copy.
+
+    The inverse of :func:`unpack_unit` (``n`` is the sum of their shard sizes): one
+    ``_chunk_cat`` splits each tensor into ``world`` dim-0 chunks of ``ceil(rows / world)``
+    rows, zero padding included, writes chunk ``r`` into row ``r``, and casts to the
+    buffer's dtype on the way. The tensors need not be contiguous.
+    """
+    parts = [t.reshape(1) if t.dim() == 0 else t for t in tensors if t.numel()]  # empty: no columns
+    if parts:
+        torch._chunk_cat(parts, dim=0, num_chunks=world, out=buffer)
 
 
 def pack_leaf(buffer: torch.Tensor, full: torch.Tensor, leaf: LeafLayout, world: int, offset: int) -> None:
