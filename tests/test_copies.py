@@ -1,0 +1,277 @@
+"""Copies per training step: exactly what [Note: copies] in shardfn/_call.py says remains.
+
+A ``TorchDispatchMode`` sees every aten op a step issues. Ops that move tensor data
+without computing anything new (``copy_``, ``_to_copy``, ``cat``, ``clone``, the
+``*_copy`` ops, ...) are copies; each is attributed to
+
+* the unit machinery: ``_Unit._issue`` (pack the shards into the all-gather input),
+  ``_Unit.all_gather`` (unpack the gathered buffer; NO_SHARD's cast) -> direction
+  "gather"; ``_Unit.reduce`` (pack gradients, cast back) -> "reduce";
+* gloo: the copy its reduce-scatter makes into the output shard (NCCL writes in place);
+* the model: the rest of the forward (``loss_fn``) and backward (``shardfn::backward``),
+  which must equal the copies of a plain ``functional_call`` forward and backward of the
+  same model; anything else the step does (metrics, optimizer) is reported, not asserted.
+
+Expected counts and bytes (written) are derived from the layout, never typed in.
+"""
+
+import collections
+import math
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import shardfn as sf
+from shardfn._layout import build_layout, local_shard, pack_leaf, pack_unit, unpack_leaf, unpack_unit
+from shardfn._plan import Plan
+from shardfn.testing import split_batch
+from shardfn.testing.models import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(vocab_size=31, seq_len=8, d_model=16, n_layers=3, n_heads=2)  # as test_counts.py
+aten = torch.ops.aten
+
+# Ops that only move data: what a copy is. Views (view, slice, t, ...) and fills are not.
+_COPIES = {
+    aten.copy_, aten._to_copy, aten.clone, aten.cat, aten.stack, aten._chunk_cat,
+    aten.split_with_sizes_copy, aten.narrow_copy, aten.index, aten.index_select,
+    aten.expand_copy, aten.slice_copy, aten.select_copy, aten.view_copy, aten.permute_copy,
+}
+
+
+def _is_copy(func) -> bool:
+    name = func.overloadpacket.__name__
+    return func.overloadpacket in _COPIES or name.endswith("_copy") or name.endswith("copy_")
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+class CopyLog(TorchDispatchMode):
+    """Every copy op issued inside the block: ``(where, unit, op, bytes written)``.
+
+    ``where`` is "gather" / "reduce" (inside the unit methods named in the module
+    docstring), "gloo", "forward" (inside ``self.phase = "forward"``), "backward"
+    (inside the ``shardfn::backward`` profiler range) or "step".
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+        self.tags = []  # (direction, unit name), innermost last
+        self.phase = None
+        self._ranges = []  # names of the open profiler ranges, innermost last
+        self._reduce_outputs = {}  # data_ptr -> reduce-scatter output whose copy is gloo's
+        self._thread = threading.get_ident()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.profiler._record_function_enter_new.default:
+            self._ranges.append(args[0])
+        elif func is torch.ops.profiler._record_function_exit._RecordFunction:
+            self._ranges.pop()
+        elif func is torch.ops.c10d._reduce_scatter_base_.default:
+            self._reduce_outputs[args[0].data_ptr()] = args[0]
+        elif _is_copy(func):
+            written = kwargs.get("out", args[0] if func.overloadpacket is aten.copy_ else out)
+            where, unit = self._where(func, args)
+            self.copies.append((where, unit, func.overloadpacket.__name__, _nbytes(written)))
+        return out
+
+    def _where(self, func, args):
+        if func.overloadpacket is aten.copy_ and self._reduce_outputs.pop(args[0].data_ptr(), None) is not None:
+            return "gloo", ""
+        if threading.get_ident() != self._thread:
+            return "other thread", ""
+        if self.tags:
+            return self.tags[-1]
+        if "shardfn::backward" in self._ranges:
+            return "backward", ""
+        return self.phase or "step", ""
+
+    def by_unit(self, where):
+        """``{unit: (copies, bytes)}`` for one direction."""
+        out = collections.defaultdict(lambda: (0, 0))
+        for w, unit, _, nbytes in self.copies:
+            if w == where:
+                c, b = out[unit]
+                out[unit] = (c + 1, b + nbytes)
+        return dict(out)
+
+    def histogram(self, *wheres):
+        return collections.Counter((op, nbytes) for w, _, op, nbytes in self.copies if w in wheres)
+
+
+def _tagged(log, method, direction):
+    def wrapper(self, *args, **kwargs):
+        log.tags.append((direction, self.unit.name))
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            log.tags.pop()
+
+    return wrapper
+
+
+def expected_copies(layout):
+    """[Note: copies], per unit: ``{direction: {unit: (copies, bytes)}}`` of one step on one rank."""
+    W = layout.world
+    gather, reduce = {}, {}
+    for u in layout.units:
+        p, r, m = u.param_dtype.itemsize, u.reduce_dtype.itemsize, u.dtype.itemsize
+        if W > 1:
+            # Each gather: pack the shards into this rank's row of the output (n elements,
+            # cast included), unpack the whole [W, n] output into the leaves.
+            g = layout.unit_collectives(u)["all_gather"][0]
+            gather[u.name] = (2 * g, g * (u.numel + W * u.numel) * p)
+        elif u.param_dtype != u.dtype:
+            # NO_SHARD: the shard is the parameter; only a cast copies, leaf by leaf.
+            gather[u.name] = (len(u.leaves), u.numel * p)
+        if u.grad_numel:
+            # Pack every gradient into the [W, grad_numel] reduce buffer (cast included),
+            # then return the reduced shard to the master dtype if it was reduced in another.
+            cast = u.reduce_dtype != u.dtype
+            reduce[u.name] = (1 + cast, W * u.grad_numel * r + cast * u.grad_numel * m)
+    return {"gather": gather, "reduce": reduce}
+
+
+def count_step(strategy, precision):
+    from shardfn import _call
+
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    sharded = sf.shard(params, mesh, strategy, precision=precision)
+    opt = sf.optim.sgd(0.1)
+    state = opt.init(sharded)
+    log = CopyLog()
+
+    def loss_fn(p, b):
+        log.phase = "forward"
+        try:
+            return lm_loss(apply(p, b["x"]), b["y"])
+        finally:
+            log.phase = None
+
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)  # prefetch and overlap on, as by default
+    g = torch.Generator().manual_seed(0)
+    batch = split_batch({k: torch.randint(0, 31, (12, 8), generator=g) for k in ("x", "y")}, mesh.rank, mesh.size)
+    sharded, state, _ = step(sharded, state, batch)  # a first step; count a steady-state one
+    originals = {name: getattr(_call._Unit, name) for name in ("_issue", "all_gather", "reduce")}
+    directions = {"_issue": "gather", "all_gather": "gather", "reduce": "reduce"}
+    try:
+        for name, method in originals.items():
+            setattr(_call._Unit, name, _tagged(log, method, directions[name]))
+        with log:
+            sharded, state, _ = step(sharded, state, batch)
+    finally:
+        for name, method in originals.items():
+            setattr(_call._Unit, name, method)
+
+    # The same model's own forward and backward, unsharded, in the compute dtype.
+    dtype = sharded.layout.units[0].param_dtype
+    full = {n: t.detach().to(dtype).requires_grad_(t.requires_grad) for n, t in params.items()}
+    ref = CopyLog()
+    with ref:
+        ref.phase = "forward"
+        loss = lm_loss(apply(full, batch["x"]), batch["y"])
+        ref.phase = "backward"
+        torch.autograd.grad(loss, [t for t in full.values() if t.requires_grad])
+
+    layout = sharded.layout
+    return {
+        "expected": expected_copies(layout),
+        "gather": log.by_unit("gather"),
+        "reduce": log.by_unit("reduce"),
+        "gloo": log.by_unit("gloo").get("", (0, 0)),
+        "reduce_scatter_shards": sorted(u.grad_numel * u.reduce_dtype.itemsize for u in layout.units if u.grad_numel)
+        if layout.world > 1 else [],
+        "unexplained": [c for c in log.copies if c[0] == "other thread"],
+        "model": sorted(log.histogram("forward", "backward").items()),
+        "reference": sorted(ref.histogram("forward", "backward").items()),
+        "step": sorted(log.histogram("step").items()),
+        "ops": sorted(collections.Counter((w, u, op) for w, u, op, _ in log.copies if w in ("gather", "reduce")).items()),
+    }
+
+
+BF16 = sf.Precision(param=torch.bfloat16, reduce=torch.float32)
+BF16_REDUCE = sf.Precision(param=torch.bfloat16)  # reduced in bf16: the shard is cast back to fp32
+CONFIGS = [(s, p) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for p in (None, BF16)] + [("FULL_SHARD", BF16_REDUCE)]
+IDS = [f"{s}-{'fp32' if p is None else 'bf16/' + str(p.reduce or p.param)[6:]}" for s, p in CONFIGS]
+
+
+@pytest.fixture(scope="module")
+def counted(clusters):
+    return {(s, p): clusters[2].run(count_step, s, p)[0] for s, p in CONFIGS}
+
+
+@pytest.mark.parametrize("strategy,precision", CONFIGS, ids=IDS)
+def test_copies_per_unit_and_direction_are_the_designed_ones(counted, strategy, precision):
+    r = counted[(strategy, precision)]
+    print(f"\n{strategy} {precision}: machinery copies by unit:")
+    for key, n in r["ops"]:
+        print(f"  {n:3d} x {key}")
+    print(f"  gloo {r['gloo']}; step (metrics, optimizer): {r['step']}")
+    assert r["gather"] == r["expected"]["gather"]
+    assert r["reduce"] == r["expected"]["reduce"]
+    assert r["unexplained"] == []
+
+
+@pytest.mark.parametrize("strategy,precision", CONFIGS, ids=IDS)
+def test_the_rest_is_the_models_own_copies(counted, strategy, precision):
+    r = counted[(strategy, precision)]
+    # Outside the unit machinery, forward and backward copy exactly what the plain
+    # model does on one device (here: the attention's head merge, a reshape of a
+    # transposed tensor).
+    assert r["model"] == r["reference"]
+    # gloo's reduce-scatter writes each output shard with one copy of its own (NCCL
+    # writes in place): at most one per reduce-scatter, shard-sized.
+    count, nbytes = r["gloo"]
+    assert count in (0, len(r["reduce_scatter_shards"]))
+    assert nbytes == (sum(r["reduce_scatter_shards"]) if count else 0)
+
+
+# -- the packing helpers, single process -------------------------------------------------
+
+shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=60)
+@given(shapes=st.lists(shapes, min_size=1, max_size=4), world=st.integers(1, 5), cast=st.booleans())
+def test_unit_packing_equals_leaf_packing_in_one_copy(shapes, world, cast):
+    params = {f"p{i}": torch.randn(s) for i, s in enumerate(shapes)}
+    layout = build_layout(Plan("FULL_SHARD"), (world,), world, 1, params, [], {})
+    (unit,) = layout.units
+    leaves = [layout.leaves[n] for n in unit.leaves]
+    rows = [torch.cat([local_shard(params[n], layout.leaves[n], r, torch.device("cpu")).reshape(-1) for n in unit.leaves])
+            for r in range(world)]
+    gathered = torch.stack(rows)
+    with CopyLog() as log:
+        full = unpack_unit(gathered, leaves, world)
+    assert log.histogram("step") == collections.Counter({("split_with_sizes_copy", world * unit.numel * 4): 1})
+    for t, leaf in zip(full, leaves):
+        assert t.shape == leaf.shape and t.is_contiguous()
+        torch.testing.assert_close(t, unpack_leaf(gathered, leaf, world), rtol=0, atol=0)
+    # Packing (non-contiguous sources, cast to the buffer's dtype) gives what pack_leaf gives.
+    dtype = torch.bfloat16 if cast else torch.float32
+    buf = torch.full((world, unit.numel), float("nan"), dtype=dtype)
+    sources = [params[n].t() .contiguous().t() if params[n].dim() == 2 else params[n] for n in unit.leaves]
+    with CopyLog() as log:
+        pack_unit(buf, sources, world)
+    nonempty = any(params[n].numel() for n in unit.leaves)
+    assert log.histogram("step") == (collections.Counter({("_chunk_cat", buf.numel() * buf.element_size()): 1})
+                                     if nonempty else collections.Counter())
+    expect = torch.full((world, unit.numel), float("nan"), dtype=dtype)
+    for n in unit.leaves:
+        pack_leaf(expect, params[n], layout.leaves[n], world, layout.leaves[n].offset)
+    torch.testing.assert_close(buf, expect, rtol=0, atol=0)
+    assert math.prod(buf.shape) == world * unit.numel
