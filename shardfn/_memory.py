@@ -11,7 +11,8 @@ returns is counted once (keyed by the storage object, which torch keeps unique p
 storage) and uncounted by a weak-reference callback when it dies; storages resized in
 place (``resize_``, ``resize_storage_bytes_``: how FSDP2 frees gathered parameters) are
 recounted (the storage method is wrapped while the block runs, since it bypasses the
-dispatcher). Tensors that existed before the block are counted with :meth:`LiveBytes.add`.
+dispatcher). A tensor subclass such as DTensor is counted by its inner tensors (its own
+storage is a global-sized wrapper that holds no data). Tensors that existed before the block are counted with :meth:`LiveBytes.add`.
 It sees the ops of the thread that entered it; on CPU autograd runs the backward on
 that thread too.
 """
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 __all__ = ["LiveBytes", "track_live_bytes"]
 
@@ -53,6 +54,12 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.current
 
     def _count(self, t: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(t):  # a DTensor's data is its inner (local) tensors
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self._count(inner)
+            return
         try:
             s = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, nested, ...: not storage-backed
