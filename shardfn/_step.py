@@ -79,13 +79,20 @@ class Step:
                 skip = not is_fake(norm) and not bool(torch.isfinite(norm))
                 metrics.update(loss_scale=self.scaler.scale, skipped=skip)
                 self.scaler.update(self.loss_scale, not skip)
+            # Donation with an in-place optimizer (optim [Note: donation]): params and state
+            # are updated in place and the gradients serve as scratch; else update + apply.
+            in_place = self.donate and getattr(self.optimizer, "update_", None) is not None
             if not skip:
                 with torch.profiler.record_function("shardfn::optimizer"):
-                    updates, opt_state = self.optimizer.update(grads, opt_state, sharded)
+                    if in_place:
+                        self._finish_prefetch(ctx)  # no all-gather may still be reading the shards
+                        opt_state = self.optimizer.update_(grads, opt_state, sharded)
+                    else:
+                        updates, opt_state = self.optimizer.update(grads, opt_state, sharded)
             if self.sync_buffers:
                 buffers.sync(self.mesh)
         self._finish_prefetch(ctx)
-        if skip:
+        if skip or in_place:
             new = sharded
         elif self.donate:
             apply_updates_(sharded, updates)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -658,3 +659,418 @@ def test_all_is_sorted_and_exported():
     assert optim.__all__ == sorted(optim.__all__)
     assert {"clip_by_global_norm", "masked", "hyperparams"} <= set(optim.__all__)
     assert all(hasattr(optim, name) for name in optim.__all__)
+
+
+# -- in-place updates (donation) -----------------------------------------------------------
+#
+# update_(grads, state, params) -> state writes the new params and state into the tensors
+# passed in and may use the grads as scratch (optim._base [Note: donation]). The built-in
+# ones do torch.optim's foreach steps op for op, so they equal torch bitwise; they equal the
+# pure path (update + apply_updates_) to rounding, with the moments bitwise equal.
+
+EXACT = {"rtol": 0, "atol": 0}
+
+
+def run_in_place(opt, params, grads_per_step):
+    """Like run_shardfn, through update_; each step donates a copy of its grads."""
+    params = {k: p.detach().clone().requires_grad_(p.requires_grad) for k, p in params.items()}
+    state = opt.init(params)
+    for grads in grads_per_step:
+        state = opt.update_({k: g.clone() for k, g in grads.items()}, state, params)
+    return params, state
+
+
+def assert_trees_equal(a, b, **tol):
+    """Equal pytrees (optimizer states): same structure, tensors equal bitwise (or to ``tol``)."""
+    leaves_a, spec_a = pytree.tree_flatten(a)
+    leaves_b, spec_b = pytree.tree_flatten(b)
+    assert spec_a == spec_b
+    for x, y in zip(leaves_a, leaves_b):
+        torch.testing.assert_close(x, y, **(tol or EXACT))
+
+
+def state_tensors(state):
+    return [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_adamw_in_place_is_torch_foreach_adamw_and_the_pure_path(mask):
+    # Weight decay on some params only (torch param groups), a schedule, a large eps.
+    factor = lambda count: 0.5**count + 0.1 * count  # noqa: E731
+
+    def make():
+        return optim.adamw(lambda c: 1e-2 * factor(c), b1=0.8, b2=0.95, eps=1e-3, weight_decay=0.1, mask=MASKS[mask])
+
+    params, grads = named_problem(seed=20)
+    ours, state = run_in_place(make(), params, grads)
+    for foreach in (True, False):
+        ref = run_torch(
+            lambda ps, foreach=foreach: torch.optim.AdamW(
+                param_groups(ps, 0.1), lr=1e-2, betas=(0.8, 0.95), eps=1e-3, foreach=foreach
+            ),
+            params, grads, lr_lambda=factor,
+        )
+        for k in ref:
+            torch.testing.assert_close(ours[k].detach(), ref[k].detach(), **EXACT, msg=lambda m, k=k: f"{k}: {m}")
+    pure, pure_state = run_shardfn(make(), params, grads)
+    assert_params_close(ours, pure)
+    assert_trees_equal(state, pure_state)  # moments and count: the same ops in both paths
+    assert int(state.count) == STEPS
+
+
+def test_adamw_in_place_updates_the_tensors_passed_in():
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+    params, grads = make_problem([(3, 4), (4,)], seed=21, steps=1)
+    state = opt.init(params)
+    tensors = {k: p for k, p in params.items()}
+    moments = state_tensors(state)
+    before = {k: p.detach().clone() for k, p in params.items()}
+    new_state = opt.update_(grads[0], state, params)
+    assert new_state is state and int(state.count) == 1
+    assert all(a is b for a, b in zip(state_tensors(new_state), moments))
+    assert all(params[k] is tensors[k] and params[k].requires_grad for k in params)
+    assert all(not torch.equal(params[k], before[k]) for k in params)
+    assert all(m.abs().sum() > 0 for m in (*state.mu.values(), *state.nu.values()))
+
+
+@pytest.mark.parametrize("cfg", SGD_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@FAST
+@given(shapes=shapes_st, seed=seed_st)
+def test_sgd_in_place_is_torch_foreach_sgd_and_the_pure_path(cfg, shapes, seed):
+    params, grads = make_problem(shapes, seed)
+    ours, state = run_in_place(optim.sgd(0.1, **cfg), params, grads)
+    ref = run_torch(lambda ps: torch.optim.SGD(ps, lr=0.1, dampening=0, foreach=True, **cfg), params, grads)
+    for k in ref:
+        torch.testing.assert_close(ours[k].detach(), ref[k].detach(), **EXACT)
+    pure, pure_state = run_shardfn(optim.sgd(0.1, **cfg), params, grads)
+    assert_params_close(ours, pure)
+    # Weight decay feeds the params (equal to rounding) into the buffers.
+    assert_trees_equal(state, pure_state, **(TOL if cfg["weight_decay"] else EXACT))
+
+
+def test_chain_of_clip_and_adamw_in_place_equals_the_pure_path():
+    # Norms far above max_norm on steps 0 and 2 and below on step 1: both branches of the clip.
+    params, grads = make_problem([(4, 3), (3,), ()], seed=22, steps=3)
+    for g, factor in zip(grads, [10.0, 0.01, 5.0]):
+        for k in g:
+            g[k] = g[k] * factor
+    make = lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))  # noqa: E731
+    assert make().update_ is not None
+    ours, state = run_in_place(make(), params, grads)
+    pure, pure_state = run_shardfn(make(), params, grads)
+    assert_params_close(ours, pure)
+    assert_trees_equal(state, pure_state)  # the clipped gradients reached adamw bitwise equal
+    unclipped, _ = run_in_place(optim.adamw(1e-2, weight_decay=0.1), params, grads)
+    assert not torch.allclose(unclipped["layers.0.weight"], ours["layers.0.weight"], **TOL)
+
+
+def test_chain_in_place_uses_the_grads_object_the_step_measured():
+    # In a step, clip reads the norm the step computed for that very grads Mapping.
+    from shardfn import _psum
+
+    params = {"w": torch.zeros(2, requires_grad=True)}
+    grads = {"w": torch.tensor([3.0, 4.0])}
+    ctx = _psum.StepContext(mesh=None, sharded=False)
+    ctx.norms[id(grads)] = torch.tensor(10.0)
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.scale(-1.0))
+    with _psum.step_context(ctx):
+        opt.update_(grads, opt.init(params), params)
+    torch.testing.assert_close(params["w"].detach(), -torch.tensor([3.0, 4.0]) / (10.0 + 1e-6))
+
+
+def test_chain_of_two_clips_in_place_measures_the_clipped_grads_again():
+    # A kernel returns a new Mapping, so the second clip does not reuse the first one's norm.
+    params, grads = make_problem([(3, 2)], seed=23, steps=2)
+    grads = [{k: g * 10 for k, g in step.items()} for step in grads]
+    make = lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.clip_by_global_norm(0.5), optim.sgd(0.1))  # noqa: E731
+    ours, _ = run_in_place(make(), params, grads)
+    pure, _ = run_shardfn(make(), params, grads)
+    assert_params_close(ours, pure)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_masked_decay_then_sgd_in_place_is_torch_param_groups(mask):
+    params, grads = named_problem(seed=24)
+    opt = optim.chain(optim.masked(optim.add_decayed_weights(0.1), MASKS[mask]), optim.sgd(0.1, momentum=0.9))
+    assert opt.update_ is not None
+    ours, _ = run_in_place(opt, params, grads)
+    ref = run_torch(lambda ps: torch.optim.SGD(param_groups(ps, 0.1), lr=0.1, momentum=0.9, foreach=True), params, grads)
+    for k in ref:
+        torch.testing.assert_close(ours[k].detach(), ref[k].detach(), **EXACT)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.chain(optim.add_decayed_weights(0.1), optim.scale(-0.1)),
+        lambda: optim.masked(optim.adamw(1e-2, weight_decay=0.1), decays),
+        lambda: optim.masked(optim.scale(-0.5), decays),
+        lambda: optim.chain(optim.chain(optim.scale(2.0), optim.clip_by_global_norm(1.0)), optim.sgd(0.1, momentum=0.5)),
+    ],
+    ids=["decay-scale", "masked-adamw", "masked-scale", "nested-chain"],
+)
+def test_composed_in_place_equals_the_pure_path(make):
+    params, grads = named_problem(seed=25)
+    assert make().update_ is not None
+    ours, state = run_in_place(make(), params, grads)
+    pure, pure_state = run_shardfn(make(), params, grads)
+    assert_params_close(ours, pure)
+    assert_trees_equal(state, pure_state)
+
+
+def _identity():
+    """A user's own gradient-only transformation: no in-place kernel."""
+    return optim.GradientTransformation(lambda p: optim.EmptyState(), lambda g, s, p=None: (dict(g), s))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.chain(_identity(), optim.adamw(1e-3)),  # a leading member without a kernel
+        lambda: optim.chain(optim.sgd(0.1, momentum=0.9), optim.scale(1.0)),  # a stateful leading member
+        lambda: optim.chain(optim.adamw(1e-3), _identity()),  # a last member without update_
+        lambda: optim.masked(_identity(), decays),
+        lambda: optim.stateless(lambda g, p: dict(g)),
+    ],
+    ids=["user-first", "sgd-first", "user-last", "masked-user", "stateless-without-fn_"],
+)
+def test_no_in_place_path_where_members_lack_one(make):
+    opt = make()
+    assert opt.update_ is None
+    params, grads = named_problem(seed=26)
+    run_shardfn(opt, params, grads)  # the pure path still works
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [
+        (torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.01)),
+        (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, foreach=True)),
+    ],
+    ids=["Adam", "SGD-nesterov"],
+)
+def test_from_torch_in_place_is_the_torch_step(cls, kwargs):
+    params, grads = make_problem([(3, 4), (4,), ()], seed=27)
+    ours, state = run_in_place(optim.from_torch(cls, **kwargs), params, grads)
+    ref = run_torch(lambda ps: cls(ps, **kwargs), params, grads)
+    for k in ref:
+        torch.testing.assert_close(ours[k].detach(), ref[k].detach(), **EXACT)
+    assert all(q.grad is None for q in state.optimizer.param_groups[0]["params"])
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_frozen_params_are_untouched_in_place(name):
+    params, grads = make_problem([(3, 2), (4,), (2,)], seed=28)
+    frozen = "layers.1.weight"
+    params[frozen].requires_grad_(False)
+    for g in grads:
+        del g[frozen]
+    ours, _ = run_in_place(OPTIMIZERS[name](), params, grads)
+    torch.testing.assert_close(ours[frozen], params[frozen], **EXACT)
+    assert not torch.equal(ours["layers.0.weight"], params["layers.0.weight"])
+
+
+IN_PLACE = {
+    **OPTIMIZERS,
+    "chain": lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)),
+    "masked": lambda: optim.masked(optim.sgd(0.1, momentum=0.9), lambda name: True),
+}
+
+
+@pytest.mark.parametrize("name", IN_PLACE)
+def test_in_place_rejects_bad_input_before_writing_anything(name):
+    opt = IN_PLACE[name]()
+    params, grads = make_problem([(3, 2), (4,)], seed=29, steps=2)
+    state = opt.init(params)
+    state = opt.update_(grads[0], state, params)  # a real state, with non-zero moments
+    snapshot = ({k: p.detach().clone() for k, p in params.items()}, [t.clone() for t in state_tensors(state)])
+    bad = dict(grads[1], **{"layers.1.weight": torch.ones(5)})  # the wrong shape for the second leaf
+    with pytest.raises(ValueError, match=r"layers\.1\.weight"):
+        opt.update_(bad, state, params)
+    with pytest.raises(ValueError, match="params=None"):
+        opt.update_(grads[1], state, None)
+    for k, p in snapshot[0].items():
+        torch.testing.assert_close(params[k].detach(), p, **EXACT)
+    for a, b in zip(state_tensors(state), snapshot[1]):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+def test_adamw_in_place_converts_grads_of_another_dtype():
+    params = {"w": torch.linspace(-1, 1, 8, dtype=torch.bfloat16).requires_grad_()}
+    grads = [{"w": torch.linspace(0.5, -0.3, 8)}]  # fp32 grads, bf16 params and state
+    ours, state = run_in_place(optim.adamw(1e-2, weight_decay=0.1), params, grads)
+    pure, pure_state = run_shardfn(optim.adamw(1e-2, weight_decay=0.1), params, grads)
+    assert ours["w"].dtype == state.mu["w"].dtype == torch.bfloat16
+    torch.testing.assert_close(ours["w"], pure["w"])  # bf16 tolerance
+    assert_trees_equal(state, pure_state)
+
+
+# -- memory of an in-place update ----------------------------------------------------------
+
+MEM_SHAPES = {"layers.0.weight": (64, 32), "layers.0.bias": (32,), "norm.weight": (32,), "head.weight": (10, 7)}
+
+
+def mem_problem(dtype=torch.float32, grad_dtype=torch.float32):
+    gen = torch.Generator().manual_seed(30)
+    params = {k: torch.randn(s, generator=gen).to(dtype).requires_grad_() for k, s in MEM_SHAPES.items()}
+    grads = {k: torch.randn(s, generator=gen).to(grad_dtype) for k, s in MEM_SHAPES.items()}
+    return params, grads
+
+
+def set_bytes(dtype):
+    """Bytes of one tensor per parameter (one "shard-sized set") in ``dtype``."""
+    return sum(torch.Size(s).numel() for s in MEM_SHAPES.values()) * dtype.itemsize
+
+
+def transient_bytes(fn, *trees):
+    """Peak live bytes during ``fn()`` beyond those of ``trees`` (counted from the start)."""
+    from shardfn._memory import track_live_bytes
+
+    with track_live_bytes(*trees) as mem:
+        start = mem.current
+        fn()
+    return mem.peak - start
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.adamw(lambda c: 1e-2 / (1 + c), weight_decay=0.1, mask=decays),
+        lambda: optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
+    ],
+    ids=["adamw", "sgd"],
+)
+def test_in_place_update_allocates_nothing(make):
+    # The bound: 0 bytes. Moments, buffers and params are written in place, the
+    # denominators (adamw) and the decayed / Nesterov gradients (sgd) go into the donated
+    # grads, and the count is incremented in place.
+    opt = make()
+    params, grads = mem_problem()
+    state = opt.init(params)
+    state = opt.update_({k: g.clone() for k, g in grads.items()}, state, params)  # step 2 below: a used state
+    box = {}
+    extra = transient_bytes(lambda: box.update(state=opt.update_(grads, state, params)), params, state, grads)
+    assert extra == 0
+    assert box["state"] is state
+
+
+def test_pure_adamw_update_allocates_four_sets():
+    # What the in-place path saves: update makes new mu and nu, the denominators and the
+    # updates, four parameter-sized sets (plus a decay temporary per leaf). This also shows
+    # that the counter sees the optimizer's allocations.
+    opt = optim.adamw(1e-2, weight_decay=0.1, mask=decays)
+    params, grads = mem_problem()
+    state = opt.init(params)
+
+    def pure():
+        updates, _ = opt.update(grads, state, params)
+        optim.apply_updates_(params, updates)
+
+    assert transient_bytes(pure, params, state, grads) >= 4 * set_bytes(torch.float32)
+
+
+def test_in_place_chain_with_clip_allocates_only_the_clip_factor():
+    # Inside a step the norm is the step's (shardfn._psum caches it), so clipping in place
+    # allocates only the 0-d fp32 intermediates of max_norm / (norm + 1e-6) clamped:
+    # at most 3 x 4 bytes, and nothing parameter-sized.
+    from shardfn import _psum
+
+    opt = optim.chain(optim.clip_by_global_norm(0.1), optim.adamw(1e-2, weight_decay=0.1))
+    params, grads = mem_problem()
+    state = opt.init(params)
+    ctx = _psum.StepContext(mesh=None, sharded=False)
+    ctx.norms[id(grads)] = _psum.global_norm(grads)
+    with _psum.step_context(ctx):
+        extra = transient_bytes(lambda: opt.update_(grads, state, params), params, state, grads, ctx.norms)
+    assert extra <= 3 * torch.float32.itemsize
+
+
+def test_in_place_update_with_grads_of_another_dtype_allocates_one_set():
+    # fp32 grads for bf16 params and state: the grads are converted once, into one bf16 set
+    # (then the scratch), exactly.
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+    params, grads = mem_problem(dtype=torch.bfloat16, grad_dtype=torch.float32)
+    state = opt.init(params)
+    extra = transient_bytes(lambda: opt.update_(grads, state, params), params, state, grads)
+    assert extra == set_bytes(torch.bfloat16)
+
+
+# -- donation in a step --------------------------------------------------------------------
+
+STEP_OPTIMIZERS = {
+    "adamw": lambda: optim.adamw(lambda c: 1e-2 / (1 + c), weight_decay=0.1, mask=lambda n: n.endswith("weight")),
+    "clip-sgd": lambda: optim.chain(optim.clip_by_global_norm(0.05), optim.sgd(0.1, momentum=0.9, nesterov=True)),
+    "no-update_": lambda: optim.chain(_identity(), optim.adamw(1e-2)),
+}
+
+
+def donation_step(name, donate, overflow):
+    """One step (after a first one) on a 2-rank FULL_SHARD MLP; what it called and changed."""
+    import torch.nn.functional as F
+
+    import shardfn as sf
+    from shardfn.testing.models import MLP
+
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(MLP([6, 5, 4]))  # 5 and 4 rows: padded shards at world 2
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    inner = STEP_OPTIMIZERS[name]()
+    calls = []
+
+    def update(g, s, p=None):
+        calls.append("update")
+        return inner.update(g, s, p)
+
+    def update_(g, s, p=None):
+        calls.append("update_")
+        return inner.update_(g, s, p)
+
+    opt = optim.GradientTransformation(inner.init, update, inner.hyperparams, update_ if inner.update_ else None)
+    step = sf.jit_step(
+        lambda p, b: F.mse_loss(apply(p, b["x"]), b["y"]) * b["k"], mesh, optimizer=opt, donate=donate,
+        loss_scale=sf.DynamicLossScale() if overflow else None,
+    )
+    gen = torch.Generator().manual_seed(mesh.rank)
+    batch = {"x": torch.randn(4, 6, generator=gen), "y": torch.randn(4, 4, generator=gen), "k": torch.tensor(1.0)}
+    sharded, state, _ = step(sharded, opt.init(sharded), batch)  # a state with non-zero moments
+    calls.clear()
+    params_in, state_in = dict(sharded.items()), state_tensors(state)
+    params_copy, state_copy = {k: v.detach().clone() for k, v in params_in.items()}, [t.clone() for t in state_in]
+    if overflow:
+        batch["k"] = torch.tensor(float("inf"))  # non-finite gradients on every rank
+    new, new_state, metrics = step(sharded, state, batch)
+    return {
+        "calls": calls,
+        "skipped": metrics.get("skipped", False),
+        "inputs_unchanged": all(torch.equal(params_in[k], v) for k, v in params_copy.items())
+        and all(torch.equal(a, b) for a, b in zip(state_in, state_copy)),
+        "same_params": all(new[k] is params_in[k] for k in new),
+        "same_state": all(a is b for a, b in zip(state_tensors(new_state), state_in)),
+        "params": {k: v.detach().clone() for k, v in new.items()},
+        "state": [t.clone() for t in state_tensors(new_state)],
+    }
+
+
+@pytest.mark.parametrize("name", STEP_OPTIMIZERS)
+def test_step_donates_params_and_state_only_when_asked(clusters, name):
+    in_place = STEP_OPTIMIZERS[name]().update_ is not None
+    donated = clusters[2].run(donation_step, name, True, False)
+    kept = clusters[2].run(donation_step, name, False, False)
+    for d, k in zip(donated, kept):
+        # donate=False: the pure path, and nothing passed in was modified.
+        assert k["calls"] == ["update"] and k["inputs_unchanged"] and not k["same_params"]
+        # donate=True: the in-place path where the optimizer has one, else update + apply_updates_.
+        assert d["calls"] == (["update_"] if in_place else ["update"])
+        assert d["same_params"] and d["same_state"] == in_place and not d["inputs_unchanged"]
+        for n, p in k["params"].items():
+            torch.testing.assert_close(d["params"][n], p, **TOL)
+        for a, b in zip(d["state"], k["state"]):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("donate", [True, False], ids=["donate", "keep"])
+def test_skipped_step_leaves_params_and_state_untouched(clusters, donate):
+    for r in clusters[2].run(donation_step, "adamw", donate, True):
+        assert r["skipped"] and r["calls"] == [] and r["inputs_unchanged"]
+        assert r["same_params"] and r["same_state"]  # the step returns what it was given

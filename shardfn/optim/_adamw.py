@@ -18,6 +18,7 @@ from ._base import (
     _check_state,
     _new_count,
     _resolve_learning_rate,
+    _scratch,
     _trainable,
 )
 from ._masked import Mask, _check_mask, _selected
@@ -69,7 +70,12 @@ def adamw(
 
     Returns:
         A :class:`GradientTransformation` with state :class:`AdamWState`; its
-        hyperparams are ``{"learning_rate": lr}`` for the next update.
+        hyperparams are ``{"learning_rate": lr}`` for the next update. Its
+        ``update_`` does the step in place as torch's foreach AdamW does, op for op
+        (``p *= 1 - lr * wd``, then ``p += -lr / (1 - b1**t) * mu / denom``): params,
+        moments and count are updated in place and the donated grads' storage holds
+        the denominators, so it allocates no parameter-sized tensor (grads of another
+        dtype than the state are first converted, which allocates).
 
     Example:
         >>> no_decay = ("bias", "norm.weight")
@@ -77,6 +83,7 @@ def adamw(
         >>> state = opt.init(params)
         >>> updates, state = opt.update(grads, state, params)
         >>> apply_updates_(params, updates)
+        >>> state = opt.update_(grads, state, params)  # or in place: grads and state donated
     """
     _check_learning_rate(learning_rate, "adamw")
     _check_hyper("b1", b1, "adamw", lo=0.0, hi=1.0)
@@ -134,8 +141,45 @@ def adamw(
         nu = {**state.nu, **dict(zip(keys, nus))}
         return dict(zip(keys, ups)), AdamWState(state.count + 1, mu, nu)
 
+    def update_(grads: Params, state: AdamWState, params: Params | None = None) -> AdamWState:
+        # [Note: in-place adamw] torch.optim.AdamW's foreach step, op for op: decay the
+        # params, update the moments in place, then add -step_size * mu / denom into the
+        # params. The denominators are written into the (donated) gradients, which are
+        # dead once the moments are updated, so nothing parameter-sized is allocated.
+        _check_state(state, AdamWState, "adamw")
+        _check_grads(grads, state.mu, "adamw")
+        params = _check_params(grads, params, "adamw")
+        count = int(state.count)
+        lr = _resolve_learning_rate(learning_rate, count)
+        t = count + 1
+        step_size = lr / (1 - b1**t)
+        bias_correction2_sqrt = (1 - b2**t) ** 0.5
+        decayed = decays(grads) if weight_decay else set()
+        keys = list(grads)
+        with torch.no_grad():
+            state.count.add_(1)
+            if not keys:
+                return state
+            ps = [params[k] for k in keys]
+            mus = [state.mu[k] for k in keys]
+            nus = [state.nu[k] for k in keys]
+            gs = [_scratch(grads[k], mu.dtype) for k, mu in zip(keys, mus)]
+            to_decay = [params[k] for k in keys if k in decayed]
+            if to_decay:
+                torch._foreach_mul_(to_decay, 1 - lr * weight_decay)
+            torch._foreach_lerp_(mus, gs, 1 - b1)
+            torch._foreach_mul_(nus, b2)
+            torch._foreach_addcmul_(nus, gs, gs, value=1 - b2)
+            denoms = gs  # the gradients are not read again: their storage becomes the denominators
+            for d, nu in zip(denoms, nus):
+                torch.sqrt(nu, out=d)
+            torch._foreach_div_(denoms, bias_correction2_sqrt)
+            torch._foreach_add_(denoms, eps)
+            torch._foreach_addcdiv_(ps, mus, denoms, value=-step_size)
+        return state
+
     def adamw_hyperparams(state: AdamWState) -> dict[str, float]:
         _check_state(state, AdamWState, "adamw")
         return {"learning_rate": _resolve_learning_rate(learning_rate, int(state.count))}
 
-    return GradientTransformation(init, update, adamw_hyperparams)
+    return GradientTransformation(init, update, adamw_hyperparams, update_)

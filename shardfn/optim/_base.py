@@ -8,9 +8,31 @@ protocol is used here):
 * ``update(grads, state, params) -> (updates, new_state)``
 * optionally ``hyperparams(state) -> dict``, what the next update will use (for
   logging; read it with :func:`hyperparams`)
+* optionally ``update_(grads, state, params) -> new_state``, the in-place (donating)
+  twin of ``update`` followed by :func:`apply_updates_`; see [Note: donation]
 
 ``grads`` may hold a subset of the keys of ``params``: a frozen parameter has no
 gradient and gets no update. State is NamedTuples of dicts of tensors.
+
+[Note: donation]
+``update`` is pure: it allocates new moments and a full set of ``updates``, and the
+caller adds them to the params. ``update_`` is what a step with ``jit_step(donate=True)``
+runs instead (as JAX's buffer donation, behind the same functional contract): it
+writes the new params into ``params``' tensors, and the new state into ``state``'s
+tensors (returning that same state, or one built from its tensors), and it may use
+``grads``' tensors as scratch, so no parameter-sized tensor is allocated per step.
+The caller gives up all three: after the call ``grads`` hold garbage, and ``state``
+(and any earlier state sharing its tensors) must not be used except as the returned
+state. The result equals ``update`` then ``apply_updates_`` to rounding (the moments
+exactly); built-in ``update_`` use torch.optim's own expression order.
+
+``update_`` is optional: ``jit_step`` falls back to ``update`` + ``apply_updates_``
+without it, and always uses the pure path with ``donate=False``. :func:`chain` has it
+when its last member has it and every member before it is a gradient-only
+transformation with an in-place kernel (built with ``stateless(fn, fn_)``: ``scale``,
+``add_decayed_weights``, ``clip_by_global_norm``, and ``masked`` or ``chain`` of those),
+which then transforms the donated grads in place; :func:`masked` has it when its inner
+transformation has it. See [Note: in-place gradient kernels].
 """
 
 from __future__ import annotations
@@ -44,6 +66,13 @@ class GradientTransformation(NamedTuple):
             with any schedule resolved), for logging. Optional: ``None`` reports
             nothing; read it with :func:`hyperparams`, which also accepts objects
             without this field.
+        update_: ``update_(grads, state, params) -> new_state``, optional: the same
+            step done in place, with ``params``, ``state`` and ``grads`` donated:
+            the params are updated in place, ``state``'s tensors become the new
+            state's, and ``grads``' tensors may be used as scratch (see
+            [Note: donation]). ``params`` is required. ``None`` when the
+            transformation has no in-place path; ``jit_step(donate=True)`` then runs
+            ``update`` and :func:`apply_updates_`.
 
     Example:
         >>> opt = sgd(0.1)
@@ -52,11 +81,13 @@ class GradientTransformation(NamedTuple):
         >>> params = apply_updates(params, updates)
         >>> opt.hyperparams(state)
         {'learning_rate': 0.1}
+        >>> state = opt.update_(grads, state, params)  # in place; grads and state donated
     """
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
     hyperparams: Callable[[OptState], dict[str, float]] | None = None
+    update_: Callable[..., OptState] | None = None
 
 
 def hyperparams(opt: Any, state: OptState) -> dict[str, float]:
@@ -230,8 +261,39 @@ def _resolve_learning_rate(learning_rate: ScalarOrSchedule, count: int) -> float
 def _new_count() -> torch.Tensor:
     # The count lives on the CPU whatever the params' device (as torch.optim keeps
     # its "step"): schedules and bias correction need it as a Python number every
-    # step, and reading it from an accelerator would sync the stream.
-    return torch.zeros((), dtype=torch.int64)
+    # step, and reading it from an accelerator would sync the stream. torch.tensor
+    # (not zeros) makes it a constant under FakeTensorMode, so the simulated step of
+    # shardfn.explain can read it too.
+    return torch.tensor(0, dtype=torch.int64)
+
+
+# [Note: in-place gradient kernels]
+# chain's update_ needs the *outputs* of the members before its last (their transformed
+# gradients), not their effect on params, so update_ does not serve there. A gradient-only
+# transformation built with stateless(fn, fn_) also carries an in-place kernel,
+# kernel(grads, state, params) -> (updates, state), stored as the attribute `in_place` of
+# its update function (read it with _in_place): the same result as update, computed by
+# overwriting grads' tensors. A kernel returns a new dict (never the grads Mapping passed
+# in), so global_norm's per-object cache (shardfn._psum) never mistakes a transformed tree
+# for the one whose norm the step computed. chain and masked pass kernels on when all
+# their members have one. A member without a kernel makes chain.update_ None rather than
+# running its pure update: a pure update may return tensors that alias its state or the
+# params (an identity transform, a momentum buffer), which the next member would then
+# overwrite as scratch.
+
+
+def _in_place(t: Any) -> Callable[..., tuple[Updates, OptState]] | None:
+    """``t``'s in-place gradient kernel, or ``None`` (see [Note: in-place gradient kernels])."""
+    return getattr(getattr(t, "update", None), "in_place", None)
+
+
+def _scratch(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g`` as a tensor of ``dtype`` that may be overwritten: ``g`` itself when it already is
+    one (a donated gradient), else a new contiguous copy (another dtype, or a layout such as an
+    expanded view that cannot be written element by element)."""
+    if g.dtype == dtype and g.is_contiguous():
+        return g
+    return g.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -243,11 +305,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     Returns:
         A transformation whose state is a tuple with one state per transform. Its
         hyperparams merge the members' (each read from its own state); a later
-        member wins a clash.
+        member wins a clash. It has an in-place ``update_`` when the last member has
+        one and every member before it is gradient-only with an in-place kernel
+        (``scale``, ``add_decayed_weights``, ``clip_by_global_norm``, ``masked`` of
+        those): those transform the donated grads in place, then the last member
+        updates the params in place. Otherwise ``update_`` is ``None`` and a
+        donating step runs ``update`` and :func:`apply_updates_`.
 
     Example:
         >>> opt = chain(add_decayed_weights(1e-4), sgd(0.1, momentum=0.9))
         >>> state = opt.init(params)  # (EmptyState(), SgdState(...))
+        >>> state = opt.update_(grads, state, params)  # in place
     """
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
@@ -267,15 +335,22 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: Params) -> tuple[OptState, ...]:
         return tuple(t.init(params) for t in transforms)
 
+    def run(
+        fns: list[Callable[..., tuple[Updates, OptState]]], grads: Params, state: tuple[OptState, ...],
+        params: Params | None,
+    ) -> tuple[Params, list[OptState]]:
+        updates: Params = grads  # the first member sees the grads object itself (global_norm's cache)
+        new_state = []
+        for fn, s in zip(fns, state):
+            updates, s = fn(updates, s, params)
+            new_state.append(s)
+        return updates, new_state
+
     def update(
         grads: Params, state: tuple[OptState, ...], params: Params | None = None
     ) -> tuple[Updates, tuple[OptState, ...]]:
         check(state)
-        updates: Params = grads
-        new_state = []
-        for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params)
-            new_state.append(s)
+        updates, new_state = run([t.update for t in transforms], grads, state, params)
         return dict(updates), tuple(new_state)
 
     def chain_hyperparams(state: tuple[OptState, ...]) -> dict[str, float]:
@@ -286,14 +361,47 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             merged.update(hyperparams(t, s))
         return merged
 
-    return GradientTransformation(init, update, chain_hyperparams)
+    kernels = [_in_place(t) for t in transforms]
+    update_ = None
+    if transforms and all(kernels[:-1]) and transforms[-1].update_ is not None:
+        lead, last = kernels[:-1], transforms[-1]
+
+        def update_(grads: Params, state: tuple[OptState, ...], params: Params | None = None) -> tuple[OptState, ...]:
+            check(state)
+            updates, new_state = run(lead, grads, state[:-1], params)
+            return (*new_state, last.update_(updates, state[-1], params))
+
+    if all(kernels):  # also with no members: the identity
+
+        def in_place(
+            grads: Params, state: tuple[OptState, ...], params: Params | None = None
+        ) -> tuple[Updates, tuple[OptState, ...]]:
+            check(state)
+            updates, new_state = run(kernels, grads, state, params)
+            return dict(updates), tuple(new_state)
+
+        update.in_place = in_place  # type: ignore[attr-defined]
+
+    return GradientTransformation(init, update, chain_hyperparams, update_)
 
 
-def stateless(fn: Callable[[Params, Params | None], Updates]) -> GradientTransformation:
+def stateless(
+    fn: Callable[[Params, Params | None], Updates],
+    fn_: Callable[[Params, Params | None], Updates] | None = None,
+) -> GradientTransformation:
     """A transformation without state from ``fn(grads, params) -> updates``.
 
+    Args:
+        fn: computes the updates without modifying its arguments.
+        fn_: optional in-place twin, ``fn_(grads, params) -> updates``: the same
+            result, computed by overwriting the tensors of ``grads`` (which are
+            donated) and returned in a new dict. With it the transformation has an
+            ``update_`` (``fn_``, then add to the params) and runs in place as a
+            leading member of a :func:`chain` (see [Note: in-place gradient kernels]).
+
     Example:
-        >>> negate = stateless(lambda grads, params: {k: -g for k, g in grads.items()})
+        >>> negate = stateless(lambda grads, params: {k: -g for k, g in grads.items()},
+        ...                    lambda grads, params: {k: g.neg_() for k, g in grads.items()})
     """
 
     def init(params: Params) -> EmptyState:
@@ -306,7 +414,28 @@ def stateless(fn: Callable[[Params, Params | None], Updates]) -> GradientTransfo
         with torch.no_grad():
             return fn(grads, params), state
 
-    return GradientTransformation(init, update, _no_hyperparams)
+    if fn_ is None:
+        return GradientTransformation(init, update, _no_hyperparams)
+
+    def in_place(grads: Params, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        _check_mapping(grads, "grads")
+        if not grads:
+            return {}, state
+        with torch.no_grad():
+            return fn_(grads, params), state
+
+    def update_(grads: Params, state: EmptyState, params: Params | None = None) -> EmptyState:
+        if params is None:
+            raise ValueError(
+                "update_: needs the params to update in place but got params=None; call "
+                "update_(grads, state, params)."
+            )
+        updates, state = in_place(grads, state, params)
+        apply_updates_(params, updates)
+        return state
+
+    update.in_place = in_place  # type: ignore[attr-defined]
+    return GradientTransformation(init, update, _no_hyperparams, update_)
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -315,7 +444,13 @@ def scale(factor: float) -> GradientTransformation:
     Example:
         >>> opt = chain(add_decayed_weights(1e-4), scale(-0.1))  # plain SGD
     """
-    return stateless(lambda grads, params: {k: g * factor for k, g in grads.items()})
+
+    def scale_(grads: Params, params: Params | None) -> Updates:
+        out = {k: _scratch(g, g.dtype) for k, g in grads.items()}
+        torch._foreach_mul_(list(out.values()), factor)
+        return out
+
+    return stateless(lambda grads, params: {k: g * factor for k, g in grads.items()}, scale_)
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -336,7 +471,20 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         params = _check_params(grads, params, "add_decayed_weights")
         return {k: g.add(params[k], alpha=weight_decay) for k, g in grads.items()}
 
-    return stateless(decay)
+    def decay_(grads: Params, params: Params | None) -> Updates:
+        if weight_decay == 0:
+            return dict(grads)
+        params = _check_params(grads, params, "add_decayed_weights")
+        return {k: _add_(g, params[k], weight_decay) for k, g in grads.items()}
+
+    return stateless(decay, decay_)
+
+
+def _add_(g: torch.Tensor, p: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``g.add(p, alpha=alpha)``, written into ``g`` (donated) when the result has its dtype."""
+    if torch.result_type(g, p) != g.dtype:
+        return g.add(p, alpha=alpha)  # type promotion (a bf16 gradient of an fp32 param): as the pure path
+    return _scratch(g, g.dtype).add_(p, alpha=alpha)
 
 
 def _check_updates(params: Params, updates: Params, fn: str) -> None:

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import torch
+
 from .._psum import global_norm
-from ._base import GradientTransformation, Params, Updates, _check_hyper, stateless
+from ._base import (
+    GradientTransformation,
+    Params,
+    Updates,
+    _check_hyper,
+    _scratch,
+    stateless,
+)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -26,12 +35,20 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         >>> opt = chain(clip_by_global_norm(1.0), adamw(3e-4))
         >>> state = opt.init(params)
         >>> updates, state = opt.update(grads, state, params)
+        >>> state = opt.update_(grads, state, params)  # clips the donated grads in place
     """
     _check_hyper("max_norm", max_norm, "clip_by_global_norm", lo=0.0)
 
-    def clip(grads: Params, params: Params | None) -> Updates:
+    def factor(grads: Params) -> torch.Tensor:
         # The same expression as clip_grad_norm_, clamped rather than branched on.
-        factor = (max_norm / (global_norm(grads) + 1e-6)).clamp(max=1.0)
-        return {k: g * factor.to(g.device) for k, g in grads.items()}
+        return (max_norm / (global_norm(grads) + 1e-6)).clamp(max=1.0)
 
-    return stateless(clip)
+    def clip(grads: Params, params: Params | None) -> Updates:
+        f = factor(grads)
+        return {k: g * f.to(g.device) for k, g in grads.items()}
+
+    def clip_(grads: Params, params: Params | None) -> Updates:
+        f = factor(grads)  # before any gradient is overwritten
+        return {k: _scratch(g, g.dtype).mul_(f.to(g.device)) for k, g in grads.items()}
+
+    return stateless(clip, clip_)

@@ -11,7 +11,10 @@ from ._base import (
     Params,
     Updates,
     _check_mapping,
+    _check_updates,
+    _in_place,
     _trainable,
+    apply_updates_,
     hyperparams,
 )
 
@@ -50,7 +53,9 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     As ``optax.masked``: ``inner`` sees plain dicts holding only the selected leaves
     (its state covers only the selected trainable params), and every other gradient
     comes out unchanged as its own update. The state is ``inner``'s state, and the
-    hyperparams are ``inner``'s.
+    hyperparams are ``inner``'s. It has an in-place ``update_`` when ``inner`` has one
+    (the other gradients are added to their params in place), and an in-place
+    gradient kernel for :func:`chain` when ``inner`` has one.
 
     Args:
         inner: the transformation to apply to the selected leaves.
@@ -80,9 +85,7 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     def init(params: Params) -> OptState:
         return inner.init(select(_trainable(params)))
 
-    def update(
-        grads: Params, state: OptState, params: Params | None = None
-    ) -> tuple[Updates, OptState]:
+    def split(grads: Params, params: Params | None) -> tuple[dict, dict | None]:
         _check_mapping(grads, "grads")
         chosen = select(grads)
         if params is not None:
@@ -90,10 +93,45 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
             # Only names with a gradient are looked up, so a Mapping mask needs
             # no entry for frozen params.
             params = {k: params[k] for k in chosen if k in params}
-        inner_updates, state = inner.update(chosen, state, params)
+        return chosen, params
+
+    def update(
+        grads: Params, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        chosen, selected_params = split(grads, params)
+        inner_updates, state = inner.update(chosen, state, selected_params)
         return {k: inner_updates[k] if k in chosen else g for k, g in grads.items()}, state
 
     def masked_hyperparams(state: OptState) -> dict[str, float]:
         return hyperparams(inner, state)
 
-    return GradientTransformation(init, update, masked_hyperparams)
+    kernel = _in_place(inner)
+    if kernel is not None:
+
+        def in_place(
+            grads: Params, state: OptState, params: Params | None = None
+        ) -> tuple[Updates, OptState]:
+            chosen, selected_params = split(grads, params)
+            inner_updates, state = kernel(chosen, state, selected_params)
+            return {k: inner_updates[k] if k in chosen else g for k, g in grads.items()}, state
+
+        update.in_place = in_place  # type: ignore[attr-defined]
+
+    update_ = None
+    if inner.update_ is not None:
+        inner_update_ = inner.update_
+
+        def update_(grads: Params, state: OptState, params: Params | None = None) -> OptState:
+            if params is None:
+                raise ValueError(
+                    "masked: update_ needs the params to update in place but got params=None; "
+                    "call update_(grads, state, params)."
+                )
+            chosen, selected_params = split(grads, params)
+            others = {k: g for k, g in grads.items() if k not in chosen}  # their own updates
+            _check_updates(params, others, "masked")  # before anything is written
+            state = inner_update_(chosen, state, selected_params)
+            apply_updates_(params, others)
+            return state
+
+    return GradientTransformation(init, update, masked_hyperparams, update_)

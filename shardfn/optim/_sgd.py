@@ -11,6 +11,7 @@ from ._base import (
     Params,
     ScalarOrSchedule,
     Updates,
+    _add_,
     _check_grads,
     _check_hyper,
     _check_learning_rate,
@@ -18,6 +19,7 @@ from ._base import (
     _check_state,
     _new_count,
     _resolve_learning_rate,
+    _scratch,
     _trainable,
 )
 
@@ -67,7 +69,9 @@ def sgd(
 
     Returns:
         A :class:`GradientTransformation` with state :class:`SgdState`; its
-        hyperparams are ``{"learning_rate": lr}`` for the next update.
+        hyperparams are ``{"learning_rate": lr}`` for the next update. Its ``update_``
+        does the step in place as torch's foreach SGD does (buffers and params
+        updated in place; decay and the Nesterov term written into the donated grads).
 
     Example:
         >>> opt = sgd(0.1, momentum=0.9, nesterov=True)
@@ -114,8 +118,37 @@ def sgd(
                 updates[k] = g * -lr
         return updates, SgdState(state.count + 1, buffers)
 
+    def update_(grads: Params, state: SgdState, params: Params | None = None) -> SgdState:
+        # torch.optim.SGD's foreach step, op for op, in place; the weight decay and the
+        # Nesterov term are added into the (donated) gradients.
+        _check_state(state, SgdState, "sgd")
+        if momentum:
+            _check_grads(grads, state.momentum_buffer, "sgd")
+        params = _check_params(grads, params, "sgd")
+        lr = _resolve_learning_rate(learning_rate, int(state.count))
+        keys = list(grads)
+        with torch.no_grad():
+            state.count.add_(1)
+            if not keys:
+                return state
+            ps = [params[k] for k in keys]
+            gs = [grads[k] for k in keys]
+            if weight_decay:
+                gs = [_add_(g, p, weight_decay) for g, p in zip(gs, ps)]
+            if momentum:
+                bufs = [state.momentum_buffer[k] for k in keys]
+                gs = [_scratch(g, b.dtype) if nesterov else g.to(b.dtype) for g, b in zip(gs, bufs)]
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_add_(bufs, gs)  # [Note: zero momentum buffer]
+                if nesterov:
+                    torch._foreach_add_(gs, bufs, alpha=momentum)
+                else:
+                    gs = bufs
+            torch._foreach_add_(ps, gs, alpha=-lr)
+        return state
+
     def sgd_hyperparams(state: SgdState) -> dict[str, float]:
         _check_state(state, SgdState, "sgd")
         return {"learning_rate": _resolve_learning_rate(learning_rate, int(state.count))}
 
-    return GradientTransformation(init, update, sgd_hyperparams)
+    return GradientTransformation(init, update, sgd_hyperparams, update_)

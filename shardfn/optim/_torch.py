@@ -64,7 +64,9 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> G
     ``new - old`` per key. Leaves missing from ``grads`` get ``.grad = None``, so the
     optimizer skips them. The state owns the optimizer and is mutated by ``update``;
     see ``[Note: from_torch state is not a pytree]``. Optimizers whose ``step`` needs
-    a closure (``torch.optim.LBFGS``) are not supported.
+    a closure (``torch.optim.LBFGS``) are not supported. ``update_`` (what a donating
+    step runs) passes the donated grads to the optimizer without a copy and copies the
+    stepped values straight into ``params``, with no ``updates`` tensors.
 
     Args:
         optimizer_class: a subclass of ``torch.optim.Optimizer``.
@@ -93,9 +95,7 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> G
         copies = [torch.nn.Parameter(p.detach().clone()) for p in trainable.values()]
         return TorchOptimizerState(optimizer_class(copies, **kwargs), tuple(trainable))
 
-    def update(
-        grads: Params, state: TorchOptimizerState, params: Params | None = None
-    ) -> tuple[Updates, TorchOptimizerState]:
+    def check(grads: Params, state: TorchOptimizerState, params: Params | None) -> dict[str, torch.nn.Parameter]:
         if not isinstance(state, TorchOptimizerState):
             raise TypeError(
                 f"from_torch: state is {type(state).__name__}, not TorchOptimizerState; "
@@ -120,22 +120,42 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> G
             raise ValueError(
                 "\n".join(errors) + "\nPass the params you called opt.init on."
             )
+        return copies
+
+    def step(grads: Params, state: TorchOptimizerState, params: Params, copies: dict, donated: bool) -> None:
+        for k, q in copies.items():
+            q.copy_(params[k])
+            # torch optimizers may write into .grad (foreach Nesterov SGD adds the momentum
+            # into it): update must not touch its inputs, so it passes a copy; update_'s
+            # grads are donated, so it passes them (converted only if the dtype differs).
+            q.grad = grads[k].detach().to(q.dtype, copy=not donated) if k in grads else None
+        if state.optimizer is not None:
+            state.optimizer.step()
+
+    def update(
+        grads: Params, state: TorchOptimizerState, params: Params | None = None
+    ) -> tuple[Updates, TorchOptimizerState]:
+        copies = check(grads, state, params)
         with torch.no_grad():
-            for k, q in copies.items():
-                q.copy_(params[k])
-                # A clone: torch optimizers may write into .grad (foreach Nesterov SGD
-                # adds the momentum into it), and update must not touch its inputs.
-                q.grad = grads[k].detach().to(q.dtype, copy=True) if k in grads else None
-            if state.optimizer is not None:
-                state.optimizer.step()
+            step(grads, state, params, copies, donated=False)
             updates = {k: copies[k].detach() - params[k] for k in grads}
             for q in copies.values():
                 q.grad = None  # do not keep a gradient-sized buffer alive between steps
         return updates, state
+
+    def update_(grads: Params, state: TorchOptimizerState, params: Params | None = None) -> TorchOptimizerState:
+        copies = check(grads, state, params)
+        with torch.no_grad():
+            step(grads, state, params, copies, donated=True)
+            for k in grads:
+                params[k].copy_(copies[k])  # no updates tensors: the new values go straight back
+            for q in copies.values():
+                q.grad = None
+        return state
 
     def torch_hyperparams(state: TorchOptimizerState) -> dict[str, float]:
         # What the next step() reads, after any torch lr_scheduler has stepped.
         group = state.optimizer.param_groups[0] if state.optimizer is not None else {}
         return {"learning_rate": float(group["lr"])} if "lr" in group else {}
 
-    return GradientTransformation(init, update, torch_hyperparams)
+    return GradientTransformation(init, update, torch_hyperparams, update_)
