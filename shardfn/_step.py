@@ -274,9 +274,12 @@ def jit_step(
         loss_fn: ``(params, batch) -> scalar tensor``.
         mesh: the mesh the shards live on.
         optimizer: a :class:`shardfn.optim.GradientTransformation`, run on local shards.
-        donate: update the shards in place (as JAX's ``donate_argnums``): the returned
-            ``sharded`` is the same tensors, and the tree you passed in must not be used
-            for anything but this call. ``False`` returns new tensors.
+        donate: update the shards and the optimizer state in place (as JAX's
+            ``donate_argnums``): the returned ``sharded`` and ``opt_state`` are the same
+            tensors (when the optimizer has an in-place ``update_``, as shardfn.optim's
+            do, no parameter-sized temporaries are allocated), and the trees you passed
+            in must not be used for anything but this call. ``False`` returns new tensors
+            and leaves its arguments untouched.
         micro_batches: gradient accumulation: split each rank's batch into this many
             equal micro-batches (dim 0), one forward and backward each, one optimizer
             update on the mean. Equals one step on the whole batch.
