@@ -270,6 +270,9 @@ class _Unit:
         leaves = [lay.leaves[n] for n in unit.leaves]
         world, tag = lay.world, f"reduce:{unit.name}"
         device = self.shards[0].device
+        step = _psum.current()
+        if step is not None:  # the previous unit's reduction: done, and its buffer freed, before this one's exists
+            step.wait_pending()
         buf = torch.empty(world, unit.grad_numel, dtype=unit.reduce_dtype, device=device)
         # One copy (see [Note: copies]): each gradient straight into its columns of every
         # rank's row, cast to the reduce dtype on the way, padding rows zeroed.
@@ -286,12 +289,12 @@ class _Unit:
             if not acc.last:
                 acc.buffers[unit.path] = buf
                 return [None] * len(leaves)
-        step = _psum.current()
         op = "sum" if step is not None and step.predivided else "avg"
         # [Note: overlapped reductions] Inside a step, a unit's single reduction is issued
-        # asynchronously and the step waits for it after the backward, so it runs while
-        # autograd computes the next units. Only when nothing reads the gradient before
-        # then: one collective (not hybrid's two in a row), no cast back to the master
+        # asynchronously, so it runs while autograd computes the next unit; the next
+        # unit's reduction (or the step, after the backward) waits for it, so at most one
+        # unsharded gradient buffer is in flight. Only when nothing reads the gradient
+        # before then: one collective (not hybrid's two in a row), no cast back to the master
         # dtype, and a unit gathered once (a second use would add into the gradient).
         asynchronous = (
             step is not None and step.overlap and self.calls == 1 and unit.reduce_dtype == unit.dtype

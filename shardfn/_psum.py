@@ -48,13 +48,14 @@ class StepContext:
     units: dict = dataclasses.field(default_factory=dict)  # the sharded call's non-root units
 
     def add_pending(self, work: Any, keepalive: Any) -> None:
-        """Tracks an asynchronous reduction; waits for the one before it.
+        """Tracks an asynchronous reduction, the only one in flight.
 
-        Each pending reduction keeps its unit's unsharded gradient buffer alive, so at
-        most one stays in flight while autograd computes the next unit: holding them all
-        until the end of backward would cost the whole model's unsharded gradients.
+        Each pending reduction keeps its unit's unsharded gradient buffer alive, so the
+        next unit's reduction waits for it before allocating its own buffer (see
+        _Unit._reduce): holding them all until the end of backward would cost the whole
+        model's unsharded gradients, and even two at once raise the peak of backward.
         """
-        self.wait_pending()
+        assert not self.pending, "wait_pending() before starting another reduction"
         self.pending.append((work, keepalive))
 
     def wait_pending(self) -> None:
