@@ -125,6 +125,10 @@ def track_residency() -> Iterator[Residency]:
 #   4. cast back, only if the reduce dtype is not the master dtype: 1 copy, gn*m (autograd
 #      wants a leaf's gradient in the leaf's dtype). None for Precision(param=bf16,
 #      reduce=fp32) or in fp32.
+#   A world of one without replicas reduces nothing and packs nothing (_Unit._own):
+#   autograd's gradients become the shards' gradients as they are; only the casts of 4.
+#   (to the reduce dtype, back to the master dtype, leaf by leaf) remain, and a clone of
+#   a gradient that is non-contiguous or shares memory with another one.
 #   The reduce-scatter writes a fresh shard-sized output, not a view of its input: the
 #   optimizer's gradients are views of it, and a view would keep the W-times larger input
 #   alive until the update.
@@ -273,6 +277,8 @@ class _Unit:
         step = _psum.current()
         if step is not None:  # the previous unit's reduction: done, and its buffer freed, before this one's exists
             step.wait_pending()
+        if world == 1 and lay.replicas == 1 and not _ACCUMULATORS:
+            return self._own(grads, leaves, step)
         buf = torch.empty(world, unit.grad_numel, dtype=unit.reduce_dtype, device=device)
         # One copy (see [Note: copies]): each gradient straight into its columns of every
         # rank's row, cast to the reduce dtype on the way, padding rows zeroed.
@@ -317,6 +323,32 @@ class _Unit:
             else None
             for leaf in leaves
         ]
+
+    def _own(self, grads: tuple[torch.Tensor | None, ...], leaves: list, step: Any) -> list[torch.Tensor | None]:
+        """A world of one, nothing to reduce: autograd's gradients are the shards' own.
+
+        No buffer and no copy (see [Note: copies]) unless one is needed: the casts to the
+        reduce dtype and back to the master dtype, a non-contiguous gradient, or one whose
+        memory another gradient of the step shares (autograd may hand the same tensor to
+        two parameters, ``x + a + b``; the step adds micro-batch gradients into the first
+        and the in-place optimizer uses them as scratch, so each must own its memory).
+        """
+        unit, device = self.unit, self.shards[0].device
+        owned = step.owned if step is not None else set()
+        out: list[torch.Tensor | None] = []
+        for g, leaf in zip(grads, leaves):
+            if leaf.grad_offset < 0:
+                out.append(None)
+                continue
+            if g is None:
+                out.append(torch.zeros(leaf.shard_shape, dtype=unit.dtype, device=device))
+                continue
+            g = g.detach().to(unit.reduce_dtype).to(unit.dtype)
+            if not g.is_contiguous() or id(g.untyped_storage()) in owned:
+                g = g.clone(memory_format=torch.contiguous_format)
+            owned.add(id(g.untyped_storage()))
+            out.append(g.view(leaf.shard_shape))
+        return out
 
 
 class _Accumulator:

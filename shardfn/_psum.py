@@ -40,6 +40,8 @@ class StepContext:
     # The step waits for them right after each backward (see _Unit._reduce).
     overlap: bool = False
     pending: list = dataclasses.field(default_factory=list)
+    # id() of the storages of the gradients handed out in a world of one (_Unit._own).
+    owned: set = dataclasses.field(default_factory=set)
     # Prefetch (see _call [Note: prefetch]): the non-root units' forward order recorded
     # on the previous step, and the order seen in this one.
     prefetch: bool = False

@@ -16,6 +16,7 @@ Expected counts and bytes (written) are derived from the layout, never typed in.
 """
 
 import collections
+import functools
 import threading
 
 import pytest
@@ -133,9 +134,19 @@ def expected_copies(layout):
             g = layout.unit_collectives(u)["all_gather"][0]
             gather[u.name] = (2 * g, g * (u.numel + W * u.numel) * p)
         elif u.param_dtype != u.dtype:
-            # NO_SHARD: the shard is the parameter; only a cast copies, leaf by leaf.
-            gather[u.name] = (len(u.leaves), u.numel * p)
-        if u.grad_numel:
+            # NO_SHARD or a world of one: the shard is the parameter; only a cast copies,
+            # leaf by leaf, at each gather (FULL_SHARD casts again for the backward).
+            g = 2 if W == 1 and layout.strategy.reshard_after_forward and u.path != "" else 1
+            gather[u.name] = (g * len(u.leaves), g * u.numel * p)
+        if u.grad_numel and W == 1 and layout.replicas == 1:
+            # A world of one reduces nothing: autograd's gradients are kept as they are,
+            # only cast, leaf by leaf, to the reduce dtype and back to the master dtype
+            # where they differ.
+            to_reduce, to_master = u.param_dtype != u.reduce_dtype, u.reduce_dtype != u.dtype
+            trainable = sum(layout.leaves[n].grad_offset >= 0 for n in u.leaves)
+            if to_reduce or to_master:
+                reduce[u.name] = ((to_reduce + to_master) * trainable, u.grad_numel * (to_reduce * r + to_master * m))
+        elif u.grad_numel:
             # Pack every gradient into the [W, grad_numel] reduce buffer (cast included),
             # then return the reduced shard to the master dtype if it was reduced in another.
             cast = u.reduce_dtype != u.dtype
@@ -204,18 +215,20 @@ def count_step(strategy, precision):
 
 BF16 = sf.Precision(param=torch.bfloat16, reduce=torch.float32)
 BF16_REDUCE = sf.Precision(param=torch.bfloat16)  # reduced in bf16: the shard is cast back to fp32
-CONFIGS = [(s, p) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for p in (None, BF16)] + [("FULL_SHARD", BF16_REDUCE)]
-IDS = [f"{s}-{'fp32' if p is None else 'bf16/' + str(p.reduce or p.param)[6:]}" for s, p in CONFIGS]
+CONFIGS = [(s, p, 2) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for p in (None, BF16)] + [
+    ("FULL_SHARD", BF16_REDUCE, 2)
+] + [("FULL_SHARD", p, 1) for p in (None, BF16, BF16_REDUCE)]
+IDS = [f"{s}-{'fp32' if p is None else 'bf16/' + str(p.reduce or p.param)[6:]}-w{w}" for s, p, w in CONFIGS]
 
 
 @pytest.fixture(scope="module")
 def counted(clusters):
-    return {(s, p): clusters[2].run(count_step, s, p)[0] for s, p in CONFIGS}
+    return {(s, p, w): clusters[w].run(count_step, s, p)[0] for s, p, w in CONFIGS}
 
 
-@pytest.mark.parametrize("strategy,precision", CONFIGS, ids=IDS)
-def test_copies_per_unit_and_direction_are_the_designed_ones(counted, strategy, precision):
-    r = counted[(strategy, precision)]
+@pytest.mark.parametrize("strategy,precision,world", CONFIGS, ids=IDS)
+def test_copies_per_unit_and_direction_are_the_designed_ones(counted, strategy, precision, world):
+    r = counted[(strategy, precision, world)]
     print(f"\n{strategy} {precision}: machinery copies by unit:")
     for key, n in r["ops"]:
         print(f"  {n:3d} x {key}")
@@ -225,9 +238,9 @@ def test_copies_per_unit_and_direction_are_the_designed_ones(counted, strategy, 
     assert r["unexplained"] == []
 
 
-@pytest.mark.parametrize("strategy,precision", CONFIGS, ids=IDS)
-def test_the_rest_is_the_models_own_copies(counted, strategy, precision):
-    r = counted[(strategy, precision)]
+@pytest.mark.parametrize("strategy,precision,world", CONFIGS, ids=IDS)
+def test_the_rest_is_the_models_own_copies(counted, strategy, precision, world):
+    r = counted[(strategy, precision, world)]
     # Outside the unit machinery, forward and backward copy exactly what the plain
     # model does on one device (here: the attention's head merge, a reshape of a
     # transposed tensor).
@@ -273,3 +286,34 @@ def test_unit_packing_equals_leaf_packing_in_one_copy(shapes, world, cast):
     for n in unit.leaves:
         pack_leaf(expect, params[n], layout.leaves[n], world, layout.leaves[n].offset)
     torch.testing.assert_close(buf, expect, rtol=0, atol=0)
+
+
+# -- a world of one keeps autograd's gradients ----------------------------------------------
+
+
+class TwoBiases(torch.nn.Module):
+    """``out + a + b``: autograd hands ``a`` and ``b`` the very same gradient tensor."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(d, d))
+        self.a = torch.nn.Parameter(torch.randn(d))
+        self.b = torch.nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return (x @ self.w).mean(0) + self.a + self.b
+
+
+def two_biases_loss(apply, params, batch):
+    return (apply(params, batch["x"]) - 1).square().mean()
+
+
+def test_world_of_one_copies_gradients_that_share_memory(clusters):
+    # Kept as they are, a and b would share one gradient tensor, which the in-place
+    # optimizer uses as scratch: b's update would read a's. Each must get its own.
+    batches = [{"x": torch.randn(4, 6, generator=torch.Generator().manual_seed(i))} for i in range(3)]
+    report = sf.testing.check_equivalence(
+        TwoBiases, two_biases_loss, batches, optimizer=functools.partial(sf.optim.adamw, 0.1),
+        strategies=["FULL_SHARD", "NO_SHARD"], world_sizes=[1], clusters=clusters, raise_on_failure=False,
+    )
+    assert report.failures() == []
