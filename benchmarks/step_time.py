@@ -29,12 +29,17 @@ shardfn (``shardfn.shard`` with default units: one per Block, plus the root;
 * ``shardfn_w1``: FULL_SHARD at world size 1 (nothing to shard) on the global batch;
   peer ``single`` (target: within 1.05x of plain single-process training).
 
-Method (see /work/shared/NOTES.md): each (repeat, configuration) runs in a fresh set of
-processes (a new ``shardfn.testing.Cluster``), one torch thread per rank. Repeats are the
-outer loop and configurations the inner one, so slow drift in machine load hits every
-configuration alike. Each run does 2 warm-up steps, then times ``--steps`` steps between
-two barriers: wall time on rank 0 and ``time.process_time()`` on every rank. Then two
-untimed steps, so that no counter perturbs the timing:
+Method (see /work/shared/NOTES.md): the configurations fall in two groups, world size 1
+(``single``, ``shardfn_w1``) and the rest. Each repeat runs each group in one fresh set of
+processes (a new ``shardfn.testing.Cluster``), one torch thread per rank, which builds every
+configuration of the group (each its own model, from the same seed). After 2 warm-up steps
+each, the ``--steps`` timed steps interleave the configurations step by step (the order
+rotates every step), each step between two barriers: wall time on rank 0 and
+``time.process_time()`` on every rank. Interleaving matters on a shared machine: the speed
+of one set of processes against another varies by 10-20% here, which separate processes
+per configuration turned into ratios off by as much; interleaved, a configuration and its
+peer share the processes, the load and the moment. Then, one configuration at a time,
+three untimed steps, so that no counter perturbs the timing:
 
 1. Communication: a ``TorchDispatchMode`` over the ``c10d`` and ``_c10d_functional`` ops,
    which sees collectives issued from Python and from C++ (DDP's reducer included), counts
@@ -48,13 +53,15 @@ untimed steps, so that no counter perturbs the timing:
    inside the block whatever a step leaves for the next (FSDP2 keeps its last reduce-scatter
    buffer until the next step), so *persistent* bytes, counted between the two steps, are
    all that lives between steps, and *peak* is the most live at any moment of the second
-   step, persistent included. After it, live bytes must be back to the persistent bytes; if
+   step, persistent included (garbage in reference cycles is collected before each
+   reading). After it, live bytes must be back to the persistent bytes; if
    not (the counter missed a free, or something was left out), the figures are shown as
    ``?`` with a warning, and the raw numbers are kept in the JSON.
 
 The table shows medians over repeats: ms/step (rank 0 wall time), cpu ms/step (mean over
 ranks), peak and persistent MiB per rank (the largest rank), comm MiB/step (rank 0), the
-peer and the ratios of wall-time medians to the peer and to ``ddp``. At world sizes above
+peer and the ratios to the peer and to ``ddp``: the median over repeats of the ratio within
+each repeat (both ran in the same processes; ``shardfn_w1`` to ``ddp``: ratio of medians). At world sizes above
 the core count compare CPU time, not wall time. The targets of the issue are checked at
 the end (time ratios to the peer; peak live bytes at most the FSDP2 peer's).
 
@@ -78,6 +85,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import dataclasses
 import json
 import math
@@ -287,19 +295,22 @@ def global_mean(loss) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
-def run_config(config: str, opts: dict) -> dict:
-    """Runs on every rank of a fresh world: build, warm up, time, count. Returns this rank's figures."""
+def run_group(configs: list[str], opts: dict) -> dict[str, dict]:
+    """Runs on every rank of a fresh world: builds every configuration of the group, times
+    them interleaved step by step, then counts each. Returns this rank's figures per configuration."""
     torch.set_num_threads(1)
-    spec = SPECS[config]
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(vocab_size=opts["vocab"], seq_len=opts["seq"], d_model=opts["d_model"],
                     n_layers=opts["layers"], n_heads=opts["heads"])
-    torch.manual_seed(opts["seed"])
-    model = GPT(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    build = build_shardfn_step if spec.kind == "shardfn" else build_torch_step
-    step, persistent = build(spec, model, opts["lr"])
-    del model  # torch configurations keep it alive through their step
+    steps = {}
+    for config in configs:
+        spec = SPECS[config]
+        torch.manual_seed(opts["seed"])  # the same initial weights for every configuration
+        model = GPT(cfg)
+        n_params = sum(p.numel() for p in model.parameters())
+        build = build_shardfn_step if spec.kind == "shardfn" else build_torch_step
+        steps[config] = build(spec, model, opts["lr"])
+        del model  # torch configurations keep it alive through their step
 
     # WARMUP + timed + 3 untimed steps (communication, memory twice)
     per_rank = opts["batch"] * opts["world"] // world
@@ -307,19 +318,35 @@ def run_config(config: str, opts: dict) -> dict:
                            opts["seed"])
     batches = [t[rank * per_rank:(rank + 1) * per_rank] for t in batches]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in batches]
-    timed, (comm_batch, *mem_batches) = batches[WARMUP:-3], batches[-3:]
+    timed, extra = batches[WARMUP:-3], batches[-3:]
 
-    first_loss = global_mean(step(*batches[0]))
-    for x, y in batches[1:WARMUP]:
-        step(x, y)
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for x, y in timed:
-        loss = step(x, y)
-    dist.barrier()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    final_loss = global_mean(loss)
+    out = {}
+    for config, (step, _) in steps.items():
+        out[config] = {"n_params": n_params, "first_loss": global_mean(step(*batches[0]))}
+        for x, y in batches[1:WARMUP]:
+            step(x, y)
+    # Timed: one step of each configuration in turn (the order rotates every step), each
+    # between two barriers, so that they share this world's machine, load and moment.
+    wall, cpu, last = dict.fromkeys(configs, 0.0), dict.fromkeys(configs, 0.0), {}
+    for i, (x, y) in enumerate(timed):
+        for config in configs[i % len(configs):] + configs[:i % len(configs)]:
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            last[config] = steps[config][0](x, y)
+            dist.barrier()
+            wall[config] += time.perf_counter() - t0
+            cpu[config] += time.process_time() - c0
+    for config, (step, persistent) in steps.items():
+        n = len(timed)
+        out[config].update({"ms_per_step": 1e3 * wall[config] / n, "cpu_ms_per_step": 1e3 * cpu[config] / n,
+                            "final_loss": global_mean(last[config]), **count(config, step, persistent, extra)})
+    return out
 
+
+def count(config: str, step, persistent, batches: list) -> dict:
+    """Communication and memory of ``config`` over three untimed steps (see the docstring)."""
+    spec = SPECS[config]
+    comm_batch, *mem_batches = batches
     ddp = spec.wrap == "ddp"
     with sf.record_collectives() as log, CollectiveCounter(keep_all_reduced=ddp) as comm:
         step(*comm_batch)
@@ -335,36 +362,34 @@ def run_config(config: str, opts: dict) -> dict:
         # second starts and ends in the steady state and its peak is the step's peak.
         out = step(*mem_batches[0])
         del out
+        gc.collect()  # garbage in reference cycles (any configuration's) is not state
         persistent_bytes = mem.current  # the state + whatever a step carries into the next
         mem.reset_peak()
         out = step(*mem_batches[1])
         del out
+        gc.collect()
         end_bytes = mem.current
     del trees
     buckets_reused = None
     if ddp:  # the captured buckets are the ones the reducer uses every step, not a copy
         buckets_reused = bool(buckets) and [t.data_ptr() for t in buckets] == [t.data_ptr() for t in again.all_reduced[-len(buckets):]]
-
-    n = len(timed)
-    return {"n_params": n_params, "ms_per_step": 1e3 * wall / n, "cpu_ms_per_step": 1e3 * cpu / n,
-            "first_loss": first_loss, "final_loss": final_loss,
-            "comm_bytes": dict(comm.bytes), "comm_calls": dict(comm.calls),
+    return {"comm_bytes": dict(comm.bytes), "comm_calls": dict(comm.calls),
             "shardfn_recorded_bytes": dict(log.bytes()) if spec.kind == "shardfn" else None,
             "persistent_bytes": persistent_bytes, "peak_bytes": mem.peak, "end_bytes": end_bytes,
-            "state_bytes": state_bytes,
-            "ddp_buckets_reused": buckets_reused}
+            "state_bytes": state_bytes, "ddp_buckets_reused": buckets_reused}
 
 
-def measure(config: str, opts: dict) -> dict:
-    """One run in fresh processes: rank 0's wall time and communication, every rank's CPU time and memory."""
-    cluster = Cluster(1 if SPECS[config].world1 else opts["world"], timeout=opts["timeout"])
+def measure(configs: list[str], opts: dict) -> dict[str, dict]:
+    """One run of a group in fresh processes: per configuration, rank 0's wall time and
+    communication, every rank's CPU time and memory."""
+    cluster = Cluster(1 if SPECS[configs[0]].world1 else opts["world"], timeout=opts["timeout"])
     try:
-        ranks = cluster.run(run_config, config, opts)
+        ranks = cluster.run(run_group, configs, opts)
     finally:
         cluster.close()
     per_rank = ("cpu_ms_per_step", "persistent_bytes", "peak_bytes", "end_bytes")
-    return {**ranks[0], **{k: [r[k] for r in ranks] for k in per_rank},
-            "comm_bytes_total_per_rank": [sum(r["comm_bytes"].values()) for r in ranks]}
+    return {c: {**ranks[0][c], **{k: [r[c][k] for r in ranks] for k in per_rank},
+                "comm_bytes_total_per_rank": [sum(r[c]["comm_bytes"].values()) for r in ranks]} for c in configs}
 
 
 # ---------------------------------------------------------------------------------------
@@ -410,13 +435,24 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "first_loss": r0["first_loss"],
             "final_loss_finite": all(math.isfinite(r["final_loss"]) for r in rs),
         }
-    for s in out.values():
+    for config, s in out.items():
         p = out.get(s["peer"])
-        s["vs_peer"] = s["ms_per_step"] / p["ms_per_step"] if p else None
+        s["vs_peer"] = _ratio(runs, config, s["peer"])
         s["peak_vs_peer"] = (s["peak_mib_per_rank"] / p["peak_mib_per_rank"]
                              if p and s["peak_mib_per_rank"] and p["peak_mib_per_rank"] else None)
-        s["vs_ddp"] = s["ms_per_step"] / out["ddp"]["ms_per_step"] if "ddp" in out else None
+        s["vs_ddp"] = _ratio(runs, config, "ddp")
     return out
+
+
+def _ratio(runs: dict[str, list[dict]], config: str, peer: str | None) -> float | None:
+    """Step time of ``config`` over ``peer``'s: the median over repeats of the ratio within
+    each repeat when both ran in the same processes (the same group), else the ratio of medians."""
+    if peer not in runs:
+        return None
+    if SPECS[config].world1 == SPECS[peer].world1:
+        return statistics.median(a["ms_per_step"] / b["ms_per_step"] for a, b in zip(runs[config], runs[peer]))
+    return statistics.median(r["ms_per_step"] for r in runs[config]) / statistics.median(
+        r["ms_per_step"] for r in runs[peer])
 
 
 def _fmt(v, spec: str) -> str:
@@ -577,18 +613,24 @@ def main() -> None:
     prov = provenance()
     print(f"shardfn {prov['path']} at {prov['commit'] or '?'}{' (dirty)' if prov['dirty'] else ''}", flush=True)
     runs: dict[str, list[dict]] = {c: [] for c in args.configs}
-    for rep in range(args.repeats):  # repeats outermost: interleaved configurations
-        for config in args.configs:
-            r = measure(config, opts)
-            runs[config].append(r)
-            print(f"  repeat {rep + 1}/{args.repeats} {config:<24} {r['ms_per_step']:8.1f} ms/step", flush=True)
+    # Two groups: the world-size-1 configurations and the rest; each repeat runs each group
+    # in one fresh set of processes, its configurations interleaved step by step.
+    groups = [g for g in ([c for c in args.configs if not SPECS[c].world1],
+                          [c for c in args.configs if SPECS[c].world1]) if g]
+    for rep in range(args.repeats):
+        for group in groups:
+            for config, r in measure(group, opts).items():
+                runs[config].append(r)
+                print(f"  repeat {rep + 1}/{args.repeats} {config:<24} {r['ms_per_step']:8.1f} ms/step", flush=True)
     summary = summarise(runs)
     load_after = os.getloadavg()
     print(f"load average after: {load_after[0]:.2f}\n")
     print(table(summary))
     n_params = next(iter(runs.values()))[0]["n_params"]
-    print(f"\n{n_params:,} parameters; medians over {args.repeats} fresh-process runs. Memory: live tensor bytes per "
-          f"rank (largest rank); persistent = parameters (or shards) + optimizer state (+ ddp's gradient buckets). "
+    print(f"\n{n_params:,} parameters; medians over {args.repeats} fresh-process runs (vs peer, vs ddp: medians of "
+          f"the ratios within each run, where both configurations ran interleaved in the same processes). Memory: live tensor bytes per "
+          f"rank (largest rank); persistent = all a step leaves for the next (parameters or shards, optimizer state, "
+          f"ddp's gradient buckets, fsdp2's last reduce-scatter buffer). "
           f"Comm: textbook bytes per rank and step, from a dispatch mode over the c10d ops (ddp's C++ reducer "
           f"included; shardfn's include its metrics all-reduce). ?: not counted consistently (see warnings).")
     goals = targets(summary)
