@@ -64,7 +64,10 @@ def test_prediction_agrees_with_a_real_run(clusters, name):
     assert abs(report.peak_bytes - peak) <= 0.10 * peak, (report.peak_bytes, peak)
     assert {k: c for k, (c, _) in report.collectives.items()} == counts
     assert {k: b for k, (_, b) in report.collectives.items()} == nbytes
-    assert all(p <= peak for _, p, _, _ in real)  # no other rank peaks higher than rank 0
+    # No other rank peaks higher than rank 0, up to a race explain cannot see: gloo's worker
+    # thread drops its reference to a finished collective's buffer a moment after wait()
+    # returns, so on some runs one unit's gathered buffer (5% here) is still live at a peak.
+    assert all(p <= 1.10 * peak for _, p, _, _ in real), [p for _, p, _, _ in real]
 
 
 def test_static_figures_follow_the_layout():
