@@ -2,22 +2,24 @@
 
 from . import checkpoint as checkpoint
 from . import optim as optim
-from ._call import Residency as Residency
-from ._call import track_residency as track_residency
-from ._collectives import CollectiveLog as CollectiveLog
-from ._collectives import record_collectives as record_collectives
+from ._events import CollectiveLog as CollectiveLog
+from ._events import Purpose as Purpose
+from ._events import Residency as Residency
+from ._events import record_collectives as record_collectives
+from ._events import track_residency as track_residency
 from ._explain import Explanation as Explanation
 from ._explain import UnitCost as UnitCost
 from ._explain import explain as explain
 from ._functionalize import Apply as Apply
 from ._functionalize import Params as Params
 from ._functionalize import functionalize as functionalize
-from ._init import materialize as materialize
+from ._layout import BufferLayout as BufferLayout
 from ._layout import Layout as Layout
-from ._memory import LiveBytes as LiveBytes
-from ._memory import track_live_bytes as track_live_bytes
 from ._layout import LeafLayout as LeafLayout
 from ._layout import UnitLayout as UnitLayout
+from ._materialize import materialize as materialize
+from ._memory import LiveBytes as LiveBytes
+from ._memory import track_live_bytes as track_live_bytes
 from ._mesh import Mesh as Mesh
 from ._plan import FullShard as FullShard
 from ._plan import HybridShard as HybridShard
@@ -25,6 +27,7 @@ from ._plan import HybridShardZero2 as HybridShardZero2
 from ._plan import NoShard as NoShard
 from ._plan import Plan as Plan
 from ._plan import Remat as Remat
+from ._plan import RematMode as RematMode
 from ._plan import ShardGradOp as ShardGradOp
 from ._plan import Strategy as Strategy
 from ._plan import UnitPolicy as UnitPolicy
@@ -32,7 +35,9 @@ from ._plan import by_module_type as by_module_type
 from ._plan import by_param_count as by_param_count
 from ._plan import by_prefix as by_prefix
 from ._precision import DynamicLossScale as DynamicLossScale
+from ._precision import LossScaleState as LossScaleState
 from ._precision import Precision as Precision
+from ._runtime import Accumulate as Accumulate
 from ._sharded import ShardedParams as ShardedParams
 from ._sharded import gather as gather
 from ._sharded import shard as shard
@@ -42,7 +47,9 @@ from ._step import jit_step as jit_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accumulate",
     "Apply",
+    "BufferLayout",
     "CollectiveLog",
     "DynamicLossScale",
     "Explanation",
@@ -50,14 +57,17 @@ __all__ = [
     "HybridShard",
     "HybridShardZero2",
     "Layout",
-    "LiveBytes",
     "LeafLayout",
+    "LiveBytes",
+    "LossScaleState",
     "Mesh",
     "NoShard",
     "Params",
     "Plan",
     "Precision",
+    "Purpose",
     "Remat",
+    "RematMode",
     "Residency",
     "ShardGradOp",
     "ShardedParams",
@@ -67,10 +77,10 @@ __all__ = [
     "UnitLayout",
     "UnitPolicy",
     "by_module_type",
-    "checkpoint",
-    "explain",
     "by_param_count",
     "by_prefix",
+    "checkpoint",
+    "explain",
     "functionalize",
     "gather",
     "jit_step",

@@ -1,72 +1,67 @@
-"""Buffers during a step: which ones the forward updated, and keeping them equal on all ranks.
+"""Buffers in a step: working copies, which ones the step changed, and keeping ranks equal.
 
-Buffers (running statistics, masks, caches) are replicated: each rank holds the model's
-buffer tensors in ``apply.buffers``. A forward that updates one in place (BatchNorm's
-running mean) sees only its own slice of the batch, so ranks would drift apart. After the
-backward, the step averages every floating-point buffer whose version counter moved
-during the step over all ranks. For statistics linear in the batch (a running mean) that
-is exactly the single-device value; for others (a running variance) it is the mean of the
-ranks' values.
+[Note: buffers in a step]
+Buffers (running statistics, masks, rotary tables) are replicated state in the tree (see
+[Note: the state tree]). A step runs its forward on working copies of the tree's buffers
+(the tree's own tensors with ``donate=True``, clones otherwise) and returns the tree with
+them. A forward may update a buffer in place (BatchNorm's running statistics) or replace
+it, and each rank's forward saw only its own slice of the batch, so ranks would drift
+apart. After the backward each rank compares every floating-point buffer with its value
+before the step, *by value*: CPU ``batch_norm`` updates running statistics without bumping
+the tensor's version counter, so versions miss them. One flag per buffer rides on the
+step's metrics all-reduce, so every rank learns which buffers changed on *any* rank, and
+exactly those are averaged over all ranks (one all-reduce per mesh axis, in fp32). For a
+statistic linear in the batch (a running mean) the average is the single-device value on
+the global batch; for others (a running variance) it is the mean of the ranks' values.
+Integer and boolean buffers (``num_batches_tracked``) are never averaged: every rank
+updates them alike.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import _collectives as C
+from ._events import Purpose
 
-__all__ = ["note", "track"]
+__all__ = ["StepBuffers"]
 
 
-class Tracker:
-    def __init__(self) -> None:
-        self.seen: dict[int, tuple[Any, dict[str, int]]] = {}  # id(apply) -> (apply, versions before)
+class StepBuffers:
+    """The working copies of one tree's buffers during a step."""
 
-    def note(self, apply: Any) -> None:
-        if id(apply) not in self.seen:
-            versions = {n: b._version for n, b in apply.buffers.items() if b.is_floating_point()}
-            self.seen[id(apply)] = (apply, versions)
+    def __init__(self, tree: Mapping[str, torch.Tensor], names: Sequence[str], *, donate: bool, track: bool):
+        own = {n: tree[n] for n in names}
+        self.work: dict[str, torch.Tensor] = own if donate else {n: b.clone() for n, b in own.items()}
+        # Floating-point buffers are compared with their value before the step.
+        self.floating = [n for n in names if own[n].is_floating_point()] if track else []
+        self.before = {n: own[n].clone() if donate else own[n] for n in self.floating}
 
-    def changed(self) -> list[torch.Tensor]:
-        out = []
-        for apply, versions in self.seen.values():
-            out += [b for n, b in apply.buffers.items() if n in versions and b._version != versions[n]]
-        return out
+    def flags(self, device: torch.device) -> torch.Tensor:
+        """1.0 for each floating-point buffer this rank's forward changed, else 0.0."""
+        out = [0.0 if _same(self.work[n], self.before[n]) else 1.0 for n in self.floating]
+        return torch.tensor(out, dtype=torch.float32, device=device)
 
-    def sync(self, mesh: Any) -> None:
-        """One all-reduce (per mesh axis) of all changed buffers, flattened in fp32."""
-        changed = self.changed()
-        if not changed or mesh.size == 1:
-            return
-        flat = torch.cat([b.detach().reshape(-1).float() for b in changed])
-        for axis in mesh.axis_names:
-            if mesh.axis_size(axis) > 1:
-                C.all_reduce(flat, mesh.group(axis), tag="buffers", op="avg")
+    def sync(self, changed_anywhere: torch.Tensor, mesh) -> list[str]:
+        """Averages the buffers some rank changed over the whole mesh; returns their names."""
+        names = [n for n, f in zip(self.floating, changed_anywhere.tolist()) if f > 0]
+        if not names or mesh.size == 1:
+            return names
+        flat = torch.cat([self.work[n].detach().reshape(-1).float() for n in names])
+        C.all_reduce_mesh(flat, mesh, Purpose.BUFFERS, op=C.AVG)
         offset = 0
         with torch.no_grad():
-            for b in changed:
+            for n in names:
+                b = self.work[n]
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
+        return names
 
 
-_TRACKERS: list[Tracker] = []
-
-
-@contextlib.contextmanager
-def track() -> Iterator[Tracker]:
-    t = Tracker()
-    _TRACKERS.append(t)
-    try:
-        yield t
-    finally:
-        _TRACKERS.remove(t)
-
-
-def note(apply: Any) -> None:
-    """Called by a sharded call: remembers ``apply``'s buffer versions for the step."""
-    if _TRACKERS:
-        _TRACKERS[-1].note(apply)
+def _same(now: torch.Tensor, before: torch.Tensor) -> bool:
+    if is_fake(now) or is_fake(before):  # a planning run (shardfn.explain) has no values
+        return True
+    return now.shape == before.shape and now.dtype == before.dtype and bool(torch.equal(now, before))

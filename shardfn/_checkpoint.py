@@ -8,8 +8,12 @@ shardfn's dim-0 chunks are DTensor's (ceil-sized chunks, the last ones short), s
 records every parameter by its global shape and offsets, and a load into any other
 layout — world size, strategy, mesh — reads exactly the rows each rank needs.
 Optimizer-state tensors stored under a parameter's name and shaped like its shard are
-saved the same way; other state tensors (step counts) as replicated tensors. ``extra``
-keeps JSON-able values in ``shardfn.json`` and tensors (RNG states) in DCP.
+saved the same way; other state tensors (step counts, the loss scale) as replicated
+tensors. Persistent buffers (those in ``model.state_dict()``) are saved whole, as
+replicated tensors (DCP writes each once); non-persistent ones are rebuilt with the
+model. ``extra`` keeps JSON-able values in ``shardfn.json`` and tensors (RNG states) in
+DCP. Format 1 (before buffers were saved) still loads: its buffers keep the values of
+the tree they are loaded into, with a warning that names them.
 
 Saves are atomic: ranks write into ``<path>.partial``; after every rank is done, rank 0
 writes ``shardfn.json`` last and renames the directory into place (an existing
@@ -24,22 +28,30 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.utils._pytree as pytree
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _collectives as C
 from ._sharded import ShardedParams, gather
+from .optim._protocol import param_leaves
 
 __all__ = ["export_safetensors", "load", "save"]
 
-_FORMAT = "shardfn-checkpoint-1"
+_FORMAT = "shardfn-checkpoint-2"
+_READABLE = ("shardfn-checkpoint-1", _FORMAT)
 _META = "shardfn.json"
+_NO_BUFFERS = (
+    "checkpoint.load({path!r}): the checkpoint holds no values for {n} persistent buffers of the model "
+    "({names}); they keep the values of the tree loaded into. It was written by a shardfn that did not "
+    "save buffers (format {fmt}): BatchNorm statistics and other running buffers are not restored. Save a "
+    "new checkpoint to keep them."
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -86,28 +98,31 @@ def _placements(sharded: ShardedParams) -> list:
 
 def _dtensor(local_shard: torch.Tensor, sharded: ShardedParams, name: str) -> DTensor:
     """A DTensor view of this rank's real rows of a parameter-shaped shard."""
-    leaf = sharded.layout.leaves[name]
-    rank = sharded.mesh.axis_rank("shard") if sharded.layout.strategy.sharded else 0
-    rows = leaf.local_rows(rank) if sharded.layout.world > 1 else leaf.rows
-    local = local_shard[:rows]
+    layout = sharded.layout
+    leaf = layout.leaves[name]
+    local = local_shard[: layout.local_rows(name, layout.shard_rank(sharded.mesh))]
     shape = torch.Size(leaf.shape or (1,))  # a 0-d parameter is saved as one row
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, sharded.mesh.device_mesh, _placements(sharded), shape=shape, stride=stride)
 
 
-def _state_dict(sharded: ShardedParams, opt_state: Any, extra_tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    out: dict[str, Any] = {f"params/{n}": _dtensor(t.detach(), sharded, n) for n, t in sharded.items()}
+def _persistent(sharded: ShardedParams) -> list[str]:
+    return [n for n, b in sharded.layout.buffers.items() if b.persistent]
+
+
+def _state_dict(sharded: ShardedParams, opt_state: Any, extra_tensors: Mapping[str, torch.Tensor],
+                buffers: list[str] | None = None) -> dict[str, Any]:
     leaves = sharded.layout.leaves
-    for path, leaf in pytree.tree_flatten_with_path(opt_state)[0]:
-        key = f"opt/{pytree.keystr(path)}"
+    out: dict[str, Any] = {f"params/{n}": _dtensor(sharded[n].detach(), sharded, n) for n in leaves}
+    out.update({f"buffers/{n}": sharded[n].detach() for n in (_persistent(sharded) if buffers is None else buffers)})
+    for path, name, leaf in param_leaves(opt_state):
+        key = f"opt/{path}"
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
-                f"checkpoint: optimizer state leaf opt_state{pytree.keystr(path)} is a {type(leaf).__name__}; "
+                f"checkpoint: optimizer state leaf opt_state{path} is a {type(leaf).__name__}; "
                 "only tensor leaves can be saved (shardfn.optim's optimizers keep tensors only; from_torch's "
                 "state holds a torch optimizer: save state.optimizer.state_dict() yourself)."
             )
-        names = [k.key for k in path if isinstance(k, pytree.MappingKey)]
-        name = names[-1] if names else None
         if name in leaves and tuple(leaf.shape) == leaves[name].shard_shape:
             out[key] = _dtensor(leaf.detach(), sharded, name)
         else:
@@ -124,11 +139,12 @@ def _group(sharded: ShardedParams):
 
 
 def save(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None, extra: Mapping[str, Any] | None = None) -> None:
-    """Saves parameters, optimizer state and ``extra`` as a sharded checkpoint at ``path``.
+    """Saves parameters, persistent buffers, optimizer state and ``extra`` at ``path``.
 
-    Every rank calls it and writes only its own shards. ``extra`` holds user metadata:
-    JSON-able values (step, data position) and tensors (RNG states). The checkpoint
-    loads at any world size and strategy (see :func:`load`).
+    Every rank calls it and writes only its own shards (buffers are written once).
+    ``opt_state`` may be ``None`` (parameters and buffers only). ``extra`` holds user
+    metadata: JSON-able values (step, data position) and tensors (RNG states). The
+    checkpoint loads at any world size and strategy (see :func:`load`).
 
     Example:
         >>> save("ckpt/step-100", sharded, opt_state, extra={"step": 100, "rng": torch.get_rng_state()})
@@ -155,6 +171,7 @@ def save(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None,
             "strategy": sharded.layout.strategy.value,
             "mesh": list(sharded.mesh.shape),
             "params": {n: list(leaf.shape) for n, leaf in sharded.layout.leaves.items()},
+            "buffers": {n: list(sharded.layout.buffers[n].shape) for n in _persistent(sharded)},
             "extra": values,
             "extra_tensors": sorted(tensors),
         }
@@ -186,8 +203,10 @@ def _read_meta(path: str) -> dict[str, Any]:
         )
     with open(meta_file) as f:
         meta = json.load(f)
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"checkpoint.load: {meta_file} has format {meta.get('format')!r}, expected {_FORMAT!r}.")
+    if meta.get("format") not in _READABLE:
+        raise ValueError(
+            f"checkpoint.load: {meta_file} has format {meta.get('format')!r}; this shardfn reads {list(_READABLE)}."
+        )
     return meta
 
 
@@ -196,12 +215,17 @@ def load(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None)
 
     ``sharded`` and ``opt_state`` give the target layout (any world size, strategy or
     mesh; build them as for training, e.g. ``shard(params, mesh, ...)`` and
-    ``opt.init(sharded)``); their values are replaced in place and returned, with the
+    ``opt.init(sharded)``); their values (parameters, persistent buffers, optimizer
+    state; ``opt_state`` may be ``None``) are replaced in place and returned, with the
     ``extra`` that was saved.
 
     Raises:
-        ValueError: the checkpoint is incomplete or damaged, or its parameters' names
-            or shapes differ from ``sharded``'s (every differing leaf is named).
+        ValueError: the checkpoint is incomplete or damaged, or its parameters' or
+            buffers' names or shapes differ from ``sharded``'s (every differing one is
+            named).
+
+    A checkpoint of format 1 (written before buffers were saved) loads with a warning
+    naming the buffers it lacks; they keep the values ``sharded`` has.
 
     Example:
         >>> sharded, opt_state, extra = load("ckpt/step-100", sharded, opt_state)
@@ -215,10 +239,21 @@ def load(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None)
     problems += [
         f"  {n}: checkpoint shape {saved[n]}, these params {target[n]}" for n in target if n in saved and saved[n] != target[n]
     ]
+    saved_buffers = {n: tuple(s) for n, s in meta.get("buffers", {}).items()}
+    persistent = _persistent(sharded)
+    target_buffers = {n: sharded.layout.buffers[n].shape for n in persistent}
+    problems += [f"  {n}: buffer in the checkpoint but not in these params" for n in saved_buffers
+                 if n not in target_buffers]
+    problems += [f"  {n}: checkpoint buffer shape {saved_buffers[n]}, these params {target_buffers[n]}"
+                 for n in target_buffers if n in saved_buffers and saved_buffers[n] != target_buffers[n]]
     if problems:
         raise ValueError(f"checkpoint.load({path!r}): the parameters do not match:\n" + "\n".join(problems))
+    lacking = [n for n in persistent if n not in saved_buffers]
+    if lacking:
+        warnings.warn(_NO_BUFFERS.format(path=path, n=len(lacking), names=", ".join(lacking[:8]) + (" ..." if len(lacking) > 8 else ""),
+                                         fmt=meta["format"].rsplit("-", 1)[-1]), stacklevel=2)
     extra_tensors = {k: torch.empty(0) for k in meta["extra_tensors"]}
-    state = _state_dict(sharded, opt_state, extra_tensors)
+    state = _state_dict(sharded, opt_state, extra_tensors, [n for n in persistent if n in saved_buffers])
     for k in extra_tensors:  # their sizes come from the checkpoint's own metadata
         state.pop(f"extra/{k}")
     _dcp_load(path, state, sharded)
@@ -247,14 +282,22 @@ def _dcp_load(path: str, state: dict[str, Any], sharded: ShardedParams) -> None:
 
 
 def export_safetensors(path: str | os.PathLike, sharded: ShardedParams) -> None:
-    """Writes the full parameters to one safetensors file (rank 0 writes; all ranks call).
+    """Writes the full state dict to one safetensors file (rank 0 writes; all ranks call).
 
-    Gathers unit by unit to CPU on rank 0 (:func:`shardfn.gather`), so no accelerator
-    holds more than one unit of full parameters. Needs ``pip install safetensors``.
+    Full parameters and persistent buffers, gathered unit by unit to CPU on rank 0
+    (:func:`shardfn.gather`), so no accelerator holds more than one unit of full
+    parameters. A tensor with several names (tied weights) is written once, under its
+    first name, as ``safetensors.torch.save_model`` does (safetensors refuses shared
+    tensors); load it with ``load_state_dict(..., strict=False)`` or re-tie after
+    loading. Needs ``pip install safetensors``.
     """
     full = gather(sharded, rank0_only=True, device="cpu")
     if sharded.mesh.rank == 0:
         from safetensors.torch import save_file
 
-        save_file({n: t.contiguous() for n, t in full.items()}, os.fspath(path))
+        once: dict[str, str] = {}  # each tensor under its first state-dict key
+        for key, name in sharded.layout.state_dict_keys:
+            once.setdefault(name, key)
+        save_file({key: full[key].contiguous() for key in once.values() if key in full}, os.fspath(path))
     C.barrier(_group(sharded))
+

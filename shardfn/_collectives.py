@@ -1,141 +1,142 @@
 """The only module that issues ``torch.distributed`` collectives.
 
-Every all-gather, reduce-scatter and all-reduce in shardfn goes through the three
-functions below, so that tests (and ``metrics``) can count each collective and its
-bytes exactly, and so that the CUDA/NCCL and CPU/gloo paths share one code path.
+Every all-gather, reduce-scatter, all-reduce, broadcast and scatter in shardfn goes
+through the functions below, so that tests (and ``metrics``) can count each collective
+and its bytes exactly, and so that the CUDA/NCCL and CPU/gloo paths share one code path.
+(:mod:`shardfn._mesh` also talks to ``torch.distributed``, to start the process group and
+build meshes; it issues no collective.)
 
 [Note: accounting]
-Each call reports ``(kind, group_name, nbytes, dtype)`` to every active recorder,
-where ``nbytes`` is the size of the *full* buffer the collective moves: the output of
-an all-gather, the input of a reduce-scatter, the tensor of an all-reduce. These are
-the "textbook" volumes (FULL_SHARD moves 2x the parameter bytes in all-gathers and
-1x in reduce-scatters per step), independent of the backend's algorithm.
+Each call emits a :class:`shardfn._events.CollectiveCall` (kind, process group, bytes,
+dtype, purpose, unit) to the observers (see [Note: events]), where the bytes are the size
+of the *full* buffer the collective moves: the output of an all-gather, the input of a
+reduce-scatter, the tensor of an all-reduce. These are the "textbook" volumes
+(FULL_SHARD moves 2x the parameter bytes in all-gathers and 1x in reduce-scatters per
+step), independent of the backend's algorithm.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from ._events import Collective, CollectiveCall, Purpose, emit, observers
+
 __all__ = [
-    "CollectiveLog", "all_gather", "all_reduce", "barrier", "broadcast", "reduce_scatter", "record_collectives", "scatter",
+    "AVG", "MAX", "SUM", "all_gather", "all_gather_mesh", "all_reduce", "all_reduce_mesh", "barrier", "broadcast",
+    "broadcast_mesh", "reduce_scatter", "scatter",
 ]
 
-
-@dataclasses.dataclass(frozen=True)
-class CollectiveCall:
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
-    group: tuple[int, ...]  # global ranks of the process group
-    nbytes: int
-    dtype: torch.dtype
-    tag: str  # what it was for: a unit name, "loss", "layout", ...
+AVG, SUM, MAX = ReduceOp.AVG, ReduceOp.SUM, ReduceOp.MAX
 
 
-@dataclasses.dataclass(eq=False)
-class CollectiveLog:
-    """What a :func:`record_collectives` block saw, call by call.
+def _record(kind: Collective, group: ProcessGroup, t: torch.Tensor, purpose: Purpose, unit: str, to: Any) -> None:
+    to = observers() if to is None else to
+    if to:
+        call = CollectiveCall(kind, tuple(dist.get_process_group_ranks(group)), t.numel() * t.element_size(), t.dtype,
+                              purpose, unit)
+        emit(call, to)
 
-    Example:
-        >>> with record_collectives() as log:
-        ...     step(sharded, opt_state, batch)
-        >>> log.counts()["all_gather"], log.bytes()["reduce_scatter"]
+
+def _range(kind: Collective, purpose: Purpose, unit: str):
+    return torch.profiler.record_function(f"shardfn::{kind.value}[{purpose.value}:{unit}]" if unit
+                                          else f"shardfn::{kind.value}[{purpose.value}]")
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str = "",
+               async_op: bool = False, to: Any = None) -> Any:
+    """``out`` (``group size * inp.numel()`` elements) receives every rank's ``inp``, rank-major.
+
+    ``to``: the observers to report to (default: those active here; a step passes its own).
     """
-
-    calls: list[CollectiveCall] = dataclasses.field(default_factory=list)
-
-    def counts(self, tag_prefix: str | None = None) -> Counter[str]:
-        return Counter(c.kind for c in self._select(tag_prefix))
-
-    def bytes(self, tag_prefix: str | None = None) -> Counter[str]:
-        out: Counter[str] = Counter()
-        for c in self._select(tag_prefix):
-            out[c.kind] += c.nbytes
-        return out
-
-    def _select(self, tag_prefix: str | None) -> list[CollectiveCall]:
-        if tag_prefix is None:
-            return list(self.calls)
-        return [c for c in self.calls if c.tag.startswith(tag_prefix)]
-
-
-_RECORDERS: list[CollectiveLog] = []
-
-
-@contextlib.contextmanager
-def record_collectives() -> Iterator[CollectiveLog]:
-    """Records every collective shardfn issues inside the block (this process only)."""
-    log = CollectiveLog()
-    _RECORDERS.append(log)
-    try:
-        yield log
-    finally:
-        _RECORDERS.remove(log)
-
-
-def _record(kind: str, group: ProcessGroup, t: torch.Tensor, tag: str) -> None:
-    if _RECORDERS:
-        ranks = tuple(dist.get_process_group_ranks(group))
-        call = CollectiveCall(kind, ranks, t.numel() * t.element_size(), t.dtype, tag)
-        for log in _RECORDERS:
-            log.calls.append(call)
-
-
-def _range(kind: str, tag: str):
-    return torch.profiler.record_function(f"shardfn::{kind}[{tag}]")
-
-
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, tag: str, async_op: bool = False) -> Any:
-    """``out`` (``group size * inp.numel()`` elements) receives every rank's ``inp``, rank-major."""
-    _record("all_gather", group, out, tag)
-    with _range("all_gather", tag):
+    _record(Collective.ALL_GATHER, group, out, purpose, unit, to)
+    with _range(Collective.ALL_GATHER, purpose, unit):
         return dist.all_gather_single(out, inp, group=group, async_op=async_op)
 
 
-_OPS = {"avg": ReduceOp.AVG, "sum": ReduceOp.SUM, "max": ReduceOp.MAX}
-
-
-def reduce_scatter(
-    out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, tag: str, op: str = "avg", async_op: bool = False
-) -> Any:
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str = "",
+                   op: ReduceOp = AVG, async_op: bool = False, to: Any = None) -> Any:
     """``out`` receives this rank's chunk of the average (or ``op``) of ``inp`` over ``group``.
 
     With ``async_op`` it returns the work handle: ``out`` is valid after ``work.wait()``
     and ``inp`` must stay alive until then.
     """
-    _record("reduce_scatter", group, inp, tag)
-    with _range("reduce_scatter", tag):
-        return dist.reduce_scatter_single(out, inp, op=_OPS[op], group=group, async_op=async_op)
+    _record(Collective.REDUCE_SCATTER, group, inp, purpose, unit, to)
+    with _range(Collective.REDUCE_SCATTER, purpose, unit):
+        return dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
 
 
-def all_reduce(t: torch.Tensor, group: ProcessGroup, tag: str, op: str = "avg", async_op: bool = False) -> Any:
-    """In-place all-reduce of ``t`` over ``group``: ``op`` is "avg", "sum" or "max"."""
-    _record("all_reduce", group, t, tag)
-    with _range("all_reduce", tag):
-        return dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
+def all_reduce(t: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str = "", op: ReduceOp = AVG,
+               async_op: bool = False, to: Any = None) -> Any:
+    """In-place all-reduce of ``t`` over ``group`` (``AVG``, ``SUM`` or ``MAX``)."""
+    _record(Collective.ALL_REDUCE, group, t, purpose, unit, to)
+    with _range(Collective.ALL_REDUCE, purpose, unit):
+        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, group_src: int, group: ProcessGroup, purpose: Purpose, unit: str = "") -> None:
+    """``t`` on every rank of ``group`` becomes the ``t`` of its rank ``group_src``."""
+    _record(Collective.BROADCAST, group, t, purpose, unit, None)
+    with _range(Collective.BROADCAST, purpose, unit):
+        dist.broadcast(t, group=group, group_src=group_src)
+
+
+def scatter(out: torch.Tensor, inp: torch.Tensor | None, group_src: int, group: ProcessGroup, purpose: Purpose,
+            unit: str = "") -> None:
+    """Rank ``r`` of ``group`` receives row ``r`` of ``inp`` (``[group size, n]``, given on ``group_src``)."""
+    _record(Collective.SCATTER, group, out, purpose, unit, None)
+    with _range(Collective.SCATTER, purpose, unit):
+        dist.scatter(out, list(inp.unbind(0)) if inp is not None else None, group=group, group_src=group_src)
 
 
 def barrier(group: ProcessGroup | None) -> None:
     """Waits for every rank of ``group`` (checkpoint publication; not counted as traffic)."""
-    with _range("barrier", "checkpoint"):
+    with torch.profiler.record_function("shardfn::barrier[checkpoint]"):
         dist.barrier(group=group)
 
 
-def broadcast(t: torch.Tensor, group_src: int, group: ProcessGroup, tag: str) -> None:
-    """``t`` on every rank of ``group`` becomes the ``t`` of its rank ``group_src``."""
-    _record("broadcast", group, t, tag)
-    with _range("broadcast", tag):
-        dist.broadcast(t, group=group, group_src=group_src)
+# -- over every axis of a mesh ------------------------------------------------------------
 
 
-def scatter(out: torch.Tensor, inp: torch.Tensor | None, group_src: int, group: ProcessGroup, tag: str) -> None:
-    """Rank ``r`` of ``group`` receives row ``r`` of ``inp`` (``[group size, n]``, given on ``group_src``)."""
-    _record("scatter", group, out, tag)
-    with _range("scatter", tag):
-        dist.scatter(out, list(inp.unbind(0)) if inp is not None else None, group=group, group_src=group_src)
+def all_reduce_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose, op: ReduceOp = SUM, to: Any = None) -> None:
+    """In-place all-reduce of ``t`` over the whole mesh: one collective per axis of size > 1.
+
+    ``SUM`` and ``MAX`` over every axis in turn are the sum and max over all ranks; so is
+    ``AVG`` the average (every rank of an axis holds the same count of ranks below it).
+    """
+    for axis in mesh.axis_names:
+        if mesh.axis_size(axis) > 1:
+            all_reduce(t, mesh.group(axis), purpose, op=op, to=to)
+
+
+def all_gather_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose) -> torch.Tensor:
+    """Every rank's ``t`` (flat), in mesh-rank order: one all-gather per axis of size > 1.
+
+    First over ``shard``, then over ``replicate`` of the whole gathered ``shard`` row, so
+    every rank ends with every rank's values, row-major over ``(replicate, shard)``.
+    """
+    out = t.reshape(-1)
+    for axis in reversed(mesh.axis_names):
+        n = mesh.axis_size(axis)
+        if n > 1:
+            gathered = torch.empty(n * out.numel(), dtype=out.dtype, device=out.device)
+            all_gather(gathered, out, mesh.group(axis), purpose)
+            out = gathered
+    return out
+
+
+def broadcast_mesh(t: torch.Tensor, mesh: Any, src_rank: int, purpose: Purpose) -> None:
+    """``t`` on every rank of the mesh becomes the ``t`` of mesh rank ``src_rank``.
+
+    On a 2-D mesh: first down the source's column (``replicate``; every column broadcasts,
+    only the source's carries the real values), then along every row (``shard``) from the
+    rank in the source's column.
+    """
+    shard = mesh.axis_size("shard")
+    if mesh.ndim == 2 and mesh.axis_size("replicate") > 1:
+        broadcast(t, src_rank // shard, mesh.group("replicate"), purpose)
+    if shard > 1:
+        broadcast(t, src_rank % shard, mesh.group("shard"), purpose)

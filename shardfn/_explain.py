@@ -30,13 +30,15 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import _collectives as C
+from ._events import Collective, CollectiveLog, record_collectives
 from ._functionalize import Apply, Params, functionalize
 from ._memory import track_live_bytes
 from ._mesh import Mesh
 from ._plan import Plan, Strategy
 from ._sharded import shard
 from ._step import jit_step
+from .optim import adamw
+from .optim._protocol import param_leaves
 
 __all__ = ["Explanation", "UnitCost", "explain"]
 
@@ -147,8 +149,6 @@ def explain(
         ...     model = GPT(GPTConfig(d_model=4096, n_layers=32, n_heads=32, vocab_size=32000, seq_len=2048))
         >>> sf.explain(model, 64, "FULL_SHARD", torch.zeros(1, 2048, dtype=torch.long))
     """
-    from . import optim
-
     module = model if isinstance(model, nn.Module) else getattr(model, "module", None)
     if module is None:
         raise TypeError(
@@ -156,11 +156,10 @@ def explain(
             f"(which remember the module tree); got {type(model).__name__}."
         )
     params, apply = functionalize(module)
-    optimizer = optimizer if optimizer is not None else optim.adamw(1e-3)
+    optimizer = optimizer if optimizer is not None else adamw(1e-3)
     with _fake_world(mesh) as fake_mesh, FakeTensorMode(allow_non_fake_inputs=True):
         fake = Params({n: _fake_like(p).requires_grad_(p.requires_grad) for n, p in params.items()})
         fake.module = params.module
-        apply.buffers = {n: _fake_like(b) for n, b in apply.buffers.items()}
         sharded = shard(fake, fake_mesh, plan)
         opt_state = optimizer.init(sharded)
         persistent = peak = None
@@ -170,7 +169,7 @@ def explain(
             loss = loss_fn or _mean_output
             step = jit_step(lambda p, b: loss(apply, p, b), fake_mesh, optimizer=optimizer, **step_options)
             sharded, opt_state, _ = step(sharded, opt_state, fake_batch)  # warm-up: records the unit order
-            with track_live_bytes(sharded, opt_state) as mem, C.record_collectives() as log:
+            with track_live_bytes(sharded, opt_state) as mem, record_collectives() as log:
                 persistent = mem.current
                 sharded, opt_state, _ = step(sharded, opt_state, fake_batch)
             peak = mem.peak
@@ -238,26 +237,24 @@ class _fake_world:
             self.started = False
 
 
-def _report(sharded: Any, opt_state: Any, log: C.CollectiveLog | None, persistent: int | None,
+def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent: int | None,
             peak: int | None) -> Explanation:
     layout = sharded.layout
     optim_bytes: dict[str, int] = {}
-    for path, leaf in pytree.tree_flatten_with_path(opt_state)[0]:
-        keys = [k.key for k in path if isinstance(k, pytree.MappingKey)]
-        if isinstance(leaf, torch.Tensor) and keys and keys[-1] in layout.leaves:
-            unit = layout.unit_of(keys[-1]).name
+    for _, name, leaf in param_leaves(opt_state):
+        if isinstance(leaf, torch.Tensor) and name in layout.leaves:
+            unit = layout.unit_of(name).name
             optim_bytes[unit] = optim_bytes.get(unit, 0) + leaf.numel() * leaf.element_size()
     moved: dict[str, dict[str, int]] = {}
     if log is not None:
         for c in log.calls:
-            unit = c.tag.split(":", 1)[1] if ":" in c.tag else ""
-            kind = "gather" if c.kind == "all_gather" else "reduce"
-            moved.setdefault(unit, {}).setdefault(kind, 0)
-            moved[unit][kind] += c.nbytes
+            kind = "gather" if c.kind is Collective.ALL_GATHER else "reduce"
+            moved.setdefault(c.unit, {}).setdefault(kind, 0)
+            moved[c.unit][kind] += c.nbytes
         collectives: dict[str, tuple[int, int]] = {}
         for c in log.calls:
-            n, b = collectives.get(c.kind, (0, 0))
-            collectives[c.kind] = (n + 1, b + c.nbytes)
+            n, b = collectives.get(c.kind.value, (0, 0))
+            collectives[c.kind.value] = (n + 1, b + c.nbytes)
     else:
         collectives = layout.collectives_per_step()
         for u in layout.units:

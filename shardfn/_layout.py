@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from ._plan import Plan, Strategy
+from ._plan import Plan, RematMode, Strategy
+from ._tree import TreeInfo
 
-__all__ = ["LeafLayout", "Layout", "UnitLayout"]
+__all__ = ["BufferLayout", "LeafLayout", "Layout", "UnitLayout", "unit_owner"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +76,21 @@ class UnitLayout:
     grad_numel: int  # elements of the flat gradient buffer per rank: trainable leaves only
     param_dtype: torch.dtype  # what the unit is gathered and computed in (see _precision)
     reduce_dtype: torch.dtype  # what its gradients are reduced in
-    remat: str = ""  # "", "full" or "selective" (see shardfn.Remat)
+    remat: RematMode | None = None  # see shardfn.Remat
 
     @property
     def name(self) -> str:
         return self.path or "<root>"
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferLayout:
+    """One buffer: replicated on every rank, never sharded (see [Note: the state tree])."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    persistent: bool  # in model.state_dict(), so in gather(), checkpoints and exports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +103,22 @@ class Layout:
     replicas: int  # ranks each shard is replicated over (the all-reduce group size)
     leaves: Mapping[str, LeafLayout]
     units: tuple[UnitLayout, ...]
+    buffers: Mapping[str, BufferLayout] = dataclasses.field(default_factory=dict)
+    aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # leaf or buffer -> its names
+    state_dict_keys: tuple[tuple[str, str], ...] = ()  # (model.state_dict() key, leaf or buffer name)
 
     @property
     def strategy(self) -> Strategy:
         return self.plan.strategy
+
+    def shard_rank(self, mesh: Any) -> int:
+        """Which dim-0 chunk of every parameter this rank of ``mesh`` holds (0 under NO_SHARD)."""
+        return mesh.axis_rank("shard") if self.strategy.sharded else 0
+
+    def local_rows(self, name: str, rank: int) -> int:
+        """Real (non-padding) rows of parameter ``name`` held by shard rank ``rank``."""
+        leaf = self.leaves[name]
+        return leaf.local_rows(rank) if self.world > 1 else leaf.rows
 
     def unit_of(self, path: str) -> UnitLayout:
         return self.units[self.leaves[path].unit]
@@ -107,6 +130,10 @@ class Layout:
     def shard_bytes(self) -> int:
         """Bytes of this rank's parameter shards (padding included); the same on every rank."""
         return sum(u.numel * u.dtype.itemsize for u in self.units)
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers every rank holds."""
+        return sum(math.prod(b.shape) * b.dtype.itemsize for b in self.buffers.values())
 
     def full_bytes(self) -> int:
         return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in self.leaves.values())
@@ -146,7 +173,8 @@ class Layout:
 
     def fingerprint(self) -> int:
         """A 63-bit hash of everything that must agree across ranks."""
-        text = repr((self.plan, self.mesh_shape, self.world, self.replicas, list(self.leaves.values()), self.units))
+        text = repr((self.plan, self.mesh_shape, self.world, self.replicas, list(self.leaves.values()), self.units,
+                     list(self.buffers.values()), sorted(self.aliases.items()), self.state_dict_keys))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
     def __str__(self) -> str:
@@ -156,7 +184,8 @@ class Layout:
             + (f", precision={self.plan.precision!r}" if self.plan.precision.param or self.plan.precision.reduce else "")
             + "): "
             f"{self.num_params:,} params, {self.full_bytes() * mb:.2f} MiB full, "
-            f"{self.shard_bytes() * mb:.2f} MiB of shards per rank",
+            f"{self.shard_bytes() * mb:.2f} MiB of shards per rank"
+            + (f", {len(self.buffers)} buffers ({self.buffer_bytes() * mb:.2f} MiB, replicated)" if self.buffers else ""),
             f"  {'unit':<24} {'params':>12} {'shard MiB/rank':>15} {'pad elems':>10}  leaves",
         ]
         for u in self.units:
@@ -174,8 +203,15 @@ class Layout:
     def __repr__(self) -> str:
         return (
             f"Layout({self.strategy.value}, mesh={self.mesh_shape}, {len(self.leaves)} leaves, "
-            f"{len(self.units)} units)"
+            f"{len(self.units)} units{f', {len(self.buffers)} buffers' if self.buffers else ''})"
         )
+
+
+def unit_owner(name: str, unit_paths: Sequence[str]) -> str:
+    """The unit that owns the tensor or module at ``name``: the longest unit path that is
+    ``name`` or a prefix of it (a unit owns everything below it); ``""``, the root unit,
+    when none is."""
+    return max((u for u in unit_paths if u and (name == u or name.startswith(u + "."))), key=len, default="")
 
 
 def build_layout(
@@ -183,31 +219,23 @@ def build_layout(
     mesh_shape: tuple[int, ...],
     world: int,
     replicas: int,
-    params: Mapping[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
     unit_paths: list[str],
-    aliases: Mapping[str, tuple[str, ...]],
+    info: TreeInfo,
     unit_modules: Mapping[str, Any] | None = None,
-    remat: Mapping[str, str] | None = None,
+    remat: Mapping[str, RematMode] | None = None,
 ) -> Layout:
-    """Assigns each leaf to a unit and computes chunks and offsets.
+    """Assigns each parameter of ``state`` to a unit and computes chunks and offsets.
 
-    ``aliases`` maps a leaf to every module path it is reachable under (tied weights);
-    a leaf whose aliases fall into different units goes to the root unit, which is
+    ``info`` names the parameters, buffers and aliases (see [Note: the state tree]); a
+    parameter whose aliases fall into different units goes to the root unit, which is
     gathered for the whole forward, so each of its uses sees it. ``unit_modules`` (path
     -> module, when the module tree is known) lets precision overrides match by type.
     """
     unit_modules = unit_modules or {}
-
-    def owner(name: str) -> str:
-        best = ""
-        for u in unit_paths:
-            if name.startswith(u + ".") and len(u) > len(best):
-                best = u
-        return best
-
     members: dict[str, list[str]] = {"": [], **{u: [] for u in unit_paths}}
-    for name in params:
-        owners = {owner(a) for a in aliases.get(name, (name,))}
+    for name in info.params:
+        owners = {unit_owner(a, unit_paths) for a in info.aliases.get(name, (name,))}
         members[owners.pop() if len(owners) == 1 else ""].append(name)
 
     leaves: dict[str, LeafLayout] = {}
@@ -215,11 +243,11 @@ def build_layout(
     for path, names in members.items():
         if not names:
             continue
-        dtypes = {params[n].dtype for n in names}
+        dtypes = {state[n].dtype for n in names}
         if len(dtypes) > 1:
             by_dtype: dict[torch.dtype, list[str]] = {}
             for n in names:
-                by_dtype.setdefault(params[n].dtype, []).append(n)
+                by_dtype.setdefault(state[n].dtype, []).append(n)
             # Fewest first: the odd ones out are what the user needs to see.
             detail = "; ".join(
                 f"{dt}: {', '.join(ns[:4])}{' ...' if len(ns) > 4 else ''} ({len(ns)})"
@@ -231,7 +259,7 @@ def build_layout(
             )
         offset = grad_offset = 0
         for n in names:
-            t = params[n]
+            t = state[n]
             rows = t.shape[0] if t.dim() else 1
             chunk = -(-rows // world)
             numel = chunk * (math.prod(t.shape[1:]) if t.dim() else 1)
@@ -245,10 +273,15 @@ def build_layout(
         param_dtype, reduce_dtype = plan.precision.unit_dtypes(path, unit_modules.get(path), master)
         units.append(UnitLayout(
             len(units), path, tuple(names), offset, master, grad_offset, param_dtype, reduce_dtype,
-            (remat or {}).get(path, ""),
+            (remat or {}).get(path),
         ))
-    ordered = {n: leaves[n] for n in params}
-    return Layout(plan, mesh_shape, world, replicas, ordered, tuple(units))
+    buffers = {
+        n: BufferLayout(n, tuple(state[n].shape), state[n].dtype, n in info.persistent) for n in info.buffers
+    }
+    return Layout(
+        plan, mesh_shape, world, replicas, {n: leaves[n] for n in info.params}, tuple(units), buffers,
+        dict(info.aliases), info.state_dict_keys,
+    )
 
 
 # -- packing (see [Note: dim-0 shards and unit buffers]) ----------------------------------

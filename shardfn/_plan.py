@@ -21,6 +21,7 @@ from ._precision import Precision
 __all__ = [
     "Plan",
     "Remat",
+    "RematMode",
     "Strategy",
     "UnitPolicy",
     "by_module_type",
@@ -255,6 +256,30 @@ def _as_policy(units: UnitsArg) -> UnitPolicy:
     )
 
 
+class RematMode(enum.Enum):
+    """How a rematerialised unit recomputes (see :class:`Remat`)."""
+
+    FULL = "full"  # save the unit's inputs only; recompute its whole forward in backward
+    SELECTIVE = "selective"  # also save the outputs of the ops in Remat.save; recompute the rest
+
+    @classmethod
+    def parse(cls, value: "RematMode | str") -> "RematMode":
+        if isinstance(value, RematMode):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"Remat(mode={value!r}): use RematMode.FULL ('full') or RematMode.SELECTIVE "
+                             "('selective').") from None
+
+
+# Matmuls and the scaled-dot-product-attention kernels of the CPU and CUDA backends.
+_DEFAULT_SAVE = (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Remat:
     """Activation rematerialisation (checkpointing), per unit.
@@ -263,11 +288,14 @@ class Remat:
         units: which units to recompute: a unit policy (``by_module_type(Block)``,
             ``by_prefix(...)``); ``None`` means every unit except the root. Each selected
             module must be a unit of the plan (remat works at unit granularity).
-        mode: ``"full"`` saves only the unit's inputs and recomputes its whole forward
-            in backward; ``"selective"`` also saves the outputs of the ops in ``save``
-            (the matmuls) and recomputes the cheap rest.
+        mode: :attr:`RematMode.FULL` (``"full"``) saves only the unit's inputs and
+            recomputes its whole forward in backward; :attr:`RematMode.SELECTIVE`
+            (``"selective"``) also saves the outputs of the ops in ``save`` and recomputes
+            the cheap rest.
         every: recompute every ``every``-th selected unit (1: all of them).
-        save: names of ``torch.ops.aten`` ops whose outputs selective mode keeps.
+        save: names of ``torch.ops.aten`` ops whose outputs selective mode keeps; the
+            default is the matmuls and the attention kernels of CPU and CUDA. A name that
+            is not an aten op is an error.
 
     Under FULL_SHARD the recompute gathers the unit again (the all-gather is part of the
     recomputed region), so a step still costs two all-gathers and one reduce-scatter per
@@ -278,18 +306,25 @@ class Remat:
     """
 
     units: UnitPolicy | None = None
-    mode: str = "full"
+    mode: RematMode = RematMode.FULL
     every: int = 1
-    save: tuple[str, ...] = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu")
+    save: tuple[str, ...] = _DEFAULT_SAVE
 
     def __post_init__(self) -> None:
-        if self.mode not in ("full", "selective"):
-            raise ValueError(f"Remat(mode={self.mode!r}): use 'full' or 'selective'.")
+        object.__setattr__(self, "mode", RematMode.parse(self.mode))
         if not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"Remat(every={self.every!r}): a positive int.")
         object.__setattr__(self, "units", None if self.units is None else _as_policy(self.units))
+        object.__setattr__(self, "save", tuple(self.save))
+        unknown = [name for name in self.save if not _is_aten_op(name)]
+        if unknown:
+            raise ValueError(
+                f"Remat(save=...): {unknown} are not ops of torch.ops.aten, so selective remat could not save them. "
+                "Use aten op names such as 'mm', 'addmm', 'bmm' or '_scaled_dot_product_flash_attention_for_cpu' "
+                "(print(torch.ops.aten.__dir__()) lists them)."
+            )
 
-    def select(self, module: nn.Module | None, names: Sequence[str], unit_paths: Sequence[str]) -> dict[str, str]:
+    def select(self, module: nn.Module | None, names: Sequence[str], unit_paths: Sequence[str]) -> dict[str, RematMode]:
         """Unit path -> mode, for the units to recompute."""
         chosen = list(unit_paths) if self.units is None else self.units.resolve(module, names)
         missing = [p for p in chosen if p not in unit_paths]
@@ -300,6 +335,13 @@ class Remat:
             )
         chosen = [p for p in unit_paths if p in chosen]
         return {p: self.mode for i, p in enumerate(chosen) if i % self.every == 0}
+
+
+def _is_aten_op(name: str) -> bool:
+    import torch
+
+    packet = getattr(torch.ops.aten, name, None) if isinstance(name, str) else None
+    return isinstance(packet, torch._ops.OpOverloadPacket) and hasattr(packet, "default")
 
 
 def _as_remat(remat: Any) -> Remat | None:

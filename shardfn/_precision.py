@@ -13,12 +13,12 @@ unit's ``param`` dtype (``cast_inputs``), and floating-point outputs to ``output
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 import torch.nn as nn
 
-__all__ = ["DynamicLossScale", "Precision"]
+__all__ = ["DynamicLossScale", "LossScaleState", "Precision"]
 
 Selector = Union[str, type]
 
@@ -111,8 +111,13 @@ class DynamicLossScale:
     needs no collective of its own: it rides on the step's metrics all-reduce (a non-finite
     gradient anywhere makes the global sum of squares non-finite on every rank).
 
+    The scale is state: it lives in the step's optimizer state, a :class:`LossScaleState`
+    built by ``step.init(sharded)``, which the step returns updated and checkpoints save,
+    so a resumed run continues with the same scale.
+
     Example:
         >>> step = jit_step(loss_fn, mesh, optimizer=opt, loss_scale=DynamicLossScale())
+        >>> opt_state = step.init(sharded)         # LossScaleState(opt.init(sharded), scale, good_steps)
         >>> sharded, opt_state, m = step(sharded, opt_state, batch)   # m["loss_scale"], m["skipped"]
     """
 
@@ -127,20 +132,31 @@ class DynamicLossScale:
                 f"{self!r}: need init_scale > 0, growth > 1, 0 < backoff < 1 and growth_interval >= 1."
             )
 
+    def init(self, opt_state: Any) -> "LossScaleState":
+        """The state of a loss-scaled step around the optimizer's ``opt_state``."""
+        return LossScaleState(opt_state, torch.tensor(float(self.init_scale)), torch.tensor(0, dtype=torch.int64))
 
-@dataclasses.dataclass
-class LossScaleState:
-    """The scaler's running state, held by the step."""
-
-    scale: float
-    good_steps: int = 0
-
-    def update(self, config: DynamicLossScale, finite: bool) -> None:
+    def next(self, state: "LossScaleState", finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, good_steps)`` after a step whose gradients were (not) finite."""
+        scale, good = float(state.scale), int(state.good_steps)
         if not finite:
-            self.scale *= config.backoff
-            self.good_steps = 0
-            return
-        self.good_steps += 1
-        if self.good_steps == config.growth_interval:
-            self.scale *= config.growth
-            self.good_steps = 0
+            scale, good = scale * self.backoff, 0
+        else:
+            good += 1
+            if good == self.growth_interval:
+                scale, good = scale * self.growth, 0
+        return torch.tensor(scale), torch.tensor(good, dtype=torch.int64)
+
+
+class LossScaleState(NamedTuple):
+    """The optimizer state of a step with ``loss_scale``: the optimizer's state and the scale.
+
+    Attributes:
+        opt_state: the optimizer's own state (what ``opt.init(sharded)`` returns).
+        scale: 0-d float32 CPU tensor, the scale the next step multiplies the loss by.
+        good_steps: 0-d int64 CPU tensor, finite steps since the scale last changed.
+    """
+
+    opt_state: Any
+    scale: torch.Tensor
+    good_steps: torch.Tensor

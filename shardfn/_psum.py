@@ -15,72 +15,44 @@ over the real parameters.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from collections.abc import Iterator, Mapping
-
-from typing import Any
 
 import torch
 
 from . import _collectives as C
+from ._events import Purpose
+from ._runtime import current
 
-__all__ = ["global_norm", "psum"]
-
-
-@dataclasses.dataclass(eq=False)
-class StepContext:
-    mesh: object  # shardfn.Mesh
-    sharded: bool  # whether ranks along the "shard" axis hold different shards
-    # The step divides each rank's loss by the number of ranks before backward, so
-    # gradient reductions sum: gradients (and fp16 intermediate magnitudes) are those
-    # of the global mean loss, as on one device. Outside a step, reductions average.
-    predivided: bool = False
-    # Asynchronous gradient reductions still in flight: (work, buffers to keep alive).
-    # The step waits for them right after each backward (see _Unit._reduce).
-    overlap: bool = False
-    pending: list = dataclasses.field(default_factory=list)
-    # id() of the storages of the gradients handed out in a world of one (_Unit._own).
-    owned: set = dataclasses.field(default_factory=set)
-    # Prefetch (see _call [Note: prefetch]): the non-root units' forward order recorded
-    # on the previous step, and the order seen in this one.
-    prefetch: bool = False
-    order: list = dataclasses.field(default_factory=list)
-    seen: list = dataclasses.field(default_factory=list)
-    units: dict = dataclasses.field(default_factory=dict)  # the sharded call's non-root units
-
-    def add_pending(self, work: Any, keepalive: Any) -> None:
-        """Tracks an asynchronous reduction, the only one in flight.
-
-        Each pending reduction keeps its unit's unsharded gradient buffer alive, so the
-        next unit's reduction waits for it before allocating its own buffer (see
-        _Unit._reduce): holding them all until the end of backward would cost the whole
-        model's unsharded gradients, and even two at once raise the peak of backward.
-        """
-        assert not self.pending, "wait_pending() before starting another reduction"
-        self.pending.append((work, keepalive))
-
-    def wait_pending(self) -> None:
-        while self.pending:
-            work, _keepalive = self.pending.pop(0)
-            work.wait()
-    norms: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # id(tree) -> global norm
+__all__ = ["Gradients", "global_norm", "psum", "sum_of_squares"]
 
 
-_CONTEXT: list[StepContext] = []
+class Gradients(Mapping):
+    """The gradients a step hands its optimizer: name -> shard gradient, with their norm.
 
+    ``global_norm`` is the L2 norm of the whole gradient over every rank's shards, which
+    the step computes anyway (``metrics["grad_norm"]``, in its one metrics all-reduce).
+    :func:`global_norm` of this tree reads it, so ``clip_by_global_norm`` needs no
+    collective of its own. A transformation returns a new mapping, which carries no norm:
+    its own norm is computed when asked.
+    """
 
-@contextlib.contextmanager
-def step_context(ctx: StepContext) -> Iterator[StepContext]:
-    _CONTEXT.append(ctx)
-    try:
-        yield ctx
-    finally:
-        _CONTEXT.remove(ctx)
+    __slots__ = ("_data", "global_norm")
 
+    def __init__(self, data: Mapping[str, torch.Tensor], global_norm: torch.Tensor):
+        self._data = dict(data)
+        self.global_norm = global_norm
 
-def current() -> StepContext | None:
-    return _CONTEXT[-1] if _CONTEXT else None
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"Gradients({len(self)} leaves, global_norm={float(self.global_norm):.6g})"
 
 
 def psum(t: torch.Tensor) -> torch.Tensor:
@@ -93,11 +65,11 @@ def psum(t: torch.Tensor) -> torch.Tensor:
         >>> # inside an optimizer's update, on local shards:
         >>> param_norm = psum(p.square().sum()).sqrt()    # the norm of the whole parameter
     """
-    ctx = current()
-    if ctx is None or not ctx.sharded or ctx.mesh.axis_size("shard") == 1:
+    rt = current()
+    if rt is None or not rt.sharded or rt.mesh.axis_size("shard") == 1:
         return t
     out = t.detach().clone()
-    C.all_reduce(out, ctx.mesh.group("shard"), tag="psum", op="sum")
+    C.all_reduce(out, rt.mesh.group("shard"), Purpose.PSUM, op=C.SUM)
     return out
 
 
@@ -110,13 +82,12 @@ def sum_of_squares(tree: Mapping[str, torch.Tensor]) -> torch.Tensor:
 def global_norm(tree: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The L2 norm of a whole tree given as local shards (a 0-d fp32 tensor, every rank).
 
-    Inside a step, the norm of the gradients the optimizer receives is computed once
-    with the loss metric and reused here without a collective.
+    For the :class:`Gradients` a step hands its optimizer, the norm the step computed
+    (no collective); for any other tree, ``psum`` of the shards' sums of squares.
 
     Example:
         >>> norm = global_norm(grads)      # equals clip_grad_norm_'s total norm on one device
     """
-    ctx = current()
-    if ctx is not None and id(tree) in ctx.norms:
-        return ctx.norms[id(tree)]
+    if isinstance(tree, Gradients):
+        return tree.global_norm
     return psum(sum_of_squares(tree)).sqrt()

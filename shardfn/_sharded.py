@@ -10,11 +10,13 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from . import _collectives as C
-from ._init import deferred_shards, scattered_shards
+from ._events import Purpose
 from ._layout import Layout, build_layout, local_shard, unpack_leaf
+from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
 from ._plan import Plan, Strategy, check_unit_modules, make_plan
 from ._precision import Precision
+from ._tree import check_names, tree_info
 
 __all__ = ["ShardedParams", "gather", "shard"]
 
@@ -26,11 +28,13 @@ _DISAGREE = (
 
 
 class ShardedParams(Mapping):
-    """This rank's shards: a read-only mapping name -> local shard, plus its layout and mesh.
+    """This rank's state: a read-only mapping name -> tensor, plus its layout and mesh.
 
-    Keys are the parameter names of the model. Each value is this rank's dim-0 chunk of
-    that parameter, zero-padded to ``layout.leaves[name].shard_shape``. It is a pytree
-    node (``torch.utils._pytree``), so tree utilities see the shards as leaves.
+    Keys are the names of the model's state tree (see [Note: the state tree]): for each
+    parameter, this rank's dim-0 chunk of it, zero-padded to
+    ``layout.leaves[name].shard_shape``; for each buffer (``layout.buffers``), the whole
+    buffer, replicated on every rank. It is a pytree node (``torch.utils._pytree``), so
+    tree utilities see every tensor as a leaf.
 
     Example:
         >>> sharded = shard(params, mesh, "FULL_SHARD")
@@ -58,14 +62,28 @@ class ShardedParams(Mapping):
         """A new tree with the same layout, some leaves replaced."""
         return ShardedParams({**self._data, **values}, self.layout, self.mesh)
 
+    def params(self) -> dict[str, torch.Tensor]:
+        """The parameter shards only (no buffers)."""
+        return {n: self._data[n] for n in self.layout.leaves}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers only."""
+        return {n: self._data[n] for n in self.layout.buffers}
+
+    def _set_buffers(self, values: Mapping[str, torch.Tensor]) -> None:
+        # A module that replaced a buffer in a call outside a step (the in-place update of
+        # a buffer reaches the tree by itself): the new tensor is the tree's from now on.
+        self._data.update({n: v for n, v in values.items() if n in self.layout.buffers})
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._data.values())
 
     def __repr__(self) -> str:
+        buffers = f", {len(self.layout.buffers)} buffers" if self.layout.buffers else ""
         return (
-            f"ShardedParams({self.layout.strategy.value}, {len(self)} leaves, {len(self.layout.units)} units, "
-            f"{self.nbytes / 2**20:.2f} MiB on rank {self.mesh.rank} of {self.mesh!r})"
+            f"ShardedParams({self.layout.strategy.value}, {len(self.layout.leaves)} parameters{buffers}, "
+            f"{len(self.layout.units)} units, {self.nbytes / 2**20:.2f} MiB on rank {self.mesh.rank} of {self.mesh!r})"
         )
 
 
@@ -92,9 +110,10 @@ def shard(
     """This rank's shards of ``params`` under ``strategy`` on ``mesh``.
 
     Args:
-        params: name -> full tensor, as returned by :func:`shardfn.functionalize` (the
-            module tree it carries lets ``units=by_module_type(...)`` resolve). Every rank
-            passes the same values (same seed, or loaded weights).
+        params: the model's state, name -> full tensor, as returned by
+            :func:`shardfn.functionalize` (parameters and buffers; the module tree it
+            carries lets ``units=by_module_type(...)`` resolve and tells buffers from
+            parameters). Every rank passes the same values (same seed, or loaded weights).
         mesh: a :class:`shardfn.Mesh`.
         strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, a
             :class:`shardfn.Strategy`, or a :class:`shardfn.Plan` bundling the fields below.
@@ -108,14 +127,19 @@ def shard(
         seed: deferred init: ``params`` may be meta tensors (a model built under
             ``torch.device("meta")``); each unit is materialised in turn on every rank,
             initialised by ``reset_parameters()`` (and ``init_fn(module)``) from a seed
-            derived from ``(seed, unit path)``, and only this rank's shard is kept.
-            Equals :func:`shardfn.materialize` on one device, at every world size.
-        init_fn: with ``seed``: called on each module after ``reset_parameters``.
+            derived from ``(seed, unit path)``, and only this rank's shard is kept; buffers
+            are materialised the same way and kept whole. Equals
+            :func:`shardfn.materialize` on one device, at every world size.
+        init_fn: with ``seed``: called on each module after ``reset_parameters`` (for a
+            Hugging Face model, ``model._init_weights``). Every parameter and
+            floating-point buffer must be written by one of them (checked).
         src_rank: the real values live on this rank only (e.g. pretrained weights loaded
-            there; other ranks may pass meta tensors): each unit is scattered from it.
+            there; other ranks may pass meta tensors): each unit is scattered from it and
+            the buffers are broadcast from it.
 
     Returns:
-        A :class:`ShardedParams`; ``print(sharded.layout)`` shows units and costs.
+        A :class:`ShardedParams` (the shards and the buffers); ``print(sharded.layout)``
+        shows units and costs.
 
     Ranks check that they agree on the layout (one small all-gather) before anything else.
 
@@ -135,7 +159,10 @@ def shard(
         raise TypeError(f"shard(): params[{bad[0]!r}] is a {type(params[bad[0]]).__name__}, not a tensor.")
     plan = make_plan(strategy, units=units, precision=precision, remat=remat)
     module: nn.Module | None = getattr(params, "module", None)
-    unit_paths = plan.units.resolve(module, list(params))
+    info = tree_info(module, list(params))
+    if module is not None:
+        check_names(params.keys(), info.names, what="shard(params, ...)")
+    unit_paths = plan.units.resolve(module, list(info.params))
     check_unit_modules(module, unit_paths)
     _check_mesh(plan.strategy, mesh)
     world = mesh.axis_size("shard") if plan.strategy.sharded else 1
@@ -143,48 +170,33 @@ def shard(
     unit_modules = {p: module.get_submodule(p) for p in unit_paths} if module is not None else {}
     if module is not None:
         unit_modules[""] = module
-    remat_units = plan.remat.select(module, list(params), unit_paths) if plan.remat is not None else {}
-    layout = build_layout(
-        plan, mesh.shape, world, replicas, params, unit_paths, _aliases(module, params), unit_modules, remat_units
-    )
+    remat_units = plan.remat.select(module, list(info.params), unit_paths) if plan.remat is not None else {}
+    layout = build_layout(plan, mesh.shape, world, replicas, params, unit_paths, info, unit_modules, remat_units)
     if seed is not None and src_rank is not None:
         raise ValueError("shard(): pass seed= (deferred init) or src_rank= (load from one rank), not both.")
     meta = [n for n, t in params.items() if t.is_meta] if seed is None and src_rank is None else []
     # Whether a rank passed meta tensors is part of what ranks must agree on, so that a
     # rank missing its weights makes every rank fail here instead of hanging later.
     meta_error = (
-        f"shard(): {len(meta)} parameters are on the meta device ({', '.join(meta[:4])}{' ...' if len(meta) > 4 else ''})"
-        f" on {mesh!r}. Pass seed=... to initialise them unit by unit (deferred init), or load real values "
-        "on one rank and pass src_rank=that rank."
+        f"shard(): {len(meta)} tensors of the state are on the meta device ({', '.join(meta[:4])}"
+        f"{' ...' if len(meta) > 4 else ''}) on {mesh!r}. Pass seed=... to initialise them unit by unit "
+        "(deferred init), or load real values on one rank and pass src_rank=that rank."
     )
     verify_agreement(layout, mesh, salt=1 if meta else 0, hint=meta_error if meta else "")
     if meta:
         raise ValueError(meta_error)
-    rank = mesh.axis_rank("shard") if plan.strategy.sharded else 0
+    rank = layout.shard_rank(mesh)
     with torch.no_grad():
         if seed is not None:
-            data = deferred_shards(module, layout, rank, mesh.device, seed, init_fn)
+            data = deferred_state(module, layout, rank, mesh.device, seed, init_fn)
         elif src_rank is not None:
-            data = scattered_shards(params, layout, mesh, src_rank)
+            data = scattered_state(params, layout, mesh, src_rank)
         else:
             data = {n: local_shard(params[n], leaf, rank, mesh.device) for n, leaf in layout.leaves.items()}
-    data = {n: t.requires_grad_(layout.leaves[n].requires_grad) for n, t in data.items()}
-    return ShardedParams(data, layout, mesh)
-
-
-def _aliases(module: nn.Module | None, params: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
-    """Leaf name -> every name it has in the module (more than one for tied weights)."""
-    if module is None:
-        return {}
-    by_id: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    out = {}
-    for names in by_id.values():
-        for n in names:
-            if n in params:
-                out[n] = tuple(names)
-    return out
+            data.update({n: params[n].detach().to(mesh.device, copy=True) for n in layout.buffers})
+    for n, leaf in layout.leaves.items():
+        data[n].requires_grad_(leaf.requires_grad)
+    return ShardedParams({n: data[n] for n in (*layout.leaves, *layout.buffers)}, layout, mesh)
 
 
 def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
@@ -204,35 +216,27 @@ def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
 def verify_agreement(layout: Layout, mesh: Mesh, salt: int = 0, hint: str = "") -> None:
     """Raises on every rank if any two ranks' layouts (or ``salt``) differ.
 
-    One all-gather of an int64 per mesh axis: the first over ``shard``, the next over
-    ``replicate`` of the whole ``shard`` row, so every rank sees every fingerprint.
+    One all-gather of an int64 per mesh axis, so every rank sees every fingerprint.
     """
     if mesh.size == 1 or mesh.backend == "fake":  # a fake world (planning) has one process and no data
         return
-    fps = torch.tensor([layout.fingerprint() ^ salt], dtype=torch.int64, device=mesh.device)
-    for axis in reversed(mesh.axis_names):
-        n = mesh.axis_size(axis)
-        if n == 1:
-            continue
-        out = torch.empty(n * fps.numel(), dtype=torch.int64, device=mesh.device)
-        C.all_gather(out, fps, mesh.group(axis), tag="layout")
-        fps = out
-    # Row-major over (replicate, shard): index i is mesh rank i.
-    allfp = fps.tolist()
+    fp = torch.tensor([layout.fingerprint() ^ salt], dtype=torch.int64, device=mesh.device)
+    allfp = C.all_gather_mesh(fp, mesh, Purpose.LAYOUT).tolist()  # index i is mesh rank i
     if len(set(allfp)) > 1:
         bad = [r for r, f in enumerate(allfp) if f != allfp[0]]
         raise ValueError(_DISAGREE.format(rank=mesh.rank, fps=allfp, bad=bad) + (f"\nOn this rank: {hint}" if hint else ""))
 
 
 def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-    """The full parameters, as a plain dict name -> tensor (a state dict).
+    """The model's full state dict: exactly the keys of ``model.state_dict()``.
 
-    Every rank must call it (it all-gathers unit by unit). With ``rank0_only`` the other
-    ranks return ``{}``; ``device="cpu"`` moves each unit off the accelerator as it is
-    gathered, so device memory stays near one unit.
+    Full parameters (a tied weight under each of its names, as ``state_dict()`` lists it)
+    and the persistent buffers. Every rank must call it (it all-gathers unit by unit).
+    With ``rank0_only`` the other ranks return ``{}``; ``device="cpu"`` moves each unit
+    off the accelerator as it is gathered, so device memory stays near one unit.
 
     Example:
-        >>> model.load_state_dict(gather(sharded, device="cpu"), strict=False)
+        >>> model.load_state_dict(gather(sharded, device="cpu"))     # strict, buffers included
     """
     if not isinstance(sharded, ShardedParams):
         raise TypeError(f"gather() expects the ShardedParams returned by shard(), got {type(sharded).__name__}")
@@ -246,7 +250,7 @@ def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.de
             else:
                 flat = torch.cat([sharded[n].detach().reshape(-1) for n in unit.leaves])
                 got = torch.empty(layout.world * unit.numel, dtype=flat.dtype, device=flat.device)
-                C.all_gather(got, flat, mesh.group("shard"), tag=f"gather:{unit.name}")
+                C.all_gather(got, flat, mesh.group("shard"), Purpose.STATE_DICT, unit.name)
                 del flat
                 got2d = got.view(layout.world, unit.numel)
                 # Ranks that return nothing do not unpack: they hold one gathered unit at most.
@@ -254,4 +258,9 @@ def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.de
                 del got, got2d
             if keep:
                 out.update({n: t.to(device) if device is not None else t for n, t in full.items()})
-    return {n: out[n] for n in layout.leaves if n in out}
+        if keep:
+            out.update({n: sharded[n].detach().to(device, copy=True) if device is not None else sharded[n].detach().clone()
+                        for n, b in layout.buffers.items() if b.persistent})
+    if not keep:
+        return {}
+    return {key: out[name] for key, name in layout.state_dict_keys if name in out}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,15 +9,17 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
-from . import _buffers
 from . import _collectives as C
-from . import _psum
-from ._call import accumulate_locally
+from ._buffers import StepBuffers
+from ._events import Purpose
 from ._layout import Layout
 from ._mesh import Mesh
 from ._precision import DynamicLossScale, LossScaleState
+from ._psum import Gradients, sum_of_squares
+from ._runtime import Accumulate, Runtime, active
 from ._sharded import ShardedParams
 from .optim import GradientTransformation, apply_updates, apply_updates_, hyperparams
+from .optim._protocol import param_leaves
 
 __all__ = ["Step", "jit_step"]
 
@@ -26,7 +27,17 @@ _OTHER_LAYOUT = (
     "step(sharded, ...): these shards have a different layout than the ones this step was first called with.\n"
     "  first call: {first!r}\n  this call:  {got!r}\n"
     "A step (and its optimizer state) belongs to one layout: build a new step with shardfn.jit_step(...) and a "
-    "new opt_state with opt.init(sharded) for these shards, or pass the shards this step returned."
+    "new opt_state with opt.init(sharded) (step.init(sharded) with loss_scale) for these shards, or pass the "
+    "shards this step returned."
+)
+_NOT_LOSS_SCALED = (
+    "step(sharded, opt_state, ...): this step scales the loss (jit_step(loss_scale=...)), so its optimizer state "
+    "carries the scale: a shardfn.LossScaleState, got {got}. Build it with opt_state = step.init(sharded)."
+)
+_USED_DIRECTLY = (
+    "loss_fn used the shards of {names} directly, not through apply(params, ...): a shard is this rank's dim-0 "
+    "chunk of the parameter, not the parameter. Call apply(params, ...) (or compute the term from "
+    "shardfn.gather(...) outside the step)."
 )
 
 
@@ -40,7 +51,7 @@ class Step:
         optimizer: GradientTransformation,
         donate: bool,
         micro_batches: int,
-        accumulate: str,
+        accumulate: Accumulate,
         sync_buffers: bool,
         loss_scale: DynamicLossScale | None,
         overlap: bool,
@@ -56,96 +67,100 @@ class Step:
         self.loss_scale = loss_scale
         self.overlap = overlap
         self.prefetch = prefetch
-        self.order: list[str] = []  # units' forward order, recorded on each step for the next
-        self.scaler = LossScaleState(loss_scale.init_scale) if loss_scale is not None else None
-        self.layout: Layout | None = None  # recorded on the first call
+        # Not state of the model: the units' forward order (a prefetch hint, recorded on
+        # each step for the next) and the layout of the first call (to catch other shards).
+        self.order: list[tuple[int, str]] = []
+        self.layout: Layout | None = None
+
+    def init(self, sharded: ShardedParams) -> Any:
+        """The optimizer state this step takes: ``optimizer.init(sharded)``, and with
+        ``loss_scale`` the :class:`shardfn.LossScaleState` around it."""
+        state = self.optimizer.init(sharded)
+        return self.loss_scale.init(state) if self.loss_scale is not None else state
 
     def __call__(self, sharded: ShardedParams, opt_state: Any, batch: Any) -> tuple[ShardedParams, Any, dict[str, Any]]:
         self._check(sharded, opt_state)
-        ctx = _psum.StepContext(
-            self.mesh, sharded.layout.strategy.sharded, predivided=True, overlap=self.overlap,
-            prefetch=self.prefetch, order=self.order,
+        inner = opt_state.opt_state if self.loss_scale is not None else opt_state
+        scale = float(opt_state.scale) if self.loss_scale is not None else 1.0
+        layout = sharded.layout
+        buffers = StepBuffers(sharded, list(layout.buffers), donate=self.donate, track=self.sync_buffers)
+        rt = Runtime(
+            self.mesh, in_step=True, overlap=self.overlap, prefetch=self.prefetch, order=self.order,
+            accumulate=self.accumulate, owner=sharded, buffers=buffers,
         )
-        with C.record_collectives() as log, _psum.step_context(ctx), _buffers.track() as buffers:
-            loss, grads = self._grads(sharded, batch)
-            # The loss metric and the gradients' sum of squares share one all-reduce per axis.
-            loss, norm = self._reduce_metrics(loss, _psum.sum_of_squares(grads))
-            ctx.norms[id(grads)] = norm
-            metrics: dict[str, Any] = {"loss": loss, "grad_norm": _scalar(norm)}
-            metrics.update(hyperparams(self.optimizer, opt_state))
-            skip = False
-            if self.scaler is not None:
-                # The same value on every rank: the norm came out of an all-reduce.
-                skip = not is_fake(norm) and not bool(torch.isfinite(norm))
-                metrics.update(loss_scale=self.scaler.scale, skipped=skip)
-                self.scaler.update(self.loss_scale, not skip)
-            # Donation with an in-place optimizer (optim [Note: donation]): params and state
-            # are updated in place and the gradients serve as scratch; else update + apply.
-            in_place = self.donate and getattr(self.optimizer, "update_", None) is not None
-            if not skip:
-                with torch.profiler.record_function("shardfn::optimizer"):
-                    if in_place:
-                        self._finish_prefetch(ctx)  # no all-gather may still be reading the shards
-                        opt_state = self.optimizer.update_(grads, opt_state, sharded)
-                    else:
-                        updates, opt_state = self.optimizer.update(grads, opt_state, sharded)
-            if self.sync_buffers:
-                buffers.sync(self.mesh)
-        self._finish_prefetch(ctx)
-        if skip or in_place:
-            new = sharded
-        elif self.donate:
-            apply_updates_(sharded, updates)
-            new = sharded
+        try:
+            with active(rt):
+                loss, grads = self._grads(rt, sharded, batch, scale)
+                # The loss, the gradients' sum of squares and the buffer-change flags share one
+                # all-reduce per mesh axis.
+                loss, norm, changed = self._reduce_metrics(layout, loss, sum_of_squares(grads),
+                                                           buffers.flags(self.mesh.device))
+                metrics: dict[str, Any] = {"loss": loss, "grad_norm": _scalar(norm)}
+                metrics.update(hyperparams(self.optimizer, inner))
+                skip = False
+                if self.loss_scale is not None:
+                    # The same value on every rank: the norm came out of an all-reduce.
+                    skip = not is_fake(norm) and not bool(torch.isfinite(norm))
+                    metrics.update(loss_scale=scale, skipped=skip)
+                    opt_state = LossScaleState(inner, *self.loss_scale.next(opt_state, not skip))
+                grads = Gradients(grads, norm)
+                # Donation with an in-place optimizer (optim [Note: donation]): params and state
+                # are updated in place and the gradients serve as scratch; else update + apply.
+                in_place = self.donate and getattr(self.optimizer, "update_", None) is not None
+                updates = None
+                if not skip:
+                    with torch.profiler.record_function("shardfn::optimizer"):
+                        if in_place:
+                            rt.settle()  # no all-gather may still be reading the shards
+                            inner = self.optimizer.update_(grads, inner, sharded)
+                        else:
+                            updates, inner = self.optimizer.update(grads, inner, sharded)
+                if self.sync_buffers:
+                    buffers.sync(changed, self.mesh)
+        finally:
+            self.order = rt.finish()
+        opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner
+        replaced = {n: b for n, b in buffers.work.items() if b is not sharded[n]}
+        if updates is None or self.donate:
+            if updates is not None:
+                apply_updates_(sharded, updates)
+            new = sharded.replace(replaced) if replaced else sharded
         else:
-            new = sharded.replace(apply_updates(sharded, updates))
+            new = sharded.replace({**apply_updates(sharded.params(), updates), **buffers.work})
         metrics["tokens"] = _count_tokens(batch) * self.mesh.size
-        metrics["comm_bytes"] = dict(log.bytes())
+        metrics["comm_bytes"] = dict(rt.log.bytes())
         return new, opt_state, metrics
 
-    def _finish_prefetch(self, ctx: _psum.StepContext) -> None:
-        # The order seen this step is the next step's prefetch order. A prefetch that was
-        # never used (the order changed) is waited for, so no collective stays in flight.
-        if ctx.seen:
-            self.order = list(dict.fromkeys(ctx.seen))
-        for unit in ctx.units.values():
-            if unit.inflight is not None:
-                unit.inflight[0].wait()
-                unit.inflight = None
-
-    def _grads(self, sharded: ShardedParams, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _grads(self, rt: Runtime, sharded: ShardedParams, batch: Any, scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss over the micro-batches, and the averaged gradients of the trainable shards."""
-        trainable = [n for n, t in sharded.items() if t.requires_grad]
+        trainable = [n for n, leaf in sharded.layout.leaves.items() if leaf.requires_grad]
         leaves = [sharded[n] for n in trainable]
         k = self.micro_batches
-        total: list[torch.Tensor | None] = [None] * len(leaves)
+        grads: dict[str, torch.Tensor] = {}
         losses = []
-        local = contextlib.nullcontext(None) if self.accumulate == "reduce_each" or k == 1 else accumulate_locally()
-        with local as acc:
-            for i in range(k):
-                mb = batch if k == 1 else _micro_batch(batch, i, k)
-                loss = self._loss(sharded, mb, trainable)
-                losses.append(loss.detach())
-                if acc is not None:
-                    acc.last = i == k - 1
-                if not leaves:
-                    continue
-                # Gradients of the mean over micro-batches: each backward carries 1/k (and
-                # the loss scale, divided out below).
-                # Also 1/N: each rank's loss is a mean over its slice, and the reduce sums.
-                scale = (self.scaler.scale if self.scaler is not None else 1.0) / (k * self.mesh.size)
-                ctx = _psum.current()
-                try:
-                    with torch.profiler.record_function("shardfn::backward"):
-                        grads = torch.autograd.grad(loss * scale if scale != 1.0 else loss, leaves, allow_unused=True)
-                finally:
-                    ctx.wait_pending()  # overlapped reductions: the gradients are complete after this
-                for j, g in enumerate(grads):
-                    if g is not None:
-                        total[j] = g if total[j] is None else total[j].add_(g)
-        out = {n: g if g is not None else torch.zeros_like(sharded[n]) for n, g in zip(trainable, total)}
-        if self.scaler is not None:
-            out = {n: g.div_(self.scaler.scale) for n, g in out.items()}
+        # Gradients of the mean over micro-batches and ranks (see [Note: averaging
+        # gradients]), times the fp16 loss scale, divided out below.
+        factor = rt.loss_factor(k) * scale
+        for i in range(k):
+            mb = batch if k == 1 else _micro_batch(batch, i, k)
+            rt.start_micro_batch(last=i == k - 1)
+            loss = self._loss(sharded, mb, trainable)
+            losses.append(loss.detach())
+            if not leaves:
+                continue
+            try:
+                with torch.profiler.record_function("shardfn::backward"):
+                    direct = torch.autograd.grad(loss * factor if factor != 1.0 else loss, leaves, allow_unused=True)
+            except BaseException:
+                rt.wait_pending()
+                raise
+            rt.end_backward(grads)  # every reduction done; the reduced shard gradients added into grads
+            used = [n for n, g in zip(trainable, direct) if g is not None]
+            if used:
+                raise ValueError(_USED_DIRECTLY.format(names=", ".join(used[:4])))
+        out = {n: grads[n] if n in grads else torch.zeros_like(sharded[n]) for n in trainable}
+        if scale != 1.0:
+            out = {n: g.div_(scale) for n, g in out.items()}
         return torch.stack(losses).mean(), out
 
     def _loss(self, sharded: ShardedParams, batch: Any, trainable: list[str]) -> torch.Tensor:
@@ -159,22 +174,19 @@ class Step:
             )
         return loss.reshape(())
 
-    def _reduce_metrics(self, loss: torch.Tensor, sq: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """Global mean loss and global gradient norm: one 2-element all-reduce per mesh axis.
+    def _reduce_metrics(self, layout: Layout, loss: torch.Tensor, sq: torch.Tensor,
+                        flags: torch.Tensor) -> tuple[float | None, torch.Tensor, torch.Tensor]:
+        """Global mean loss, global gradient norm and which buffers changed on any rank:
+        one all-reduce (sum) per mesh axis of ``[loss, sum of squares, flags...]``.
 
-        The loss is averaged over every axis (equal-sized batches). The sum of squares is
-        summed over the axis whose ranks hold different shards and averaged over axes
-        whose ranks hold the same values (replicas), which leaves it unchanged there.
+        The loss is averaged over every rank (equal-sized batches). The sum of squares is
+        summed over all ranks and divided by the number of replicas of each shard, which
+        hold the same gradients. A buffer flag is positive where some rank changed it.
         """
-        v = torch.stack([loss.float(), sq.float()]).to(self.mesh.device)
-        for axis in self.mesh.axis_names:
-            n = self.mesh.axis_size(axis)
-            if n == 1:
-                continue
-            differs = axis == "shard" and self.layout is not None and self.layout.strategy.sharded
-            v = v * torch.tensor([1.0 / n, 1.0 if differs else 1.0 / n], device=v.device)
-            C.all_reduce(v, self.mesh.group(axis), tag="metrics", op="sum")
-        return _scalar(v[0]), v[1].sqrt()
+        v = torch.cat([torch.stack([loss.detach().float(), sq.float()]).to(self.mesh.device), flags])
+        if self.mesh.size > 1:
+            C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM)
+        return _scalar(v[0] / self.mesh.size), (v[1] / layout.replicas).sqrt(), v[2:]
 
     def _check(self, sharded: Any, opt_state: Any) -> None:
         if not isinstance(sharded, ShardedParams):
@@ -190,6 +202,10 @@ class Step:
             self.layout = sharded.layout
         elif sharded.layout is not self.layout and sharded.layout != self.layout:
             raise ValueError(_OTHER_LAYOUT.format(first=self.layout, got=sharded.layout))
+        if self.loss_scale is not None:
+            if not isinstance(opt_state, LossScaleState):
+                raise TypeError(_NOT_LOSS_SCALED.format(got=type(opt_state).__name__))
+            opt_state = opt_state.opt_state
         check_opt_state(opt_state, sharded)
 
 
@@ -197,14 +213,10 @@ def check_opt_state(opt_state: Any, sharded: ShardedParams) -> None:
     """Every optimizer-state tensor under a parameter's key must be shaped like its shard."""
     leaves = sharded.layout.leaves
     problems = []
-    for path, leaf in pytree.tree_flatten_with_path(opt_state)[0]:
-        if not isinstance(leaf, torch.Tensor):
+    for path, name, leaf in param_leaves(opt_state):
+        if not isinstance(leaf, torch.Tensor) or name is None:
             continue
-        keys = [k.key for k in path if isinstance(k, pytree.MappingKey)]
-        if not keys:
-            continue
-        name = keys[-1]
-        where = f"opt_state{pytree.keystr(path)}"
+        where = f"opt_state{path}"
         if name not in leaves:
             problems.append(f"  {where}: there is no parameter {name!r} in these shards")
         elif tuple(leaf.shape) != leaves[name].shard_shape:
@@ -217,7 +229,7 @@ def check_opt_state(opt_state: Any, sharded: ShardedParams) -> None:
             "step(sharded, opt_state, ...): the optimizer state does not match these shards:\n"
             + "\n".join(problems[:10])
             + ("\n  ..." if len(problems) > 10 else "")
-            + "\nInitialise it from these shards: opt_state = opt.init(sharded)."
+            + "\nInitialise it from these shards: opt_state = opt.init(sharded) (step.init(sharded) with loss_scale)."
         )
 
 
@@ -257,7 +269,7 @@ def jit_step(
     optimizer: GradientTransformation,
     donate: bool = True,
     micro_batches: int = 1,
-    accumulate: str = "reduce_each",
+    accumulate: Accumulate | str = Accumulate.REDUCE_EACH,
     sync_buffers: bool = True,
     loss_scale: DynamicLossScale | None = None,
     overlap: bool = True,
@@ -266,16 +278,18 @@ def jit_step(
     """Builds ``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``.
 
     ``loss_fn(params, batch)`` is written as for one device: it calls ``apply(params, ...)``
-    and returns the mean loss over its batch. Each rank passes its own slice of the
-    global batch (equal sizes); gradients are averaged over ranks, so a step equals one
-    single-device step on the global batch. ``metrics["loss"]`` is the global mean loss.
+    (as many times as it likes) and returns the mean loss over its batch. Each rank passes
+    its own slice of the global batch (equal sizes); gradients are averaged over ranks, so
+    a step equals one single-device step on the global batch. ``metrics["loss"]`` is the
+    global mean loss. The step returns the whole state updated: parameter shards, buffers
+    (running statistics, averaged over ranks) and optimizer state.
 
     Args:
         loss_fn: ``(params, batch) -> scalar tensor``.
         mesh: the mesh the shards live on.
         optimizer: a :class:`shardfn.optim.GradientTransformation`, run on local shards.
-        donate: update the shards and the optimizer state in place (as JAX's
-            ``donate_argnums``): the returned ``sharded`` and ``opt_state`` are the same
+        donate: update the shards, buffers and optimizer state in place (as JAX's
+            ``donate_argnums``): the returned ``sharded`` and ``opt_state`` hold the same
             tensors (when the optimizer has an in-place ``update_``, as shardfn.optim's
             do, no parameter-sized temporaries are allocated), and the trees you passed
             in must not be used for anything but this call. ``False`` returns new tensors
@@ -283,19 +297,19 @@ def jit_step(
         micro_batches: gradient accumulation: split each rank's batch into this many
             equal micro-batches (dim 0), one forward and backward each, one optimizer
             update on the mean. Equals one step on the whole batch.
-        accumulate: with ``micro_batches > 1``: ``"reduce_each"`` reduce-scatters every
-            micro-batch's gradients and sums the shards (memory stays sharded; one
-            reduce-scatter per unit and micro-batch), ``"local"`` sums unreduced unit
-            gradients locally and reduce-scatters once on the last micro-batch (one per
-            unit and step; a full gradient buffer per unit meanwhile).
-        sync_buffers: average the floating-point buffers that the forward updated in
-            place (running statistics) over all ranks after the backward, so every rank
-            holds the same values (one all-reduce per mesh axis, only when some changed).
-
+        accumulate: with ``micro_batches > 1``: :attr:`Accumulate.REDUCE_EACH`
+            (``"reduce_each"``) reduce-scatters every micro-batch's gradients and sums the
+            shards (memory stays sharded; one reduce-scatter per unit and micro-batch),
+            :attr:`Accumulate.LOCAL` (``"local"``) sums unreduced unit gradients locally and
+            reduce-scatters once on the last micro-batch (one per unit and step; a full
+            gradient buffer per unit meanwhile).
+        sync_buffers: average the floating-point buffers that the forward changed on any
+            rank (running statistics) over all ranks after the backward, so every rank
+            holds the same values (see [Note: buffers in a step]).
         loss_scale: a :class:`shardfn.DynamicLossScale` for fp16 training: skips steps
-            whose gradients overflow on any rank; ``metrics`` then has ``loss_scale`` (the
-            scale this step used) and ``skipped``.
-
+            whose gradients overflow on any rank; the scale lives in the optimizer state
+            (build it with ``step.init(sharded)``); ``metrics`` then has ``loss_scale``
+            (the scale this step used) and ``skipped``.
         overlap: issue each unit's gradient reduction asynchronously, overlapping the
             rest of the backward (``False``: each reduction blocks, for comparison).
         prefetch: start each unit's all-gather while the unit before it computes (forward
@@ -310,6 +324,7 @@ def jit_step(
 
     Example:
         >>> step = jit_step(loss_fn, mesh, optimizer=shardfn.optim.adamw(3e-4))
+        >>> opt_state = step.init(sharded)         # = opt.init(sharded) without loss_scale
         >>> sharded, opt_state, metrics = step(sharded, opt_state, batch)
     """
     if not callable(loss_fn):
@@ -323,8 +338,7 @@ def jit_step(
         )
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"jit_step: micro_batches must be a positive int, got {micro_batches!r}")
-    if accumulate not in ("reduce_each", "local"):
-        raise ValueError(f"jit_step: accumulate must be 'reduce_each' or 'local', got {accumulate!r}")
+    accumulate = Accumulate.parse(accumulate)
     if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
         raise TypeError(f"jit_step: loss_scale must be a shardfn.DynamicLossScale, got {loss_scale!r}")
     return Step(loss_fn, mesh, optimizer, donate, micro_batches, accumulate, sync_buffers, loss_scale, overlap, prefetch)

@@ -1,12 +1,13 @@
-"""Copies per training step: exactly what [Note: copies] in shardfn/_call.py says remains.
+"""Copies per training step: exactly what [Note: copies] (shardfn/_gather.py, _reduce.py) says remains.
 
 A ``TorchDispatchMode`` sees every aten op a step issues. Ops that move tensor data
 without computing anything new (``copy_``, ``_to_copy``, ``cat``, ``clone``, the
 ``*_copy`` ops, ...) are copies; each is attributed to
 
-* the unit machinery: ``_Unit._issue`` (pack the shards into the all-gather input),
-  ``_Unit.all_gather`` (unpack the gathered buffer; NO_SHARD's cast) -> direction
-  "gather"; ``_Unit.reduce`` (pack gradients, cast back) -> "reduce";
+* the unit machinery: ``Unit._issue`` (pack the shards into the all-gather input),
+  ``Unit.all_gather`` (unpack the gathered buffer; NO_SHARD's cast) -> direction
+  "gather"; ``UnitGrads._accumulate`` (pack gradients), ``UnitGrads._issue`` (the
+  collectives) and ``UnitGrads.shard_grads_list`` (cast back) -> "reduce";
 * gloo: the copy its reduce-scatter makes into the output shard (NCCL writes in place);
 * the model: the rest of the forward (``loss_fn``) and backward (``shardfn::backward``),
   which must equal the copies of a plain ``functional_call`` forward and backward of the
@@ -28,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import shardfn as sf
 from shardfn._layout import build_layout, local_shard, pack_leaf, pack_unit, unpack_leaf, unpack_unit
 from shardfn._plan import Plan
+from shardfn._tree import tree_info
 from shardfn.testing import split_batch
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
@@ -154,8 +156,13 @@ def expected_copies(layout):
     return {"gather": gather, "reduce": reduce}
 
 
+PATCHED = [("_gather", "Unit", "_issue", "gather"), ("_gather", "Unit", "all_gather", "gather"),
+           ("_reduce", "UnitGrads", "_accumulate", "reduce"), ("_reduce", "UnitGrads", "_issue", "reduce"),
+           ("_reduce", "UnitGrads", "shard_grads_list", "reduce")]
+
+
 def count_step(strategy, precision):
-    from shardfn import _call
+    import importlib
 
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
@@ -176,16 +183,16 @@ def count_step(strategy, precision):
     g = torch.Generator().manual_seed(0)
     batch = split_batch({k: torch.randint(0, 31, (12, 8), generator=g) for k in ("x", "y")}, mesh.rank, mesh.size)
     sharded, state, _ = step(sharded, state, batch)  # a first step; count a steady-state one
-    originals = {name: getattr(_call._Unit, name) for name in ("_issue", "all_gather", "reduce")}
-    directions = {"_issue": "gather", "all_gather": "gather", "reduce": "reduce"}
+    classes = {(m, c): getattr(importlib.import_module(f"shardfn.{m}"), c) for m, c, _, _ in PATCHED}
+    originals = [(classes[(m, c)], name, getattr(classes[(m, c)], name), d) for m, c, name, d in PATCHED]
     try:
-        for name, method in originals.items():
-            setattr(_call._Unit, name, _tagged(log, method, directions[name]))
+        for cls, name, method, direction in originals:
+            setattr(cls, name, _tagged(log, method, direction))
         with log:
             sharded, state, _ = step(sharded, state, batch)
     finally:
-        for name, method in originals.items():
-            setattr(_call._Unit, name, method)
+        for cls, name, method, _ in originals:
+            setattr(cls, name, method)
 
     # The same model's own forward and backward, unsharded, in the compute dtype.
     dtype = sharded.layout.units[0].param_dtype
@@ -261,7 +268,7 @@ shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 @given(shapes=st.lists(shapes, min_size=1, max_size=4), world=st.integers(1, 5), cast=st.booleans())
 def test_unit_packing_equals_leaf_packing_in_one_copy(shapes, world, cast):
     params = {f"p{i}": torch.randn(s) for i, s in enumerate(shapes)}
-    layout = build_layout(Plan("FULL_SHARD"), (world,), world, 1, params, [], {})
+    layout = build_layout(Plan("FULL_SHARD"), (world,), world, 1, params, [], tree_info(None, params))
     (unit,) = layout.units
     leaves = [layout.leaves[n] for n in unit.leaves]
     rows = [torch.cat([local_shard(params[n], layout.leaves[n], r, torch.device("cpu")).reshape(-1) for n in unit.leaves])

@@ -47,7 +47,7 @@ def count_one_step(strategy):
     groups = {c.group for c in log.calls}
     per_kind = {}
     for c in log.calls:
-        per_kind.setdefault(c.kind, []).append((c.tag, c.nbytes, str(c.dtype)))
+        per_kind.setdefault(c.kind.value, []).append(((c.purpose.value, c.unit), c.nbytes, str(c.dtype)))
     return {
         "counts": dict(log.counts()),
         "bytes": dict(log.bytes()),
@@ -73,9 +73,9 @@ def test_full_shard_two_gathers_one_reduce_scatter_per_unit(clusters, world):
     assert r["groups_ok"]
     assert all(dtype == "torch.float32" for _, _, dtype in r["calls"]["all_gather"])
     # Forward in order, backward in reverse; each block freed before the next is gathered.
-    tags = [t for t, _, _ in r["calls"]["all_gather"]]
-    assert tags == ["gather:<root>", "gather:blocks.0", "gather:blocks.1", "gather:blocks.2",
-                    "regather:blocks.2", "regather:blocks.1", "regather:blocks.0"]
+    gathers = [t for t, _, _ in r["calls"]["all_gather"]]
+    assert gathers == [("gather", "<root>"), ("gather", "blocks.0"), ("gather", "blocks.1"), ("gather", "blocks.2"),
+                       ("regather", "blocks.2"), ("regather", "blocks.1"), ("regather", "blocks.0")]
     assert r["max_live"] == 1
     assert r["events"] == [
         ("gather", "blocks.0"), ("free", "blocks.0"), ("gather", "blocks.1"), ("free", "blocks.1"),
@@ -133,9 +133,9 @@ def reduce_scatter_average(values):
     N, r = dist.get_world_size(), dist.get_rank()
     inp = torch.tensor(values, dtype=torch.float32).repeat(N) * (r + 1)
     out = torch.empty(len(values))
-    C.reduce_scatter(out, inp, dist.group.WORLD, tag="test")
+    C.reduce_scatter(out, inp, dist.group.WORLD, sf.Purpose.TEST)
     t = torch.full((3,), float(r + 1))
-    C.all_reduce(t, dist.group.WORLD, tag="test")
+    C.all_reduce(t, dist.group.WORLD, sf.Purpose.TEST)
     return out, t
 
 
@@ -152,10 +152,10 @@ def freed_for_real():
     """Weak references to every gathered tensor: FULL_SHARD's frees must release memory."""
     import weakref
 
-    from shardfn import _call
+    from shardfn._gather import Unit
 
     refs = {}  # (event, unit) -> weakrefs of the full tensors it produced
-    original = _call._Unit.all_gather
+    original = Unit.all_gather
     dead_at = []
 
     def spy(self, event):
@@ -167,12 +167,12 @@ def freed_for_real():
             refs[(event, self.unit.name)] = [weakref.ref(t) for t in full]
         return full
 
-    _call._Unit.all_gather = spy
+    Unit.all_gather = spy
     try:
         mesh, sharded, state, step, batch, *_ = _setup("FULL_SHARD")
         step(sharded, state, batch)
     finally:
-        _call._Unit.all_gather = original
+        Unit.all_gather = original
     return dead_at
 
 

@@ -93,7 +93,7 @@ def two_rank_errors():
     units = sf.by_prefix("blocks.0") if dist.get_rank() == 0 else sf.by_prefix("blocks.1")
     with sf.record_collectives() as log:
         out["disagree"] = _catch(sf.shard, params, mesh, "FULL_SHARD", units=units)
-    out["disagree_collectives"] = [c.tag for c in log.calls]
+    out["disagree_collectives"] = [(c.purpose.value, c.unit) for c in log.calls]
     # The world is still usable afterwards: no rank is left inside a collective.
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -107,7 +107,7 @@ def test_two_rank_errors(clusters):
         assert "same mesh" in out["mesh_size"]
         assert f"[rank {rank}]" in out["disagree"] and "ranks disagree about the layout" in out["disagree"]
         assert "ranks [1] differ" in out["disagree"]
-        assert out["disagree_collectives"] == ["layout"]
+        assert out["disagree_collectives"] == [("layout", "")]
         assert out["after"] == 2.0
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import shardfn as sf
 from shardfn._layout import build_layout, local_shard, pack_leaf, unpack_leaf
 from shardfn._plan import Plan
+from shardfn._tree import tree_info
 from shardfn.testing.models import GPT, MLP, Block, GPTConfig, Layer
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
@@ -19,7 +20,7 @@ shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 @given(shapes=st.lists(shapes, min_size=1, max_size=4), world=st.integers(1, 5))
 def test_shard_pack_unpack_round_trip(shapes, world):
     params = {f"p{i}": torch.randn(s) for i, s in enumerate(shapes)}
-    layout = build_layout(Plan("FULL_SHARD"), (world,), world, 1, params, [], {})
+    layout = build_layout(Plan("FULL_SHARD"), (world,), world, 1, params, [], tree_info(None, params))
     (unit,) = layout.units
     # What each rank would hold, laid end to end, is what an all-gather returns.
     rows = []
@@ -68,15 +69,15 @@ def test_unit_policies_resolve():
 
 def test_layout_printout_and_costs():
     params, _ = sf.functionalize(MLP([8, 8, 8]))
-    layout = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], {})
+    layout = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], tree_info(None, params))
     text = str(layout)
     assert "FULL_SHARD" in text and "layers.0" in text and "all_gather" in text
     # 8x8 weight + 8 bias per layer, padded to 9 rows: 9*8 + 9 = 81 elements over 3 ranks = 27 per rank.
     assert [u.numel for u in layout.units] == [27, 27]
     assert layout.collectives_per_step() == {"all_gather": (4, 4 * 81 * 4), "reduce_scatter": (2, 2 * 81 * 4)}
-    same = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], {})
+    same = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], tree_info(None, params))
     assert same.fingerprint() == layout.fingerprint()
-    other = build_layout(Plan("SHARD_GRAD_OP", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], {})
+    other = build_layout(Plan("SHARD_GRAD_OP", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], tree_info(None, params))
     assert other.fingerprint() != layout.fingerprint()
 
 

@@ -453,14 +453,11 @@ def test_clip_by_global_norm_scales_every_leaf_by_one_factor():
 def test_clip_by_global_norm_uses_the_norm_of_the_step():
     # Inside a step the norm comes from shardfn._psum.global_norm, which returns the
     # norm the step computed (over all shards) instead of this rank's local one.
-    from shardfn import _psum
+    from shardfn._psum import Gradients
 
-    grads = {"w": torch.tensor([3.0, 4.0])}
-    ctx = _psum.StepContext(mesh=None, sharded=False)
-    ctx.norms[id(grads)] = torch.tensor(10.0)
+    grads = Gradients({"w": torch.tensor([3.0, 4.0])}, global_norm=torch.tensor(10.0))
     clip = optim.clip_by_global_norm(1.0)
-    with _psum.step_context(ctx):
-        updates, _ = clip.update(grads, clip.init({}), None)
+    updates, _ = clip.update(grads, clip.init({}), None)
     torch.testing.assert_close(updates["w"], grads["w"] / (10.0 + 1e-6))
 
 
@@ -765,16 +762,13 @@ def test_chain_of_clip_and_adamw_in_place_equals_the_pure_path():
 
 
 def test_chain_in_place_uses_the_grads_object_the_step_measured():
-    # In a step, clip reads the norm the step computed for that very grads Mapping.
-    from shardfn import _psum
+    # In a step, clip reads the norm the step computed, which its gradient tree carries.
+    from shardfn._psum import Gradients
 
     params = {"w": torch.zeros(2, requires_grad=True)}
-    grads = {"w": torch.tensor([3.0, 4.0])}
-    ctx = _psum.StepContext(mesh=None, sharded=False)
-    ctx.norms[id(grads)] = torch.tensor(10.0)
+    grads = Gradients({"w": torch.tensor([3.0, 4.0])}, global_norm=torch.tensor(10.0))
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.scale(-1.0))
-    with _psum.step_context(ctx):
-        opt.update_(grads, opt.init(params), params)
+    opt.update_(grads, opt.init(params), params)
     torch.testing.assert_close(params["w"].detach(), -torch.tensor([3.0, 4.0]) / (10.0 + 1e-6))
 
 
@@ -970,18 +964,16 @@ def test_pure_adamw_update_allocates_four_sets():
 
 
 def test_in_place_chain_with_clip_allocates_only_the_clip_factor():
-    # Inside a step the norm is the step's (shardfn._psum caches it), so clipping in place
-    # allocates only the 0-d fp32 intermediates of max_norm / (norm + 1e-6) clamped:
+    # Inside a step the norm is the step's (its gradient tree carries it), so clipping in
+    # place allocates only the 0-d fp32 intermediates of max_norm / (norm + 1e-6) clamped:
     # at most 3 x 4 bytes, and nothing parameter-sized.
-    from shardfn import _psum
+    from shardfn._psum import Gradients, global_norm
 
     opt = optim.chain(optim.clip_by_global_norm(0.1), optim.adamw(1e-2, weight_decay=0.1))
     params, grads = mem_problem()
     state = opt.init(params)
-    ctx = _psum.StepContext(mesh=None, sharded=False)
-    ctx.norms[id(grads)] = _psum.global_norm(grads)
-    with _psum.step_context(ctx):
-        extra = transient_bytes(lambda: opt.update_(grads, state, params), params, state, grads, ctx.norms)
+    grads = Gradients(grads, global_norm=global_norm(grads))
+    extra = transient_bytes(lambda: opt.update_(grads, state, params), params, state, grads, grads.global_norm)
     assert extra <= 3 * torch.float32.itemsize
 
 
@@ -1033,9 +1025,11 @@ def donation_step(name, donate, overflow):
     )
     gen = torch.Generator().manual_seed(mesh.rank)
     batch = {"x": torch.randn(4, 6, generator=gen), "y": torch.randn(4, 4, generator=gen), "k": torch.tensor(1.0)}
-    sharded, state, _ = step(sharded, opt.init(sharded), batch)  # a state with non-zero moments
+    sharded, state, _ = step(sharded, step.init(sharded), batch)  # a state with non-zero moments
     calls.clear()
-    params_in, state_in = dict(sharded.items()), state_tensors(state)
+    scale_in = float(state.scale) if overflow else None
+    own_state = (lambda s: s.opt_state) if overflow else (lambda s: s)  # the optimizer's own state
+    params_in, state_in = dict(sharded.items()), state_tensors(own_state(state))
     params_copy, state_copy = {k: v.detach().clone() for k, v in params_in.items()}, [t.clone() for t in state_in]
     if overflow:
         batch["k"] = torch.tensor(float("inf"))  # non-finite gradients on every rank
@@ -1046,9 +1040,10 @@ def donation_step(name, donate, overflow):
         "inputs_unchanged": all(torch.equal(params_in[k], v) for k, v in params_copy.items())
         and all(torch.equal(a, b) for a, b in zip(state_in, state_copy)),
         "same_params": all(new[k] is params_in[k] for k in new),
-        "same_state": all(a is b for a, b in zip(state_tensors(new_state), state_in)),
+        "same_state": all(a is b for a, b in zip(state_tensors(own_state(new_state)), state_in)),
         "params": {k: v.detach().clone() for k, v in new.items()},
-        "state": [t.clone() for t in state_tensors(new_state)],
+        "state": [t.clone() for t in state_tensors(own_state(new_state))],
+        "scale": (scale_in, float(new_state.scale)) if overflow else None,
     }
 
 
@@ -1074,3 +1069,4 @@ def test_skipped_step_leaves_params_and_state_untouched(clusters, donate):
     for r in clusters[2].run(donation_step, "adamw", donate, True):
         assert r["skipped"] and r["calls"] == [] and r["inputs_unchanged"]
         assert r["same_params"] and r["same_state"]  # the step returns what it was given
+        assert r["scale"][1] == r["scale"][0] / 2  # ... but a halved loss scale, in the state it returns

@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn as nn
-from torch.func import functional_call
 
 import shardfn as sf
 from shardfn.testing import split_batch
@@ -24,7 +23,7 @@ def reference(precision):
     losses = []
     for b in gpt_batches(STEPS):
         compute = {n: p.to(precision.param) for n, p in masters.items()}
-        logits = functional_call(apply.module, {**compute, **apply.buffers}, (b["x"],)).to(precision.output)
+        logits = apply(compute, b["x"]).to(precision.output)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["y"].flatten())
         grads = torch.autograd.grad(loss, list(masters.values()))
         with torch.no_grad():
@@ -48,7 +47,7 @@ def sharded_run(strategy, precision, units=None):
         with sf.record_collectives() as log:
             sharded, state, m = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
         losses.append(m["loss"])
-        calls = [(c.kind, c.tag, c.nbytes, str(c.dtype)) for c in log.calls]
+        calls = [(c.kind.value, c.purpose.value, c.unit, c.nbytes, str(c.dtype)) for c in log.calls]
     full = sf.gather(sharded)
     return {
         "losses": losses,
@@ -90,19 +89,18 @@ def test_every_collective_moves_the_configured_dtype(clusters, precision):
     param = str(precision.param if precision else torch.float32)
     reduce = str(precision.reduce if precision else torch.float32)
     size = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
-    for kind, tag, nbytes, dtype in r["calls"]:
+    for kind, purpose, unit, nbytes, dtype in r["calls"]:
         if kind == "all_reduce":  # the step's metrics: two fp32 scalars
-            assert tag == "metrics" and dtype == "torch.float32"
+            assert purpose == "metrics" and dtype == "torch.float32"
             continue
-        unit = tag.split(":", 1)[1]
         numel, grad_numel = r["numel"].get(unit, (None, None))
         if kind == "all_gather":
             assert dtype == param and nbytes == 2 * numel * size[param]
         elif kind == "reduce_scatter":
             assert dtype == reduce and nbytes == 2 * grad_numel * size[reduce]
-    gathered = sum(n for k, _, n, _ in r["calls"] if k == "all_gather")
+    gathered = sum(n for k, _, _, n, _ in r["calls"] if k == "all_gather")
     assert gathered == r["expected"]["all_gather"][1]
-    assert sum(n for k, _, n, _ in r["calls"] if k == "reduce_scatter") == r["expected"]["reduce_scatter"][1]
+    assert sum(n for k, _, _, n, _ in r["calls"] if k == "reduce_scatter") == r["expected"]["reduce_scatter"][1]
 
 
 def test_all_gather_bytes_halve_in_bf16(clusters):
@@ -117,9 +115,9 @@ def test_per_unit_override_keeps_fp32_for_norm_layers(clusters):
                           overrides=((nn.LayerNorm, sf.Precision()),))
     units = sf.by_prefix("blocks.0", "blocks.1", "ln_f")
     r = clusters[2].run(sharded_run, "SHARD_GRAD_OP", policy, units)[0]
-    gathers = {tag: dtype for kind, tag, _, dtype in r["calls"] if kind == "all_gather"}
-    assert gathers == {"gather:<root>": "torch.bfloat16", "gather:blocks.0": "torch.bfloat16",
-                       "gather:blocks.1": "torch.bfloat16", "gather:ln_f": "torch.float32"}
+    gathers = {(purpose, unit): dtype for kind, purpose, unit, _, dtype in r["calls"] if kind == "all_gather"}
+    assert gathers == {("gather", "<root>"): "torch.bfloat16", ("gather", "blocks.0"): "torch.bfloat16",
+                       ("gather", "blocks.1"): "torch.bfloat16", ("gather", "ln_f"): "torch.float32"}
     assert all(l == l for l in r["losses"])  # finite
 
 
@@ -141,7 +139,7 @@ def reference_fp16_scaled(init_scale, growth_interval, steps):
     trace = []
     for b in gpt_batches(steps):
         compute = {n: p.to(torch.float16) for n, p in masters.items()}
-        logits = functional_call(apply.module, {**compute, **apply.buffers}, (b["x"],)).float()
+        logits = apply(compute, b["x"]).float()
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["y"].flatten())
         opt.zero_grad()
         scale = scaler.get_scale()
@@ -158,9 +156,9 @@ def sharded_fp16_scaled(strategy, init_scale, growth_interval, steps):
     params, apply = sf.functionalize(gpt_model())
     sharded = sf.shard(params, mesh, strategy, precision=FP16)
     opt = sf.optim.sgd(LR)
-    state = opt.init(sharded)
     scale = sf.DynamicLossScale(init_scale=init_scale, growth_interval=growth_interval)
     step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, loss_scale=scale)
+    state = step.init(sharded)  # the optimizer's state and the loss scale
     trace = []
     for b in gpt_batches(steps):
         sharded, state, m = step(sharded, state, split_batch(b, mesh.rank, mesh.size))

@@ -178,8 +178,8 @@ def lora_bytes():
         sharded, state, _ = step(sharded, state, batch)
     full = sf.gather(sharded)
     unchanged = all(torch.equal(full[n], p) for n, p in frozen.items())
-    rs = sum(c.nbytes for c in log.calls if c.kind == "reduce_scatter" and c.tag.startswith("reduce:blocks"))
-    ag = sum(c.nbytes for c in log.calls if c.kind == "all_gather" and c.tag.startswith("gather:blocks"))
+    rs = sum(c.nbytes for c in log.select(purpose="reduce") if c.kind == "reduce_scatter" and c.unit.startswith("blocks"))
+    ag = sum(c.nbytes for c in log.select(purpose="gather") if c.kind == "all_gather" and c.unit.startswith("blocks"))
     return rs, ag, sorted(state.mu), unchanged, sorted(frozen)
 
 
@@ -212,10 +212,10 @@ def test_tied_embeddings(clusters, units, world):
 def test_tie_across_units_goes_to_the_root_unit():
     params, _ = sf.functionalize(tied_gpt())
     from shardfn._layout import build_layout
-    from shardfn._sharded import _aliases
+    from shardfn._tree import tree_info
 
     layout = build_layout(sf.Plan("FULL_SHARD"), (2,), 2, 1, params, ["tok", "head", "blocks.0"],
-                          _aliases(params.module, params))
+                          tree_info(params.module))
     assert layout.unit_of("tok.weight").path == ""
     assert [u.path for u in layout.units] == ["", "blocks.0"]  # "tok" and "head" hold only the tied weight
 
@@ -257,7 +257,7 @@ def test_buffers_updated_in_place_stay_equal_across_ranks(clusters, world, strat
     report = check_equivalence(BufferNet, mlp_loss, mlp_batches(12, 5), optimizer=SGD, strategies=[strategy],
                                world_sizes=[world], clusters=clusters)
     leaves = report.leaves[(strategy, world)]
-    assert {"buffer:blocks.0.mean", "buffer:blocks.1.mask"} <= set(leaves)
+    assert {"blocks.0.mean", "blocks.1.mask"} <= set(leaves)
     assert report.failures() == []
 
 

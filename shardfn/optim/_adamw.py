@@ -6,21 +6,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._base import (
-    GradientTransformation,
-    Params,
-    ScalarOrSchedule,
-    Updates,
-    _check_grads,
-    _check_hyper,
-    _check_learning_rate,
-    _check_params,
-    _check_state,
-    _new_count,
-    _resolve_learning_rate,
-    _scratch,
-    _trainable,
-)
+from ._checks import _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
+from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from ._masked import Mask, _check_mask, _selected
 
 

@@ -5,14 +5,9 @@ from __future__ import annotations
 import torch
 
 from .._psum import global_norm
-from ._base import (
-    GradientTransformation,
-    Params,
-    Updates,
-    _check_hyper,
-    _scratch,
-    stateless,
-)
+from ._checks import _check_hyper, _scratch
+from ._combinators import stateless
+from ._protocol import GradientTransformation, Params, Updates
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

@@ -5,18 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Union
 
-from ._base import (
-    GradientTransformation,
-    OptState,
-    Params,
-    Updates,
-    _check_mapping,
-    _check_updates,
-    _in_place,
-    _trainable,
-    apply_updates_,
-    hyperparams,
-)
+from ._checks import _check_mapping, _check_updates, _trainable
+from ._protocol import GradientTransformation, OptState, Params, Updates, apply_updates_, hyperparams
 
 Mask = Union[Callable[[str], bool], Mapping[str, bool]]
 
@@ -105,17 +95,16 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     def masked_hyperparams(state: OptState) -> dict[str, float]:
         return hyperparams(inner, state)
 
-    kernel = _in_place(inner)
+    kernel = inner.update_grads_
+    update_grads_ = None
     if kernel is not None:
 
-        def in_place(
+        def update_grads_(
             grads: Params, state: OptState, params: Params | None = None
         ) -> tuple[Updates, OptState]:
             chosen, selected_params = split(grads, params)
             inner_updates, state = kernel(chosen, state, selected_params)
             return {k: inner_updates[k] if k in chosen else g for k, g in grads.items()}, state
-
-        update.in_place = in_place  # type: ignore[attr-defined]
 
     update_ = None
     if inner.update_ is not None:
@@ -134,4 +123,4 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
             apply_updates_(params, others)
             return state
 
-    return GradientTransformation(init, update, masked_hyperparams, update_)
+    return GradientTransformation(init, update, masked_hyperparams, update_, update_grads_)

@@ -6,22 +6,9 @@ from typing import NamedTuple
 
 import torch
 
-from ._base import (
-    GradientTransformation,
-    Params,
-    ScalarOrSchedule,
-    Updates,
-    _add_,
-    _check_grads,
-    _check_hyper,
-    _check_learning_rate,
-    _check_params,
-    _check_state,
-    _new_count,
-    _resolve_learning_rate,
-    _scratch,
-    _trainable,
-)
+from ._checks import _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
+from ._combinators import _add_
+from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 
 
 class SgdState(NamedTuple):

@@ -7,14 +7,8 @@ from typing import Any
 
 import torch
 
-from ._base import (
-    GradientTransformation,
-    Params,
-    Updates,
-    _check_grads,
-    _check_mapping,
-    _trainable,
-)
+from ._checks import _check_grads, _check_mapping, _trainable
+from ._protocol import GradientTransformation, Params, Updates
 
 # [Note: from_torch state is not a pytree]
 # A torch optimizer keeps its state (moments, step counts) inside itself, keyed by

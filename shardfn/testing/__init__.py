@@ -10,6 +10,7 @@ from ._cluster import ClusterError as ClusterError
 from ._cluster import free_port as free_port
 from ._equivalence import EquivalenceReport as EquivalenceReport
 from ._equivalence import check_equivalence as check_equivalence
+from ._equivalence import full_state as full_state
 from ._equivalence import reference_training as reference_training
 from ._equivalence import sharded_training as sharded_training
 from ._equivalence import split_batch as split_batch
@@ -20,6 +21,7 @@ __all__ = [
     "EquivalenceReport",
     "check_equivalence",
     "free_port",
+    "full_state",
     "reference_training",
     "sharded_training",
     "split_batch",

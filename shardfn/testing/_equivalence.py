@@ -13,12 +13,12 @@ import torch.utils._pytree as pytree
 
 from .._functionalize import Apply, functionalize
 from .._mesh import Mesh
-from .._sharded import gather, shard
+from .._sharded import ShardedParams, gather, shard
 from .._step import jit_step
 from ..optim import GradientTransformation, apply_updates
 from ._cluster import Cluster
 
-__all__ = ["EquivalenceReport", "check_equivalence", "reference_training", "sharded_training", "split_batch"]
+__all__ = ["EquivalenceReport", "check_equivalence", "full_state", "reference_training", "sharded_training", "split_batch"]
 
 LossFn = Callable[[Apply, Mapping[str, torch.Tensor], Any], torch.Tensor]
 
@@ -42,30 +42,36 @@ def split_batch(batch: Any, rank: int, world: int) -> Any:
 
 
 def reference_training(model_fn, loss_fn: LossFn, batches: Sequence[Any], optimizer, *, seed: int = 0):
-    """Plain single-process training on the global batches: ``(losses, final params)``.
+    """Plain single-process training on the global batches: ``(losses, final state)``.
 
     ``model_fn()`` is called after ``torch.manual_seed(seed)``; ``optimizer()`` builds
     the GradientTransformation; ``loss_fn(apply, params, batch)`` returns the mean loss.
-    The final params include the model's floating-point buffers, as ``"buffer:<name>"``.
+    The final state holds every parameter and buffer, by name (see [Note: the state tree]).
     """
     torch.manual_seed(seed)
     params, apply = functionalize(model_fn())
-    params = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
+    state = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in params.items()}
     opt: GradientTransformation = optimizer()
-    state = opt.init(params)
+    opt_state = opt.init(state)
     losses = []
     for batch in batches:
-        trainable = [n for n, p in params.items() if p.requires_grad]
-        loss = loss_fn(apply, params, batch)
-        grads = dict(zip(trainable, torch.autograd.grad(loss, [params[n] for n in trainable])))
-        updates, state = opt.update(grads, state, params)
-        params = {n: t.detach().requires_grad_(t.requires_grad) for n, t in apply_updates(params, updates).items()}
+        trainable = [n for n, p in state.items() if p.requires_grad]
+        loss = loss_fn(apply, state, batch)  # buffers change in place (or are replaced) in ``state``
+        grads = dict(zip(trainable, torch.autograd.grad(loss, [state[n] for n in trainable])))
+        updates, opt_state = opt.update(grads, opt_state, state)
+        state = {n: t.detach().requires_grad_(t.requires_grad) for n, t in apply_updates(state, updates).items()}
         losses.append(float(loss.detach()))
-    return losses, {**{n: t.detach() for n, t in params.items()}, **_float_buffers(apply)}
+    return losses, {n: t.detach() for n, t in state.items()}
 
 
-def _float_buffers(apply: Apply) -> dict[str, torch.Tensor]:
-    return {f"buffer:{n}": b.detach().clone() for n, b in apply.buffers.items() if b.is_floating_point()}
+def full_state(sharded: ShardedParams) -> dict[str, torch.Tensor]:
+    """Every parameter (gathered, under its canonical name) and every buffer of a sharded tree."""
+    gathered = gather(sharded)
+    out: dict[str, torch.Tensor] = {}
+    for key, name in sharded.layout.state_dict_keys:
+        out.setdefault(name, gathered[key])
+    out.update({n: sharded[n].detach().clone() for n in sharded.layout.buffers})
+    return out
 
 
 def sharded_training(
@@ -80,10 +86,13 @@ def sharded_training(
     replicate: int | None = None,
     step_options: Mapping[str, Any] | None = None,
 ):
-    """Runs on every rank of a cluster: the same training, sharded. Returns (losses, full params).
+    """Runs on every rank of a cluster: the same training, sharded.
 
-    ``replicate=R`` trains on a 2-D mesh of R replicas (the hybrid strategies);
-    ``step_options`` go to :func:`shardfn.jit_step` (``micro_batches=``, ...).
+    Returns ``{"losses", "state", "shards", "buffers"}``: the loss of every step, the final
+    full state (:func:`full_state`), this rank's local shard of every parameter as
+    ``(shard, first row, real rows)`` and the names of the buffers. ``replicate=R`` trains
+    on a 2-D mesh of R replicas (the hybrid strategies); ``step_options`` go to
+    :func:`shardfn.jit_step` (``micro_batches=``, ...).
     """
     mesh = Mesh.from_group(replicate=replicate)
     torch.manual_seed(seed)
@@ -97,7 +106,13 @@ def sharded_training(
     for batch in batches:
         sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.rank, mesh.size))
         losses.append(metrics["loss"])
-    return losses, {**gather(sharded), **_float_buffers(apply)}
+    layout = sharded.layout
+    rank = layout.shard_rank(mesh)
+    shards = {
+        n: (sharded[n].detach(), rank * leaf.chunk if layout.world > 1 else 0, layout.local_rows(n, rank))
+        for n, leaf in layout.leaves.items()
+    }
+    return {"losses": losses, "state": full_state(sharded), "shards": shards, "buffers": list(layout.buffers)}
 
 
 @dataclasses.dataclass
@@ -109,6 +124,9 @@ class EquivalenceReport:
     # (strategy, world size or (R, S)) -> leaf -> (max abs diff, max of |diff| / (atol + rtol*|ref|))
     leaves: dict[tuple[str, Any], dict[str, tuple[float, float]]] = dataclasses.field(default_factory=dict)
     losses: dict[tuple[str, Any], list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
+    # (strategy, world) -> (rank, leaf) -> (max abs diff of the real rows, ratio as above, padding rows all zero)
+    shards: dict[tuple[str, Any], dict[tuple[int, str], tuple[float, float, bool]]] = dataclasses.field(
+        default_factory=dict)
 
     def failures(self) -> list[str]:
         out = []
@@ -116,6 +134,13 @@ class EquivalenceReport:
             for name, (diff, ratio) in leaves.items():
                 if not ratio <= 1.0:
                     out.append(f"{cfg[0]} world={cfg[1]}: {name}: max |diff| {diff:.3g} ({ratio:.2f}x the tolerance)")
+        for cfg, shards in self.shards.items():
+            for (rank, name), (diff, ratio, zero_padding) in shards.items():
+                if not ratio <= 1.0:
+                    out.append(f"{cfg[0]} world={cfg[1]}: rank {rank}'s shard of {name}: max |diff| {diff:.3g} from "
+                               f"the reference's rows ({ratio:.2f}x the tolerance)")
+                if not zero_padding:
+                    out.append(f"{cfg[0]} world={cfg[1]}: rank {rank}'s shard of {name}: padding rows are not zero")
         for cfg, pairs in self.losses.items():
             for i, (got, ref) in enumerate(pairs):
                 if not math.isclose(got, ref, rel_tol=self.rtol, abs_tol=self.atol):
@@ -134,15 +159,30 @@ class EquivalenceReport:
         return "\n".join(lines)
 
 
-def compare(report: EquivalenceReport, cfg: tuple[str, Any], losses, ref_losses, params, ref_params) -> None:
-    report.losses[cfg] = list(zip(losses, ref_losses))
-    per_leaf = {}
-    for name, ref in ref_params.items():
-        got = params[name].to(ref.dtype)
-        diff = (got - ref).abs()
-        tol = report.atol + report.rtol * ref.abs()
-        per_leaf[name] = (float(diff.max()) if diff.numel() else 0.0, float((diff / tol).max()) if diff.numel() else 0.0)
-    report.leaves[cfg] = per_leaf
+def _difference(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> tuple[float, float]:
+    """(max |diff|, max |diff| / (atol + rtol * |ref|)); exact for non-floating tensors."""
+    if not got.numel():
+        return 0.0, 0.0
+    if not ref.is_floating_point():
+        wrong = float((got.to(ref.dtype) != ref).sum())
+        return wrong, float("inf") if wrong else 0.0
+    diff = (got.to(ref.dtype) - ref).abs()
+    return float(diff.max()), float((diff / (atol + rtol * ref.abs())).max())
+
+
+def compare(report: EquivalenceReport, cfg: tuple[str, Any], results: Sequence[Mapping[str, Any]], ref_losses,
+            ref_state) -> None:
+    """Rank 0's losses and full state, and every rank's local shards, against the reference."""
+    report.losses[cfg] = list(zip(results[0]["losses"], ref_losses))
+    state = results[0]["state"]
+    report.leaves[cfg] = {name: _difference(state[name], ref, report.rtol, report.atol) for name, ref in ref_state.items()}
+    shards = {}
+    for rank, result in enumerate(results):
+        for name, (local, start, rows) in result["shards"].items():
+            ref = ref_state[name] if ref_state[name].dim() else ref_state[name].reshape(1)  # a 0-d parameter: one row
+            diff, ratio = _difference(local[:rows], ref[start : start + rows], report.rtol, report.atol)
+            shards[(rank, name)] = (diff, ratio, bool((local[rows:] == 0).all()))
+    report.shards[cfg] = shards
 
 
 def check_equivalence(
@@ -182,8 +222,12 @@ def check_equivalence(
             (``micro_batches=4``, ``accumulate="local"``, ...); the reference always
             takes one plain step per global batch.
 
-    Floating-point buffers are compared too (as ``buffer:<name>``), and must be equal on
-    every rank.
+    Every buffer is compared too (by name; integer buffers exactly) and must be equal on
+    every rank, and so is each rank's local shard of every parameter with the matching
+    rows of the reference, its padding rows exactly zero (so replicas that drift apart,
+    or a rank whose shard differs, fail even when rank 0's gathered values are right).
+    Models with batch statistics (BatchNorm in train mode) are not equivalent to one
+    device on the global batch: each rank normalises its own slice, as under DDP.
 
     ``model_fn``, ``loss_fn`` and ``optimizer`` travel to the ranks by pickle: use
     module-level functions or ``functools.partial`` of them, not lambdas.
@@ -196,7 +240,7 @@ def check_equivalence(
         ...                            optimizer=functools.partial(shardfn.optim.sgd, 0.1))
         >>> print(report)
     """
-    ref_losses, ref_params = reference_training(model_fn, loss_fn, batches, optimizer, seed=seed)
+    ref_losses, ref_state = reference_training(model_fn, loss_fn, batches, optimizer, seed=seed)
     report = EquivalenceReport(rtol, atol)
     for world in world_sizes:
         # An int is a 1-D mesh; a pair (R, S) a 2-D mesh of R replicas of S shards.
@@ -209,14 +253,15 @@ def check_equivalence(
                     sharded_training, model_fn, loss_fn, batches, optimizer, strategy, units,
                     seed=seed, replicate=replicate, step_options=step_options,
                 )
-                losses, params = results[0]
-                for r, (other_losses, other) in enumerate(results[1:], 1):
-                    if list(other_losses) != list(losses):
-                        raise AssertionError(f"{strategy} world={world}: rank {r} reports losses {other_losses}, rank 0 {losses}")
-                    for name in (n for n in params if n.startswith("buffer:")):
-                        if not torch.equal(other[name], params[name]):
-                            raise AssertionError(f"{strategy} world={world}: {name} differs between rank 0 and rank {r}")
-                compare(report, (str(strategy), world), losses, ref_losses, params, ref_params)
+                first = results[0]
+                for r, other in enumerate(results[1:], 1):
+                    if list(other["losses"]) != list(first["losses"]):
+                        raise AssertionError(
+                            f"{strategy} world={world}: rank {r} reports losses {other['losses']}, rank 0 {first['losses']}")
+                    for name in first["buffers"]:
+                        if not torch.equal(other["state"][name], first["state"][name]):
+                            raise AssertionError(f"{strategy} world={world}: buffer {name} differs between rank 0 and rank {r}")
+                compare(report, (str(strategy), world), results, ref_losses, ref_state)
         finally:
             if own:
                 cluster.close()

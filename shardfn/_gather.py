@@ -1,0 +1,266 @@
+"""Gathering: one unit's full parameters, from its shards, while they are needed.
+
+A :class:`Unit` is a unit of the layout at run time, inside one runtime (a step, see
+[Note: the runtime]): its shards, the full parameters while they are gathered, a
+prefetched all-gather in flight, and its gradients (:class:`shardfn._reduce.UnitGrads`).
+Every call of ``apply`` in a step uses the same :class:`Unit`. Each application of
+:class:`GatherUnit` (one per call of the unit's module that builds a graph, one per call
+otherwise) is a :class:`Use`: the full parameters autograd sees for that forward.
+
+[Note: copies]
+What one step copies per unit on one rank, and why each copy remains. n = unit.numel
+(elements of a rank's shard buffer), W = world, g = the unit's all-gathers per step
+(2 for a non-root unit under FULL_SHARD, else 1), gn = unit.grad_numel; p, r, m = bytes
+per element of the param, reduce and master dtypes. Bytes are bytes written.
+tests/test_copies.py counts every copy op of a step with a TorchDispatchMode and asserts
+exactly these, derived from the layout.
+
+gather, each of the g all-gathers (here: Unit._issue, Unit.all_gather):
+  1. pack, 1 copy, n*p: the shards, cast to param dtype on the way, go straight into this
+     rank's row of the all-gather output (torch.cat(out=)); the all-gather runs in place
+     (NCCL and gloo take an input that is the rank's chunk of the output). Remains: the
+     shards are separate tensors (one per parameter, owned by the optimizer) and one
+     collective takes one buffer. Removed: the separate input buffer and, under mixed
+     precision, a second copy (cat in the master dtype, then .to(param dtype)).
+  2. unpack, 1 copy, W*n*p: one split_with_sizes_copy moves each leaf's columns into a
+     [W, shard_numel] tensor of its own, whose first rows are the full parameter (a view;
+     the padding rows, fewer than W per leaf, ride along). Inherent to a flat all-gather
+     of dim-0 shards: a leaf's rows are spread over the W rows of the output, so its full
+     tensor must be assembled (FSDP2 copies out the same way). Only a flat-parameter
+     layout (FSDP1: shard the concatenation) avoids it, at the price of shards that are
+     no longer per-parameter dim-0 chunks. Removed: one or two copy_ per leaf.
+  NO_SHARD has no all-gather: the shard is the parameter, no copy; only when the param
+  dtype differs, one cast per leaf (n*p in all), which is mixed precision itself.
+
+reduce, once per unit and step (or micro-batch): see shardfn._reduce, copies 3 and 4.
+
+Not ours: gloo's reduce_scatter_tensor clones its input, all-reduces the clone and copies
+this rank's chunk into the output (that last copy, gn*r, shows up at wait(); the test
+counts it apart), and its all-gather unflattens from an internal buffer; NCCL does
+neither. The model's own copies (in the test GPT, merging attention heads) are those of
+a plain functional_call, which the test checks. The step copies a few scalars (metrics).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import _collectives as C
+from ._events import Purpose, ResidencyEvent, UnitEvent, emit
+from ._layout import Layout, UnitLayout, unpack_unit
+from ._plan import RematMode
+from ._reduce import UnitGrads
+
+__all__ = ["GatherUnit", "Unit", "Use"]
+
+
+class Use:
+    """One application of :class:`GatherUnit`: the full parameters one forward of the
+    unit's module sees, and how many saved-tensor handles of them backward still holds."""
+
+    __slots__ = ("outputs", "pending")
+
+    def __init__(self) -> None:
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.pending = 0
+
+
+class Unit:
+    """A unit's runtime state for one runtime (one step, or one call outside a step)."""
+
+    __slots__ = (
+        "layout", "unit", "key", "shards", "group", "rank", "replicate_group", "slots", "runtime", "full", "storages",
+        "inflight", "use", "originals", "hooks", "range", "handles", "calls", "grads",
+    )
+
+    def __init__(self, layout: Layout, unit: UnitLayout, key: tuple[int, str], shards: list[torch.Tensor], mesh: Any,
+                 slots: list, runtime: Any, store: bool):
+        self.layout = layout
+        self.unit = unit
+        self.key = key  # (index of its tree in the runtime, unit path): the prefetch order's entries
+        self.shards = shards
+        self.group = mesh.group("shard")  # all-gathers and reduce-scatters
+        self.rank = mesh.axis_rank("shard")  # this rank's row of an all-gather's output
+        # Gradients are averaged over the other ranks holding the same shard: the
+        # "replicate" axis of a 2-D mesh, or the whole 1-D mesh under NO_SHARD.
+        self.replicate_group = mesh.group("replicate") if mesh.ndim == 2 else self.group
+        self.slots: list[tuple[nn.Module, str, int]] = slots  # where each full tensor goes
+        self.runtime = runtime
+        self.full: list[torch.Tensor] | None = None  # gathered parameters, while live
+        self.storages: dict[int, int] = {}  # id() of their storages -> leaf index (fake tensors have no data_ptr)
+        self.inflight: Any = None  # a prefetched all-gather: (work, input, output); input is a row of output
+        self.use: Use | None = None  # the use whose parameters the module holds (or reuses) in this call
+        self.originals: list[torch.Tensor] | None = None  # the module's own tensors, while entered
+        self.hooks: Any = None
+        self.range: Any = None  # the profiler range of the unit's forward, while entered
+        self.handles = 0  # saved-tensor handles of all uses not yet unpacked
+        self.calls = 0  # forward gathers in this micro-batch (remat units prefetch a regather only if > 0)
+        self.grads = UnitGrads(self, store)
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
+
+    @property
+    def is_root(self) -> bool:
+        return self.unit.path == ""
+
+    @property
+    def entered(self) -> bool:
+        return self.originals is not None
+
+    def _note(self, event: UnitEvent) -> None:
+        if not self.is_root:
+            emit(ResidencyEvent(event, self.unit.name), self.runtime.observers)
+
+    # -- gathering -----------------------------------------------------------------------
+
+    def _issue(self, purpose: Purpose, async_op: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Starts the unit's all-gather: ``(work, input, output)``, output ``[world, numel]``.
+
+        One copy (see [Note: copies]): the shards are written, cast to ``param_dtype``
+        on the way (the collective moves param-dtype elements, see _precision), straight
+        into this rank's row of the output, and the all-gather runs in place.
+        """
+        world, numel = self.layout.world, self.unit.numel
+        with torch.no_grad():
+            out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.shards[0].device)
+            mine = out[self.rank]
+            torch.cat([s.detach().reshape(-1) for s in self.shards], out=mine)
+            work = C.all_gather(out.view(-1), mine, self.group, purpose, self.unit.name, async_op=async_op,
+                                to=self.runtime.observers)
+        return work, mine, out
+
+    def prefetchable(self, forward: bool) -> bool:
+        """Whether the runtime may start this unit's all-gather early (see [Note: prefetch]).
+
+        Forward: any unit but a selectively rematerialised one. Backward: only a unit that
+        backward will gather again: one holding saved-tensor handles, or a fully
+        rematerialised unit that ran this forward and was resharded after it (its
+        recompute gathers). Selectively rematerialised units are neither prefetched nor
+        prefetch from inside their region: selective checkpointing replays the region's
+        ops one for one, and a gather that was prefetched in forward (no copy in the
+        region) but not in the recompute, or the reverse, would break that replay.
+        """
+        if self.unit.remat is RematMode.SELECTIVE:
+            return False
+        if forward:
+            return True
+        if self.unit.remat is not None:
+            return self.calls > 0 and self.layout.strategy.reshard_after_forward
+        return self.handles > 0
+
+    def prefetch(self, forward: bool) -> None:
+        """Starts this unit's all-gather now; :meth:`all_gather` will wait for it."""
+        if self.layout.world > 1 and self.full is None and self.inflight is None:
+            self.inflight = self._issue(Purpose.GATHER if forward else Purpose.REGATHER, async_op=True)
+            self._note(UnitEvent.PREFETCH)
+
+    def cancel_prefetch(self) -> None:
+        """Waits for a prefetch that was never used (the order changed); drops it."""
+        if self.inflight is not None:
+            self.inflight[0].wait()
+            self.inflight = None
+
+    def all_gather(self, purpose: Purpose) -> list[torch.Tensor]:
+        """Full parameters of the unit (no autograd); one all-gather of the flat shards."""
+        lay, world = self.layout, self.layout.world
+        leaves = [lay.leaves[n] for n in self.unit.leaves]
+        with torch.no_grad():
+            if world == 1:  # NO_SHARD, or a world of one: the shard is the parameter
+                full = [s.detach().view(leaf.shape).to(self.unit.param_dtype) for s, leaf in zip(self.shards, leaves)]
+            else:
+                if self.inflight is not None:
+                    work, _, out = self.inflight
+                    work.wait()
+                    self.inflight = None
+                else:
+                    _, _, out = self._issue(purpose, async_op=False)
+                full = unpack_unit(out, leaves, world)  # one copy: FSDP2's copy-out
+        self.full = full
+        self.storages = {id(t.untyped_storage()): i for i, t in enumerate(full)}
+        self._note(UnitEvent.GATHER if purpose is Purpose.GATHER else UnitEvent.REGATHER)
+        return full
+
+    def release(self) -> None:
+        """Drops this unit's reference to its gathered parameters (freed once unreferenced)."""
+        if self.full is not None:
+            self.full = None
+            self.storages = {}
+            self._note(UnitEvent.FREE)
+
+    def release_if_unused(self) -> None:
+        """Releases the gathered parameters when nothing will read them again: no module
+        call is running, no saved handle is left and no graph node awaits its backward."""
+        if not self.entered and self.handles == 0 and self.grads.nodes == 0:
+            self.release()
+
+    # -- one forward of the unit's module ----------------------------------------------
+
+    def new_use(self, purpose: Purpose) -> Use:
+        """Applies :class:`GatherUnit`: gathers (or reuses) the full parameters for a forward.
+
+        A use that builds a graph node (grad enabled, a trainable shard, and not a remat
+        recompute in backward, whose node backward never runs) is counted: the unit's
+        gradients are reduced after the last counted use's backward (shardfn._reduce).
+        """
+        use = Use()
+        builds_graph = torch.is_grad_enabled() and any(s.requires_grad for s in self.shards)
+        if builds_graph and torch._C._current_graph_task_id() == -1:
+            self.grads.count_node()
+        use.outputs = GatherUnit.apply(self, purpose, *self.shards)
+        if purpose is Purpose.GATHER:
+            self.calls += 1
+        return use
+
+    def enter(self, handles: Any) -> None:
+        """Places the current use's parameters into the module; ``handles``: the
+        saved-tensor hooks to run the module under (None for none)."""
+        use = self.use
+        assert use is not None
+        self.range = torch.profiler.record_function(f"shardfn::forward[{self.unit.name}]")
+        self.range.__enter__()
+        self.originals = [sub._parameters[attr] for sub, attr, _ in self.slots]
+        for sub, attr, i in self.slots:
+            sub._parameters[attr] = use.outputs[i]
+        if handles is not None:
+            self.hooks = handles
+            self.hooks.__enter__()
+
+    def exit(self) -> None:
+        """Restores the module; under FULL_SHARD, lets go of the gathered parameters."""
+        if self.hooks is not None:
+            self.hooks.__exit__(None, None, None)
+            self.hooks = None
+        for (sub, attr, _), t in zip(self.slots, self.originals or []):
+            sub._parameters[attr] = t
+        self.originals = None
+        if self.range is not None:
+            self.range.__exit__(None, None, None)
+            self.range = None
+        if self.layout.strategy.reshard_after_forward:
+            self.use = None
+            self.release()
+
+
+class GatherUnit(torch.autograd.Function):
+    """Forward: all-gather a unit. Backward: its gradients go to the unit's reduction."""
+
+    @staticmethod
+    def forward(ctx, unit: Unit, purpose: Purpose, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.unit = unit
+        full = unit.full if unit.full is not None else unit.all_gather(purpose)
+        # Fresh tensor objects on the same storage: autograd attaches this node to them,
+        # and a second application (a recompute that reuses the kept parameters) must
+        # not rewire the tensors of the first.
+        return tuple(t.detach() for t in full)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        unit: Unit = ctx.unit
+        shard_grads = unit.grads.backward(grads)
+        unit.release_if_unused()
+        return (None, None, *shard_grads)

@@ -1,0 +1,211 @@
+"""Reducing: a unit's gradients, from every use in a step, into this rank's shard gradients.
+
+[Note: one reduction per unit]
+A unit may be used several times in one step: its module called twice in one forward,
+``apply`` called twice in one ``loss_fn`` (two views of a batch, a siamese or consistency
+loss), or once per micro-batch. Each use that builds a graph is a node of
+:class:`shardfn._gather.GatherUnit`; inside a step, a node's backward adds that use's
+gradients of the full parameters into the unit's unsharded buffer (one pack, copy 3 of
+[Note: copies]) and returns nothing to autograd. After the backward of the unit's last
+use (the count of nodes built in forward reaches zero) the buffer is reduced once: one
+reduce-scatter (all-reduce under NO_SHARD; both under the hybrid strategies), and the
+runtime collects the reduced shard gradients after the backward. With
+``accumulate=LOCAL`` the buffer lives on over the micro-batches and is reduced on the
+last. So every use's contribution is in the one reduction, and nothing reads a gradient
+before its collective is done. The price of a unit used k times is its unsharded gradient
+buffer, held from the backward of its first use to that of its last.
+
+A node whose backward never runs (its output did not reach the loss) leaves the count
+above zero: after the backward the runtime reduces such a unit anyway, with zero
+gradients, so every rank issues the same reductions in the same order.
+
+Outside a step (``apply`` under the user's own autograd) each node reduces its own use's
+gradients at once, averaging, and hands them to autograd: the sum of the reduced uses is
+the reduction of their sum.
+
+[Note: overlapped reductions]
+Inside a step a unit's reduction is issued asynchronously when it is one collective (not
+hybrid's two in a row), so it runs while autograd computes the next unit; the next unit's
+reduction waits for it before allocating its buffer, and the runtime waits for the last
+right after the backward, so at most one unsharded gradient buffer is in flight.
+
+[Note: copies], continued: reduce, once per unit and step (or micro-batch; trainable leaves only):
+  3. pack, 1 copy, W*gn*r: one _chunk_cat writes every gradient into its columns of every
+     rank's row, cast to the reduce dtype on the way, padding rows zeroed. Remains:
+     autograd hands back one tensor per parameter and the collective takes one buffer
+     (FSDP2: the same copy-in). Removed: one or two copy_ and a zero fill per leaf, plus
+     the hidden copy reshape made of a non-contiguous gradient. (A second use of the unit
+     in the step packs into a temporary buffer and adds it: one more copy and an add.)
+  4. cast back, only if the reduce dtype is not the master dtype: 1 copy, gn*m (autograd
+     and the optimizer want a leaf's gradient in the leaf's dtype). None for
+     Precision(param=bf16, reduce=fp32) or in fp32.
+  A world of one without replicas reduces nothing and packs nothing (UnitGrads._own):
+  autograd's gradients become the shards' gradients as they are; only the casts of 4.
+  (to the reduce dtype, back to the master dtype, leaf by leaf) remain, and a clone of
+  a gradient that is non-contiguous or shares memory with another one.
+  The reduce-scatter writes a fresh shard-sized output, not a view of its input: the
+  optimizer's gradients are views of it, and a view would keep the W-times larger input
+  alive until the update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _collectives as C
+from ._events import Purpose
+from ._layout import pack_unit
+
+__all__ = ["UnitGrads"]
+
+
+class UnitGrads:
+    """The gradients of one unit during a runtime (see [Note: one reduction per unit])."""
+
+    __slots__ = ("unit", "store", "nodes", "graphed", "acc")
+
+    def __init__(self, unit: Any, store: bool):
+        self.unit = unit  # the shardfn._gather.Unit
+        self.store = store  # reduce once and leave the result to the runtime (the step's own tree)
+        self.nodes = 0  # GatherUnit nodes built in forward whose backward has not run
+        self.graphed = False  # a node was built since the last reduction
+        self.acc: Any = None  # the unsharded gradient buffer (a world of one: a list of per-leaf gradients)
+
+    def count_node(self) -> None:
+        self.nodes += 1
+        self.graphed = True
+
+    @property
+    def _plain(self) -> bool:
+        """A world of one without replicas: nothing to reduce (see [Note: copies] 4.)."""
+        lay = self.unit.layout
+        return lay.world == 1 and lay.replicas == 1
+
+    def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        """One node's backward: this use's gradients of the full parameters.
+
+        Returns the shard gradients autograd gets: this use's, reduced, outside a step;
+        none inside one (the runtime collects the unit's one reduction).
+        """
+        unit = self.unit
+        with torch.profiler.record_function(f"shardfn::backward_reduce[{unit.name}]"):
+            self.nodes = max(0, self.nodes - 1)
+            if not self.store:
+                self.acc = None
+                self._accumulate(grads)
+                return self.shard_grads_list(self._issue(asynchronous=False))
+            self._accumulate(grads)
+            if self.nodes == 0 and unit.runtime.reduces_now():
+                self.reduce()
+        return [None] * len(unit.unit.leaves)
+
+    def flush(self, now: bool) -> None:
+        """After a backward: reduce what the last use's backward did not (see the note)."""
+        self.nodes = 0
+        if now and (self.graphed or self.acc is not None):
+            if self.acc is None:
+                self._accumulate(tuple(None for _ in self.unit.unit.leaves))
+            self.reduce()
+
+    def reduce(self) -> None:
+        """Reduces the accumulated gradients once; the runtime collects the result."""
+        rt = self.unit.runtime
+        rt.reduced.append((self.unit, self._issue(asynchronous=rt.overlap)))
+        self.graphed = False
+
+    # -- accumulating ---------------------------------------------------------------------
+
+    def _accumulate(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        unit = self.unit
+        lay, u = unit.layout, unit.unit
+        leaves = [lay.leaves[n] for n in u.leaves]
+        device = unit.shards[0].device
+        if self._plain:
+            self._own(grads, leaves, device)
+            return
+        if self.store:  # the previous unit's reduction: done, and its buffer freed, before this one's exists
+            unit.runtime.wait_pending()
+        buf = torch.empty(lay.world, u.grad_numel, dtype=u.reduce_dtype, device=device)
+        # One copy (see [Note: copies]): each gradient straight into its columns of every
+        # rank's row, cast to the reduce dtype on the way, padding rows zeroed.
+        pack_unit(buf, [
+            g if g is not None else torch.zeros(leaf.shape, dtype=u.param_dtype, device=device)
+            for g, leaf in zip(grads, leaves)
+            if leaf.grad_offset >= 0
+        ], lay.world)
+        self.acc = buf if self.acc is None else self.acc.add_(buf)
+
+    def _own(self, grads: tuple[torch.Tensor | None, ...], leaves: list, device: torch.device) -> None:
+        """A world of one, nothing to reduce: autograd's gradients are the shards' own.
+
+        No buffer and no copy (see [Note: copies]) unless one is needed: the casts to the
+        reduce dtype and back to the master dtype, a non-contiguous gradient, or one whose
+        memory another gradient of the step shares (autograd may hand the same tensor to
+        two parameters, ``x + a + b``; the step adds micro-batch gradients into the first
+        and the in-place optimizer uses them as scratch, so each must own its memory).
+        """
+        u = self.unit.unit
+        owned = self.unit.runtime.owned
+        acc = self.acc or [None] * len(leaves)
+        for j, (g, leaf) in enumerate(zip(grads, leaves)):
+            if leaf.grad_offset < 0:
+                continue
+            if g is None:
+                g = torch.zeros(leaf.shard_shape, dtype=u.dtype, device=device)
+            else:
+                g = g.detach().to(u.reduce_dtype).to(u.dtype)
+                if acc[j] is None and (not g.is_contiguous() or id(g.untyped_storage()) in owned):
+                    g = g.clone(memory_format=torch.contiguous_format)
+            if acc[j] is None:
+                owned.add(id(g.untyped_storage()))
+                acc[j] = g.view(leaf.shard_shape)
+            else:
+                acc[j].add_(g.view(leaf.shard_shape))
+        self.acc = acc
+
+    # -- the collectives ------------------------------------------------------------------
+
+    def _issue(self, asynchronous: bool) -> Any:
+        """The reduction of the accumulated buffer: a flat shard-sized tensor in the reduce
+        dtype (valid once the runtime's pending work is done), or, in a world of one, the
+        per-leaf gradients."""
+        buf, self.acc = self.acc, None
+        if self._plain:
+            return buf
+        unit = self.unit
+        lay, u, rt = unit.layout, unit.unit, unit.runtime
+        op = rt.reduce_op
+        single = (lay.world == 1) != (lay.replicas == 1)
+        asynchronous = asynchronous and single and self.store
+        work = None
+        if lay.world == 1:
+            out = buf.view(-1)
+        else:
+            out = torch.empty(u.grad_numel, dtype=u.reduce_dtype, device=buf.device)
+            work = C.reduce_scatter(out, buf.view(-1), unit.group, Purpose.REDUCE, u.name, op=op,
+                                    async_op=asynchronous, to=rt.observers)
+        if lay.replicas > 1:  # NO_SHARD, and the hybrid strategies' replicate axis
+            work = C.all_reduce(out, unit.replicate_group, Purpose.REDUCE, u.name, op=op, async_op=asynchronous,
+                                to=rt.observers)
+        if asynchronous and work is not None:
+            rt.add_pending(work, (buf, out))
+        return out
+
+    def shard_grads_list(self, out: Any) -> list[torch.Tensor | None]:
+        """The shard gradient of every leaf of the unit (``None`` for frozen ones)."""
+        lay, u = self.unit.layout, self.unit.unit
+        leaves = [lay.leaves[n] for n in u.leaves]
+        if isinstance(out, list):
+            return out
+        out = out.to(u.dtype)  # the master dtype, whatever the reduce dtype was (copy 4)
+        return [
+            out[leaf.grad_offset : leaf.grad_offset + leaf.shard_numel].view(leaf.shard_shape)
+            if leaf.grad_offset >= 0 else None
+            for leaf in leaves
+        ]
+
+    def shard_grads(self, out: Any) -> dict[str, torch.Tensor]:
+        """Leaf name -> shard gradient, trainable leaves only."""
+        return {n: g for n, g in zip(self.unit.unit.leaves, self.shard_grads_list(out)) if g is not None}

@@ -1,0 +1,69 @@
+"""Remat: a unit's forward under ``torch.utils.checkpoint``, gather included.
+
+[Note: remat of a unit]
+A rematerialised unit's module runs its forward inside a non-reentrant checkpoint whose
+region gathers the unit, runs the original forward and reshards. So the recompute in
+backward gathers again (FULL_SHARD) or reuses the kept parameters (SHARD_GRAD_OP)
+without any saved-tensor handle of ours: the checkpoint keeps only the region's inputs
+(full remat) or also the outputs of the ops the policy saves (selective remat). The
+recompute's GatherUnit node is never run backward (the original forward's node is), so
+it does not count as a use of the unit (shardfn._reduce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+from ._events import Purpose
+from ._plan import RematMode
+
+__all__ = ["remat_forward"]
+
+
+def remat_forward(active_unit: Callable[[], Any], forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a unit module's ``forward``: inert unless ``active_unit()`` (the unit in the
+    sharded call in progress) is rematerialised."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        unit = active_unit()
+        if unit is None or unit.unit.remat is None:
+            return forward(*args, **kwargs)
+        selective = unit.unit.remat is RematMode.SELECTIVE
+
+        def region(*args: Any, **kwargs: Any) -> Any:
+            recompute = torch._C._current_graph_task_id() != -1
+            unit.use = unit.new_use(Purpose.REGATHER if recompute else Purpose.GATHER)
+            if not selective:  # see Unit.prefetchable
+                unit.runtime.prefetch_after(unit.key, forward=not recompute)
+            unit.enter(None)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                unit.exit()
+                if not unit.layout.strategy.reshard_after_forward:
+                    unit.use = None  # the kept parameters live on in unit.full
+
+        context_fn = _selective(unit.layout.plan.remat.save) if selective else _no_contexts
+        return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return wrapped
+
+
+def _no_contexts() -> tuple[Any, Any]:
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def _selective(save: tuple[str, ...]):
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    ops = {getattr(torch.ops.aten, name).default for name in save}  # names checked by Remat
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return lambda: create_selective_checkpoint_contexts(policy)

@@ -1,0 +1,236 @@
+"""The runtime of a step: the one object that owns what lives while a step runs.
+
+[Note: the runtime]
+Each call of a step builds one :class:`Runtime` (outside a step, each call of ``apply`` on
+shards builds its own). It owns, for that step and no longer:
+
+* the units of every sharded tree the step's forward runs (shardfn._gather), made on the
+  first call of ``apply`` and shared by every later call in the step, so a unit that
+  several calls use reduces once (shardfn._reduce);
+* the reductions: the one in flight, and the reduced gradient shards the step collects;
+* micro-batch accumulation (:class:`Accumulate`);
+* the order in which units ran (the next step prefetches in it);
+* the working copies of the buffers (shardfn._buffers);
+* the step's collective log (``metrics["comm_bytes"]``) and the observers to report to.
+
+The step in progress is found through one ``ContextVar`` (:func:`current`), by ``apply``
+and by :func:`shardfn.optim.psum`. Code that runs in backward (reductions, regathers)
+holds a reference to the runtime instead: on CUDA autograd runs it on a device thread.
+
+[Note: averaging gradients]
+One rule, owned here: inside a step every gradient reduction *sums* over the ranks, and
+the step multiplies each rank's loss by ``1 / (ranks x micro-batches)`` before backward
+(:meth:`Runtime.loss_factor`), so gradients — and fp16 intermediates — have the
+magnitudes of the global mean loss on one device. Outside a step (``apply`` under the
+user's own autograd) a reduction averages and the loss is the user's own.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import enum
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from . import _collectives as C
+from ._events import CollectiveLog, observe, observers
+
+__all__ = ["Accumulate", "Runtime", "active", "current", "invariant"]
+
+
+class Accumulate(enum.Enum):
+    """How ``jit_step(micro_batches=k)`` accumulates gradients over micro-batches."""
+
+    REDUCE_EACH = "reduce_each"  # reduce every micro-batch's gradients; sum the shards
+    LOCAL = "local"  # sum unreduced unit gradients locally; reduce once, on the last micro-batch
+
+    @classmethod
+    def parse(cls, value: "Accumulate | str") -> "Accumulate":
+        if isinstance(value, Accumulate):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"jit_step: accumulate must be Accumulate.REDUCE_EACH ('reduce_each') or Accumulate.LOCAL ('local'), "
+                f"got {value!r}"
+            ) from None
+
+
+def invariant(ok: bool, message: str) -> None:
+    """Raises ``AssertionError("[rank N] ...")`` when an internal invariant fails."""
+    if not ok:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise AssertionError(f"[rank {rank}] shardfn internal error: {message}")
+
+
+class Runtime:
+    """What one step (or one call of ``apply`` outside a step) owns; see [Note: the runtime]."""
+
+    def __init__(
+        self,
+        mesh: Any,
+        *,
+        in_step: bool,
+        overlap: bool = False,
+        prefetch: bool = False,
+        order: list[tuple[int, str]] | None = None,
+        accumulate: Accumulate = Accumulate.REDUCE_EACH,
+        owner: Any = None,
+        buffers: Any = None,
+    ):
+        self.mesh = mesh
+        self.in_step = in_step
+        self.overlap = overlap
+        self.prefetch = prefetch
+        self.order = list(order or [])  # (tree index, unit path) in the previous step's forward order
+        self.seen: list[tuple[int, str]] = []  # ... and in this one
+        self.accumulate = accumulate
+        self.last_micro_batch = True
+        self.owner = owner  # the step's own sharded tree: its gradients are collected
+        self.buffers = buffers  # shardfn._buffers.StepBuffers of the owner, in a step
+        self.log = CollectiveLog()
+        # A step reports to the observers active when it started, and to its own log.
+        self.observers = (*observers(), self.log) if in_step else observers()
+        self._trees: list[tuple[Any, dict[str, Any]]] = []  # (sharded tree, its units by path)
+        self._pending: list[tuple[Any, Any]] = []  # the reduction in flight: (work, buffers to keep alive)
+        self.reduced: list[tuple[Any, Any]] = []  # (unit, reduced shard gradient), in order
+        self.owned: set[int] = set()  # storages of gradients handed out in a world of one
+
+    @property
+    def sharded(self) -> bool:
+        """Whether ranks along the ``shard`` axis hold different shards of the step's tree."""
+        return self.owner is not None and self.owner.layout.strategy.sharded
+
+    # -- the rule of [Note: averaging gradients] ---------------------------------------
+
+    @property
+    def reduce_op(self) -> ReduceOp:
+        return C.SUM if self.in_step else C.AVG
+
+    def loss_factor(self, micro_batches: int) -> float:
+        """What the step multiplies each micro-batch's loss by before backward."""
+        return 1.0 / (self.mesh.size * micro_batches)
+
+    def reduces_now(self) -> bool:
+        """Whether the gradients accumulated so far are reduced in this backward."""
+        return self.accumulate is Accumulate.REDUCE_EACH or self.last_micro_batch
+
+    # -- units ---------------------------------------------------------------------------
+
+    def units_of(self, tree: Any, build: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+        """The units of ``tree`` in this runtime, built by ``build(tree index)`` on first use."""
+        for t, units in self._trees:
+            if t is tree:
+                return units
+        units = build(len(self._trees))
+        self._trees.append((tree, units))
+        return units
+
+    def units(self) -> Iterator[Any]:
+        for _, units in self._trees:
+            yield from units.values()
+
+    def _unit_at(self, key: tuple[int, str]) -> Any:
+        i, path = key
+        return self._trees[i][1].get(path) if i < len(self._trees) else None
+
+    def prefetch_after(self, key: tuple[int, str], forward: bool) -> None:
+        """[Note: prefetch] With ``jit_step(prefetch=True)``, gathering a unit starts the
+        all-gather of the unit that runs next: the next one in the forward order recorded
+        on the previous step, or, in backward, the previous one that will be regathered.
+        At most one unit is in flight beside the running one, so FULL_SHARD holds about
+        two units."""
+        if not self.prefetch:
+            return
+        if forward:
+            self.seen.append(key)
+        order = self.order if forward else self.order[::-1]
+        if key not in order:
+            return
+        i = order.index(key)
+        for nxt in order[i + 1 : i + 2]:
+            unit = self._unit_at(nxt)
+            if unit is not None and unit.prefetchable(forward):
+                unit.prefetch(forward)
+
+    # -- reductions ----------------------------------------------------------------------
+
+    def add_pending(self, work: Any, keepalive: Any) -> None:
+        """Tracks an asynchronous reduction, the only one in flight.
+
+        Each pending reduction keeps its unit's unsharded gradient buffer alive, so the
+        next unit's reduction waits for it before allocating its own buffer (see
+        shardfn._reduce): holding them all until the end of backward would cost the whole
+        model's unsharded gradients, and even two at once raise the peak of backward.
+        """
+        invariant(not self._pending, "wait_pending() before starting another reduction")
+        self._pending.append((work, keepalive))
+
+    def wait_pending(self) -> None:
+        while self._pending:
+            work, _keepalive = self._pending.pop(0)
+            work.wait()
+
+    def start_micro_batch(self, last: bool) -> None:
+        self.last_micro_batch = last
+        for unit in self.units():
+            unit.calls = 0
+
+    def end_backward(self, grads: dict[str, torch.Tensor]) -> None:
+        """After a micro-batch's backward: every reduction done, the owner's gradients added
+        into ``grads`` (leaf name -> shard gradient), in the order they were reduced.
+
+        A unit whose graph node never ran backward (its output did not reach the loss)
+        still reduces, with zero gradients, so every rank issues the same reductions.
+        """
+        self.wait_pending()
+        for tree, units in self._trees:
+            if tree is self.owner:
+                for unit in units.values():
+                    unit.grads.flush(self.reduces_now())
+                    self.wait_pending()
+        for unit, out in self.reduced:
+            for name, g in unit.grads.shard_grads(out).items():
+                grads[name] = g if name not in grads else grads[name].add_(g)
+        self.reduced.clear()
+
+    def settle(self) -> None:
+        """Nothing in flight: no reduction, and no prefetched all-gather reading the shards."""
+        self.wait_pending()
+        for unit in self.units():
+            unit.cancel_prefetch()
+
+    def finish(self) -> list[tuple[int, str]]:
+        """After the step: nothing in flight, nothing gathered; returns the order seen."""
+        self.wait_pending()
+        for unit in self.units():
+            unit.cancel_prefetch()
+            unit.release()
+        return list(dict.fromkeys(self.seen)) if self.seen else self.order
+
+
+_CURRENT: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("shardfn_runtime", default=None)
+
+
+def current() -> Runtime | None:
+    """The runtime of the step in progress in this context, if any."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def active(rt: Runtime) -> Iterator[Runtime]:
+    """Makes ``rt`` the step in progress for the block."""
+    token = _CURRENT.set(rt)
+    try:
+        with observe(rt.log):
+            yield rt
+    finally:
+        _CURRENT.reset(token)
+
