@@ -29,17 +29,23 @@ shardfn (``shardfn.shard`` with default units: one per Block, plus the root;
 * ``shardfn_w1``: FULL_SHARD at world size 1 (nothing to shard) on the global batch;
   peer ``single`` (target: within 1.05x of plain single-process training).
 
-Method (see /work/shared/NOTES.md): the configurations fall in two groups, world size 1
-(``single``, ``shardfn_w1``) and the rest. Each repeat runs each group in one fresh set of
-processes (a new ``shardfn.testing.Cluster``), one torch thread per rank, which builds every
-configuration of the group (each its own model, from the same seed). After 2 warm-up steps
-each, the ``--steps`` timed steps interleave the configurations step by step (the order
-rotates every step), each step between two barriers: wall time on rank 0 and
-``time.process_time()`` on every rank. Interleaving matters on a shared machine: the speed
-of one set of processes against another varies by 10-20% here, which separate processes
-per configuration turned into ratios off by as much; interleaved, a configuration and its
-peer share the processes, the load and the moment. Then, one configuration at a time,
-three untimed steps, so that no counter perturbs the timing:
+Method: the configurations fall in two groups, world size 1 (``single``, ``shardfn_w1``)
+and the rest. Each repeat runs each group in one fresh set of processes (a new
+``shardfn.testing.Cluster``), one torch thread per rank (on 2 cores, two threads per rank
+oversubscribe them: DDP ran 2.4x slower at world size 2), which builds every configuration
+of the group (each its own model, from the same seed). After 2 warm-up steps each, the
+``--steps`` timed steps interleave the configurations step by step (the order rotates every
+step), each step between two barriers: wall time on rank 0 and ``time.process_time()`` on
+every rank. Interleaving matters on a shared machine: the speed of one set of processes
+against another varies by 10-20% here, which separate processes per configuration turned
+into ratios off by as much; interleaved, a configuration and its peer share the processes,
+the load and the moment. What it does not remove: every configuration of the group lives in
+the same processes, and that slows some more than others. Measured on a 2-core machine (GPT
+d_model 512, 8 layers, world 2): with all the configurations built, FSDP2 ran at 1,907
+ms/step and ``shardfn_full`` at 1,552; with only the pair built, 1,371 and 1,273. So
+FULL_SHARD/FSDP2 read 0.81 with all of them, 0.93 as a pair, and 0.96 in separate fresh
+processes; ``--configs fsdp2,shardfn_full`` measures a pair alone. Then, one configuration at
+a time, three untimed steps, so that no counter perturbs the timing:
 
 1. Communication: a ``TorchDispatchMode`` over the ``c10d`` and ``_c10d_functional`` ops,
    which sees collectives issued from Python and from C++ (DDP's reducer included), counts

@@ -1,9 +1,10 @@
 """A reusable world of spawned CPU processes joined by a gloo process group.
 
 [Note: talking to workers] One duplex Pipe per rank, carrying plain ``pickle`` bytes,
-not multiprocessing's ForkingPickler: torch registers reducers there that share tensor
-storage, which needs the sender alive to hand it over (NOTES.md). Results become numpy
-arrays on the worker, so what arrives owns its bytes.
+not multiprocessing's ForkingPickler: torch registers reducers there that send a tensor
+as a handle to its shared storage, and the receiver can take that storage over only
+while the sender is alive, which a worker about to exit may no longer be. Results
+become numpy arrays on the worker, so what arrives owns its bytes.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, conn) -> None
 
 
 def _leave(code: int) -> None:
-    # After gloo use, a normal interpreter shutdown sometimes dies with SIGABRT
-    # (NOTES.md); os._exit skips it, so flush what the user printed first.
+    # A spawned worker that used gloo sometimes dies with SIGABRT ("terminate called
+    # without an active exception") during a normal interpreter shutdown; leaving with
+    # os._exit after destroy_process_group avoided it. os._exit skips the interpreter's
+    # own flushing, so flush what the user printed first.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
