@@ -150,8 +150,15 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
     val_batch = to_device(get_batch(val_data, VAL_BATCH, args.seq_len, val_gen))
 
     def val_loss() -> float:
-        with torch.no_grad():
-            return lm_loss(apply(sharded, val_batch["x"]), val_batch["y"]).item()
+        # Validation runs in eval mode, as model.eval() would: this GPT has no dropout or
+        # batch statistics, so the loss is the same, but a model with them needs it (in
+        # train mode apply would also update the tree's running statistics).
+        apply.eval()
+        try:
+            with torch.no_grad():
+                return lm_loss(apply(sharded, val_batch["x"]), val_batch["y"]).item()
+        finally:
+            apply.train()
 
     log(f"world size {mesh.size}  strategy {args.strategy}  parameters {n_params:,}  device {mesh.device}")
     log(sharded.layout)
