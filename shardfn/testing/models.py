@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-__all__ = ["MLP", "Layer", "GPTConfig", "GPT", "Block", "CausalSelfAttention", "lm_loss"]
+__all__ = ["MLP", "Layer", "GPTConfig", "GPT", "Block", "CausalSelfAttention", "ConvBlock", "ConvNet", "lm_loss"]
 
 
 class Layer(nn.Module):
@@ -184,6 +184,49 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class ConvBlock(nn.Module):
+    """``relu(batch_norm(conv3x3(x)))``: a block with running statistics (buffers).
+
+    Args:
+        c_in: Input channels.
+        c_out: Output channels.
+    """
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn(self.conv(x)))
+
+
+class ConvNet(nn.Module):
+    """A small CNN with BatchNorm: ``ConvBlock`` stack, global average pool, linear head.
+
+    Its BatchNorm layers carry buffers (``running_mean``, ``running_var`` and the integer
+    ``num_batches_tracked``) that a training step updates.
+
+    Args:
+        channels: ``(c_in, c_1, ..., c_k)``, one block per consecutive pair.
+        classes: Output logits.
+
+    Example:
+        >>> ConvNet()(torch.zeros(2, 3, 6, 6)).shape
+        torch.Size([2, 5])
+    """
+
+    def __init__(self, channels: Sequence[int] = (3, 6, 6), classes: int = 5):
+        super().__init__()
+        self.blocks = nn.ModuleList(ConvBlock(a, b) for a, b in zip(channels[:-1], channels[1:]))
+        self.head = nn.Linear(channels[-1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
