@@ -110,7 +110,7 @@ def _pre_hook(apply: Any, path: str):
         if unit is None or unit.unit.remat is not None:  # a remat unit gathers inside its checkpoint
             return
         if unit.use is None:  # SHARD_GRAD_OP reuses a unit called twice in one forward
-            unit.use = unit.new_use(Purpose.GATHER)
+            unit.start_use(Purpose.GATHER)
             unit.runtime.prefetch_after(unit.key, forward=True)
         # Handles only where the unit's memory can be dropped: a sharded strategy (NO_SHARD's
         # full parameters are the shards themselves).
@@ -153,7 +153,7 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
     state: dict[str, torch.Tensor] = dict(buffers)
     root = units.get("")
     if root is not None:
-        state.update(zip(root.unit.leaves, root.new_use(Purpose.GATHER).outputs))
+        state.update(zip(root.unit.leaves, root.start_use(Purpose.GATHER)))
     precision = layout.plan.precision
     if precision.cast_inputs:
         args, kwargs = cast_floating((args, kwargs), precision.param)
@@ -174,7 +174,7 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
         for u in units.values():
             if u.entered:  # the unit's forward raised: undo its hooks and parameters
                 u.exit()
-            u.use = None  # forward is over: only saved handles (and u.full) remain
+            u.end_use()  # forward is over: only saved handles (and u.full) remain
         if root is not None:
             # The graph holds what backward needs; the call itself no longer does.
             root.release()

@@ -53,18 +53,19 @@ from ._events import Purpose, ResidencyEvent, UnitEvent, emit
 from ._layout import Layout, UnitLayout, unpack_unit
 from ._plan import RematMode
 from ._reduce import UnitGrads
+from ._runtime import invariant
 
 __all__ = ["GatherUnit", "Unit", "Use"]
 
 
 class Use:
-    """One application of :class:`GatherUnit`: the full parameters one forward of the
-    unit's module sees, and how many saved-tensor handles of them backward still holds."""
+    """One application of :class:`GatherUnit`: how many saved-tensor handles of the full
+    parameters it produced backward still holds. Handles reference their use, so it must
+    not reference the parameters: the graph would keep them alive (see _call.py)."""
 
-    __slots__ = ("outputs", "pending")
+    __slots__ = ("pending",)
 
     def __init__(self) -> None:
-        self.outputs: tuple[torch.Tensor, ...] = ()
         self.pending = 0
 
 
@@ -73,7 +74,7 @@ class Unit:
 
     __slots__ = (
         "layout", "unit", "key", "shards", "group", "rank", "replicate_group", "slots", "runtime", "full", "storages",
-        "inflight", "use", "originals", "hooks", "range", "handles", "calls", "grads",
+        "inflight", "use", "outputs", "originals", "hooks", "range", "handles", "calls", "grads",
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, key: tuple[int, str], shards: list[torch.Tensor], mesh: Any,
@@ -83,7 +84,7 @@ class Unit:
         self.key = key  # (index of its tree in the runtime, unit path): the prefetch order's entries
         self.shards = shards
         self.group = mesh.group("shard")  # all-gathers and reduce-scatters
-        self.rank = mesh.axis_rank("shard")  # this rank's row of an all-gather's output
+        self.rank = layout.shard_rank(mesh)  # this rank's row of an all-gather's output
         # Gradients are averaged over the other ranks holding the same shard: the
         # "replicate" axis of a 2-D mesh, or the whole 1-D mesh under NO_SHARD.
         self.replicate_group = mesh.group("replicate") if mesh.ndim == 2 else self.group
@@ -93,6 +94,7 @@ class Unit:
         self.storages: dict[int, int] = {}  # id() of their storages -> leaf index (fake tensors have no data_ptr)
         self.inflight: Any = None  # a prefetched all-gather: (work, input, output); input is a row of output
         self.use: Use | None = None  # the use whose parameters the module holds (or reuses) in this call
+        self.outputs: tuple[torch.Tensor, ...] | None = None  # that use's full parameters, while the call runs
         self.originals: list[torch.Tensor] | None = None  # the module's own tensors, while entered
         self.hooks: Any = None
         self.range: Any = None  # the profiler range of the unit's forward, while entered
@@ -200,32 +202,39 @@ class Unit:
 
     # -- one forward of the unit's module ----------------------------------------------
 
-    def new_use(self, purpose: Purpose) -> Use:
+    def start_use(self, purpose: Purpose) -> tuple[torch.Tensor, ...]:
         """Applies :class:`GatherUnit`: gathers (or reuses) the full parameters for a forward.
 
-        A use that builds a graph node (grad enabled, a trainable shard, and not a remat
-        recompute in backward, whose node backward never runs) is counted: the unit's
-        gradients are reduced after the last counted use's backward (shardfn._reduce).
+        They become ``self.outputs`` of a new ``self.use`` until the use ends
+        (:meth:`end_use`). A use that builds a graph node (grad enabled, a trainable shard,
+        and not a remat recompute in backward, whose node backward never runs) is counted:
+        the unit's gradients are reduced after the last counted use's backward
+        (shardfn._reduce).
         """
-        use = Use()
         builds_graph = torch.is_grad_enabled() and any(s.requires_grad for s in self.shards)
         if builds_graph and torch._C._current_graph_task_id() == -1:
             self.grads.count_node()
-        use.outputs = GatherUnit.apply(self, purpose, *self.shards)
+        self.use = Use()
+        self.outputs = GatherUnit.apply(self, purpose, *self.shards)
         if purpose is Purpose.GATHER:
             self.calls += 1
-        return use
+        return self.outputs
+
+    def end_use(self) -> None:
+        """The current use's forward is over: only the graph (through handles) refers to it."""
+        self.use = None
+        self.outputs = None
 
     def enter(self, handles: Any) -> None:
         """Places the current use's parameters into the module; ``handles``: the
         saved-tensor hooks to run the module under (None for none)."""
-        use = self.use
-        assert use is not None
+        outputs = self.outputs
+        invariant(outputs is not None, f"unit {self.unit.name!r} entered without gathered parameters")
         self.range = torch.profiler.record_function(f"shardfn::forward[{self.unit.name}]")
         self.range.__enter__()
         self.originals = [sub._parameters[attr] for sub, attr, _ in self.slots]
         for sub, attr, i in self.slots:
-            sub._parameters[attr] = use.outputs[i]
+            sub._parameters[attr] = outputs[i]
         if handles is not None:
             self.hooks = handles
             self.hooks.__enter__()
@@ -242,7 +251,7 @@ class Unit:
             self.range.__exit__(None, None, None)
             self.range = None
         if self.layout.strategy.reshard_after_forward:
-            self.use = None
+            self.end_use()
             self.release()
 
 

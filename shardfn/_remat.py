@@ -37,7 +37,7 @@ def remat_forward(active_unit: Callable[[], Any], forward: Callable[..., Any]) -
 
         def region(*args: Any, **kwargs: Any) -> Any:
             recompute = torch._C._current_graph_task_id() != -1
-            unit.use = unit.new_use(Purpose.REGATHER if recompute else Purpose.GATHER)
+            unit.start_use(Purpose.REGATHER if recompute else Purpose.GATHER)
             if not selective:  # see Unit.prefetchable
                 unit.runtime.prefetch_after(unit.key, forward=not recompute)
             unit.enter(None)
@@ -46,7 +46,7 @@ def remat_forward(active_unit: Callable[[], Any], forward: Callable[..., Any]) -
             finally:
                 unit.exit()
                 if not unit.layout.strategy.reshard_after_forward:
-                    unit.use = None  # the kept parameters live on in unit.full
+                    unit.end_use()  # the kept parameters live on in unit.full
 
         context_fn = _selective(unit.layout.plan.remat.save) if selective else _no_contexts
         return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

@@ -149,12 +149,14 @@ def test_gloo_average_really_averages(clusters, world):
 
 
 def freed_for_real():
-    """Weak references to every gathered tensor: FULL_SHARD's frees must release memory."""
+    """Weak references to the storage of every gathered tensor: FULL_SHARD's frees must
+    release memory, not only the unit's own references (the graph, saved-tensor handles or
+    anything they hold must not keep a storage alive)."""
     import weakref
 
     from shardfn._gather import Unit
 
-    refs = {}  # (event, unit) -> weakrefs of the full tensors it produced
+    refs = {}  # (event, unit) -> weakrefs of the storages of the full tensors it produced
     original = Unit.all_gather
     dead_at = []
 
@@ -164,7 +166,7 @@ def freed_for_real():
             # Every other unit's earlier gathers must be gone by now.
             alive = [key for key, rs in refs.items() if key[1] != self.unit.name and any(r() is not None for r in rs)]
             dead_at.append(((event, self.unit.name), alive))
-            refs[(event, self.unit.name)] = [weakref.ref(t) for t in full]
+            refs[(event, self.unit.name)] = [weakref.ref(t.untyped_storage()) for t in full]
         return full
 
     Unit.all_gather = spy
