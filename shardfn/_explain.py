@@ -66,7 +66,7 @@ class Explanation:
     mesh_shape: tuple[int, ...]
     units: tuple[UnitCost, ...]
     collectives: dict[str, tuple[int, int]]  # kind -> (count, bytes) per step and rank, all of them
-    persistent_bytes: int | None  # shards + optimizer state, before a step
+    persistent_bytes: int | None  # shards, buffers and optimizer state, before a step
     peak_bytes: int | None  # the most live tensor bytes during a step (None: no batch given)
 
     @property
@@ -98,7 +98,7 @@ class Explanation:
                     f"{mib(self.total('gather_bytes')):>11} {mib(self.total('reduce_bytes')):>11}")
         coll = ", ".join(f"{k} x{c} = {mib(b)} MiB" for k, (c, b) in sorted(self.collectives.items()))
         rows.append(f"  collectives per step and rank: {coll or 'none'}")
-        rows.append(f"  persistent per rank (shards + optimizer state): {mib(self.persistent_bytes)} MiB")
+        rows.append(f"  persistent per rank (shards, buffers, optimizer state): {mib(self.persistent_bytes)} MiB")
         if self.peak_bytes is None:
             rows.append("  predicted peak: pass batch= to simulate a step")
         else:

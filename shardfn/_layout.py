@@ -9,7 +9,7 @@ leaf ``i`` occupies columns ``offset_i : offset_i + chunk_i * row_numel_i`` of e
 row: rank ``r``'s chunk. Unpacking a leaf copies those columns out, rank after rank,
 and drops the padding rows; packing a gradient for the reduce-scatter does the reverse.
 A step does both for a whole unit in one copy (:func:`unpack_unit`, :func:`pack_unit`;
-see [Note: copies] in _call.py); :func:`unpack_leaf` and :func:`pack_leaf` do one leaf.
+see [Note: copies] in _gather.py and _reduce.py); :func:`unpack_leaf` and :func:`pack_leaf` do one leaf.
 Under NO_SHARD the "shard" is the whole parameter (``world`` is 1 for layout purposes)
 and the unit buffer is what the all-reduce runs on.
 """
@@ -148,8 +148,9 @@ class Layout:
         SHARD_GRAD_OP gathers once; all reduce-scatter once. NO_SHARD all-reduces once
         per unit. The hybrid strategies do what FULL_SHARD / SHARD_GRAD_OP do over the
         ``shard`` axis, then all-reduce each unit's shard-sized gradient over
-        ``replicate``. An axis of size one issues nothing. The step adds a scalar
-        all-reduce per mesh axis for the loss metric, which is not counted here.
+        ``replicate``. An axis of size one issues nothing. Not counted here: the step's
+        metrics all-reduce per mesh axis (8 bytes, plus 4 per floating-point buffer), and
+        the all-reduce that averages buffers some rank's forward changed.
         """
         out: dict[str, tuple[int, int]] = {}
         for u in self.units:
