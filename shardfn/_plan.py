@@ -264,13 +264,18 @@ class RematMode(enum.Enum):
 
     @classmethod
     def parse(cls, value: "RematMode | str") -> "RematMode":
-        if isinstance(value, RematMode):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"Remat(mode={value!r}): use RematMode.FULL ('full') or RematMode.SELECTIVE "
-                             "('selective').") from None
+        return parse_enum(cls, value, "Remat(mode=...)")
+
+
+def parse_enum(cls: type[enum.Enum], value: object, what: str) -> Any:
+    """``value`` as a member of the enum ``cls``: a member, or the value of one."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        choices = " or ".join(f"{cls.__name__}.{m.name} ({m.value!r})" for m in cls)
+        raise ValueError(f"{what}: {value!r} is not one of them; use {choices}.") from None
 
 
 # Matmuls and the scaled-dot-product-attention kernels of the CPU and CUDA backends.

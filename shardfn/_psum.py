@@ -15,18 +15,19 @@ over the real parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 
 from . import _collectives as C
 from ._events import Purpose
 from ._runtime import current
+from ._tree import TensorTree
 
 __all__ = ["Gradients", "global_norm", "psum", "sum_of_squares"]
 
 
-class Gradients(Mapping):
+class Gradients(TensorTree):
     """The gradients a step hands its optimizer: name -> shard gradient, with their norm.
 
     ``global_norm`` is the L2 norm of the whole gradient over every rank's shards, which
@@ -36,20 +37,11 @@ class Gradients(Mapping):
     its own norm is computed when asked.
     """
 
-    __slots__ = ("_data", "global_norm")
+    __slots__ = ("global_norm",)
 
     def __init__(self, data: Mapping[str, torch.Tensor], global_norm: torch.Tensor):
         self._data = dict(data)
         self.global_norm = global_norm
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
 
     def __repr__(self) -> str:
         return f"Gradients({len(self)} leaves, global_norm={float(self.global_norm):.6g})"

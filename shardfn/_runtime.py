@@ -40,6 +40,7 @@ from torch.distributed import ReduceOp
 
 from . import _collectives as C
 from ._events import CollectiveLog, observe, observers
+from ._plan import parse_enum
 
 __all__ = ["Accumulate", "Runtime", "active", "current", "invariant"]
 
@@ -52,15 +53,7 @@ class Accumulate(enum.Enum):
 
     @classmethod
     def parse(cls, value: "Accumulate | str") -> "Accumulate":
-        if isinstance(value, Accumulate):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"jit_step: accumulate must be Accumulate.REDUCE_EACH ('reduce_each') or Accumulate.LOCAL ('local'), "
-                f"got {value!r}"
-            ) from None
+        return parse_enum(cls, value, "jit_step(accumulate=...)")
 
 
 def invariant(ok: bool, message: str) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
 from ._plan import Plan, Strategy, check_unit_modules, make_plan
 from ._precision import Precision
-from ._tree import check_names, tree_info
+from ._tree import TensorTree, check_names, tree_info
 
 __all__ = ["ShardedParams", "gather", "shard"]
 
@@ -27,7 +27,7 @@ _DISAGREE = (
 )
 
 
-class ShardedParams(Mapping):
+class ShardedParams(TensorTree):
     """This rank's state: a read-only mapping name -> tensor, plus its layout and mesh.
 
     Keys are the names of the model's state tree (see [Note: the state tree]): for each
@@ -42,21 +42,12 @@ class ShardedParams(Mapping):
         >>> print(sharded.layout)                          # units, bytes per rank, collectives
     """
 
-    __slots__ = ("_data", "layout", "mesh")
+    __slots__ = ("layout", "mesh")
 
     def __init__(self, data: Mapping[str, torch.Tensor], layout: Layout, mesh: Mesh):
         self._data = dict(data)
         self.layout = layout
         self.mesh = mesh
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
 
     def replace(self, values: Mapping[str, torch.Tensor]) -> "ShardedParams":
         """A new tree with the same layout, some leaves replaced."""

@@ -14,11 +14,28 @@ computed once per model, from the module tree, by :func:`tree_info`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
+import torch
 import torch.nn as nn
 
-__all__ = ["TreeInfo", "check_names", "tree_info"]
+__all__ = ["TensorTree", "TreeInfo", "check_names", "tree_info"]
+
+
+class TensorTree(Mapping):
+    """A read-only mapping name -> tensor over ``self._data``: the trees shardfn hands out
+    (:class:`shardfn.ShardedParams`, the gradients a step gives its optimizer)."""
+
+    __slots__ = ("_data",)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 @dataclasses.dataclass(frozen=True)
