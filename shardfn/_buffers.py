@@ -46,7 +46,13 @@ class StepBuffers:
         return torch.tensor(out, dtype=torch.float32, device=device)
 
     def sync(self, changed_anywhere: torch.Tensor, mesh) -> list[str]:
-        """Averages the buffers some rank changed over the whole mesh; returns their names."""
+        """Averages the buffers some rank changed over the whole mesh; returns their names.
+
+        A planning run (shardfn.explain, fake tensors) has no values, so it cannot know
+        which buffers change: it averages none.
+        """
+        if is_fake(changed_anywhere):
+            return []
         names = [n for n, f in zip(self.floating, changed_anywhere.tolist()) if f > 0]
         if not names or mesh.size == 1:
             return names

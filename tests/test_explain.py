@@ -161,3 +161,16 @@ def test_overlapped_reductions_cost_no_memory_over_blocking_ones(clusters):
     # done: waiting after allocating raised the peak by one unsharded gradient buffer
     # (unit_grad bytes), holding every unit's until the end of backward by several.
     assert overlapped <= blocking, (overlapped, blocking, unit_grad)
+
+
+def test_a_model_with_buffers_plans_too():
+    # BatchNorm statistics are state in the tree: the simulated step carries them (no
+    # values, so it averages none) and persistent bytes include them.
+    from shardfn.testing.models import ConvNet
+
+    report = sf.explain(ConvNet(), 2, "FULL_SHARD", torch.zeros(4, 3, 8, 8),
+                        loss_fn=lambda apply, p, b: apply(p, b).square().mean(), verbose=False)
+    buffers = sum(b.numel() * b.element_size() for b in ConvNet().buffers())
+    shards = sum(u.param_bytes for u in report.units)
+    assert report.persistent_bytes == shards + buffers + sum(u.optim_bytes for u in report.units) + 8  # + AdamW count
+    assert report.collectives["all_reduce"] == (1, 8 + 4 * 4)  # metrics: loss, norm and 4 buffer flags

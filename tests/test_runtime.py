@@ -46,6 +46,15 @@ def test_apply_twice_with_accumulation_and_hybrid(clusters, options):
         assert report.failures() == []
 
 
+@pytest.mark.parametrize("mode", list(sf.RematMode))
+def test_apply_twice_with_remat(clusters, mode):
+    # The recompute's GatherUnit node never runs backward: it is not counted as a use.
+    plans = [sf.Plan(s, remat=sf.Remat(mode=mode)) for s in ("FULL_SHARD", "SHARD_GRAD_OP")]
+    report = check_equivalence(gpt_model, two_views_gpt, gpt_batches(), optimizer=ADAMW, strategies=plans,
+                               world_sizes=[2], clusters=clusters)
+    assert report.failures() == []
+
+
 def counts_with_two_applies(strategy):
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
