@@ -2,6 +2,8 @@
 
 from . import checkpoint as checkpoint
 from . import optim as optim
+from ._batch import Mean as Mean
+from ._batch import MicroBatches as MicroBatches
 from ._events import CollectiveLog as CollectiveLog
 from ._events import Purpose as Purpose
 from ._events import Residency as Residency
@@ -60,7 +62,9 @@ __all__ = [
     "LeafLayout",
     "LiveBytes",
     "LossScaleState",
+    "Mean",
     "Mesh",
+    "MicroBatches",
     "NoShard",
     "Params",
     "Plan",

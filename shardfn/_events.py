@@ -52,7 +52,8 @@ class Purpose(str, enum.Enum):
     GATHER = "gather"  # a unit's parameters for its forward
     REGATHER = "regather"  # the same again in backward (FULL_SHARD, or a remat recompute)
     REDUCE = "reduce"  # a unit's gradients
-    METRICS = "metrics"  # the step's loss, gradient norm and buffer-change flags
+    METRICS = "metrics"  # the step's loss, gradient norm, buffer-change flags (and Mean counts, aux)
+    MICRO_BATCHES = "micro_batches"  # ranks compare their numbers of micro-batches (MicroBatches)
     BUFFERS = "buffers"  # averaging buffers the forward changed
     PSUM = "psum"  # an optimizer's shardfn.optim.psum
     LAYOUT = "layout"  # shard(): ranks compare their layouts

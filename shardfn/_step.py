@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
 from . import _collectives as C
+from ._batch import MicroBatches, agree_on_micro_batches, count_tokens, objective, split, uneven_error
 from ._buffers import StepBuffers
 from ._events import Purpose
 from ._layout import Layout
@@ -34,6 +35,10 @@ _NOT_LOSS_SCALED = (
     "step(sharded, opt_state, ...): this step scales the loss (jit_step(loss_scale=...)), so its optimizer state "
     "carries the scale: a shardfn.LossScaleState, got {got}. Build it with opt_state = step.init(sharded)."
 )
+_NO_ELEMENTS = (
+    "[rank {rank}] step: the Mean losses of this step count 0 elements on every rank (every label padding?): "
+    "there is nothing to average. Nothing was updated; skip such batches."
+)
 _USED_DIRECTLY = (
     "loss_fn used the shards of {names} directly, not through apply(params, ...): a shard is this rank's dim-0 "
     "chunk of the parameter, not the parameter. Call apply(params, ...) (or compute the term from "
@@ -56,6 +61,8 @@ class Step:
         loss_scale: DynamicLossScale | None,
         overlap: bool,
         prefetch: bool,
+        has_aux: bool,
+        mean_aux: bool,
     ):
         self.loss_fn = loss_fn
         self.mesh = mesh
@@ -67,6 +74,8 @@ class Step:
         self.loss_scale = loss_scale
         self.overlap = overlap
         self.prefetch = prefetch
+        self.has_aux = has_aux
+        self.mean_aux = mean_aux
         # Not state of the model: the units' forward order (a prefetch hint, recorded on
         # each step for the next) and the layout of the first call (to catch other shards).
         self.order: list[tuple[int, str]] = []
@@ -90,12 +99,17 @@ class Step:
         )
         try:
             with active(rt):
-                loss, grads = self._grads(rt, sharded, batch, scale)
-                # The loss, the gradients' sum of squares and the buffer-change flags share one
-                # all-reduce per mesh axis.
-                loss, norm, changed = self._reduce_metrics(layout, loss, sum_of_squares(grads),
-                                                           buffers.flags(self.mesh.device))
+                loss, count, grads, auxes = self._grads(rt, sharded, batch, scale)
+                # The loss, the gradients' sum of squares, Mean's count, the buffer-change flags
+                # (and the aux to average) share one all-reduce per mesh axis.
+                reduced = self._reduce_metrics(layout, loss, count, sum_of_squares(grads),
+                                               buffers.flags(self.mesh.device), auxes, len(auxes))
+                loss, norm, changed, rescale = reduced["loss"], reduced["norm"], reduced["changed"], reduced["rescale"]
+                if rescale is not None:  # [Note: token-weighted losses]
+                    torch._foreach_mul_(list(grads.values()), rescale)
                 metrics: dict[str, Any] = {"loss": loss, "grad_norm": _scalar(norm)}
+                if self.has_aux:
+                    metrics["aux"] = reduced["aux"]
                 metrics.update(hyperparams(self.optimizer, inner))
                 skip = False
                 if self.loss_scale is not None:
@@ -127,25 +141,36 @@ class Step:
             new = sharded.replace(replaced) if replaced else sharded
         else:
             new = sharded.replace({**apply_updates(sharded.params(), updates), **buffers.work})
-        metrics["tokens"] = _count_tokens(batch) * self.mesh.size
+        metrics["tokens"] = count_tokens(batch) * self.mesh.size
         metrics["comm_bytes"] = dict(rt.log.bytes())
         return new, opt_state, metrics
 
-    def _grads(self, rt: Runtime, sharded: ShardedParams, batch: Any, scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Mean loss over the micro-batches, and the averaged gradients of the trainable shards."""
+    def _grads(self, rt: Runtime, sharded: ShardedParams, batch: Any,
+               scale: float) -> tuple[torch.Tensor, float | None, dict[str, torch.Tensor], list[Any]]:
+        """This rank's loss (the mean over micro-batches, or with Mean the sum of totals),
+        Mean's count (or None), the reduced gradients of the trainable shards, the aux of each
+        micro-batch."""
         trainable = [n for n, leaf in sharded.layout.leaves.items() if leaf.requires_grad]
         leaves = [sharded[n] for n in trainable]
-        k = self.micro_batches
+        batches = split(batch, self.micro_batches)
+        sizes = agree_on_micro_batches(batch, self.mesh) if isinstance(batch, MicroBatches) else None
+        k = len(batches)
         grads: dict[str, torch.Tensor] = {}
-        losses = []
+        values, counts, auxes = [], [], []
         # Gradients of the mean over micro-batches and ranks (see [Note: averaging
         # gradients]), times the fp16 loss scale, divided out below.
         factor = rt.loss_factor(k) * scale
-        for i in range(k):
-            mb = batch if k == 1 else _micro_batch(batch, i, k)
+        for i, mb in enumerate(batches):
             rt.start_micro_batch(last=i == k - 1)
-            loss = self._loss(sharded, mb, trainable)
-            losses.append(loss.detach())
+            loss, count, aux = objective(self.loss_fn(sharded, mb), self.has_aux, bool(leaves))
+            if counts and (count is None) != (counts[0] is None):
+                raise TypeError("loss_fn returned shardfn.Mean for some micro-batches and a plain loss for others; "
+                                "return one kind in a step.")
+            if count is None and sizes is not None and sizes[0] != sizes[1]:
+                raise uneven_error(sizes)
+            values.append(loss.detach())
+            counts.append(count)
+            auxes.append(aux)
             if not leaves:
                 continue
             try:
@@ -161,32 +186,45 @@ class Step:
         out = {n: grads[n] if n in grads else torch.zeros_like(sharded[n]) for n in trainable}
         if scale != 1.0:
             out = {n: g.div_(scale) for n, g in out.items()}
-        return torch.stack(losses).mean(), out
+        if counts[0] is None:
+            return torch.stack(values).mean(), None, out, auxes
+        return torch.stack([v.float() for v in values]).sum(), float(sum(counts)), out, auxes
 
-    def _loss(self, sharded: ShardedParams, batch: Any, trainable: list[str]) -> torch.Tensor:
-        loss = self.loss_fn(sharded, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
-        if trainable and not loss.requires_grad:
-            raise ValueError(
-                "loss_fn returned a tensor that does not depend on the parameters: call apply(params, ...) on the "
-                "params loss_fn receives (the sharded tree), not on a captured copy."
-            )
-        return loss.reshape(())
+    def _reduce_metrics(self, layout: Layout, loss: torch.Tensor, count: float | None, sq: torch.Tensor,
+                        flags: torch.Tensor, auxes: list[Any], k: int) -> dict[str, Any]:
+        """Global loss and gradient norm, which buffers changed on any rank (and Mean's global
+        count, the averaged aux): one all-reduce (sum) per mesh axis of
+        ``[loss, sum of squares, (count), flags..., (aux...)]``.
 
-    def _reduce_metrics(self, layout: Layout, loss: torch.Tensor, sq: torch.Tensor,
-                        flags: torch.Tensor) -> tuple[float | None, torch.Tensor, torch.Tensor]:
-        """Global mean loss, global gradient norm and which buffers changed on any rank:
-        one all-reduce (sum) per mesh axis of ``[loss, sum of squares, flags...]``.
-
-        The loss is averaged over every rank (equal-sized batches). The sum of squares is
-        summed over all ranks and divided by the number of replicas of each shard, which
-        hold the same gradients. A buffer flag is positive where some rank changed it.
+        A plain loss is averaged over every rank (equal-sized batches); with Mean, the loss
+        is the sum of totals over the global count, and the gradients are to be multiplied
+        by ``rescale`` (see [Note: token-weighted losses]). The sum of squares is summed over
+        all ranks and divided by the number of replicas of each shard, which hold the same
+        gradients. A buffer flag is positive where some rank changed it.
         """
-        v = torch.cat([torch.stack([loss.detach().float(), sq.float()]).to(self.mesh.device), flags])
+        device = self.mesh.device
+        head = [loss.detach().float(), sq.float()] + ([torch.tensor(count)] if count is not None else [])
+        aux_flat, unflatten = _flat_aux(auxes) if self.has_aux and self.mean_aux else (torch.zeros(0), None)
+        v = torch.cat([torch.stack([t.to(device) for t in head]), flags, aux_flat.to(device)])
         if self.mesh.size > 1:
             C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM)
-        return _scalar(v[0] / self.mesh.size), (v[1] / layout.replicas).sqrt(), v[2:]
+        n = len(head)
+        norm = (v[1] / layout.replicas).sqrt()
+        out: dict[str, Any] = {"changed": v[n : n + flags.numel()], "rescale": None}
+        if count is None:
+            out["loss"] = _scalar(v[0] / self.mesh.size)
+        else:
+            total = v[2]
+            if not is_fake(total) and float(total) == 0:
+                raise ValueError(_NO_ELEMENTS.format(rank=self.mesh.rank))
+            rescale = self.mesh.size * k / total
+            out["loss"], out["rescale"] = _scalar(v[0] / total), rescale
+            norm = norm * rescale
+        out["norm"] = norm
+        if self.has_aux:
+            out["aux"] = unflatten(v[n + flags.numel():] / self.mesh.size) if unflatten is not None else (
+                auxes[0] if len(auxes) == 1 else list(auxes))
+        return out
 
     def _check(self, sharded: Any, opt_state: Any) -> None:
         if not isinstance(sharded, ShardedParams):
@@ -238,28 +276,23 @@ def _scalar(t: torch.Tensor) -> float | None:
     return None if is_fake(t) else float(t)
 
 
-def _micro_batch(batch: Any, i: int, k: int) -> Any:
-    def take(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        if t.shape[0] % k:
-            raise ValueError(
-                f"jit_step(micro_batches={k}): a local batch of {t.shape[0]} rows does not split into {k} equal "
-                f"micro-batches; use a per-rank batch size divisible by {k}."
-            )
-        b = t.shape[0] // k
-        return t[i * b : (i + 1) * b]
+def _flat_aux(auxes: list[Any]) -> tuple[torch.Tensor, Any]:
+    """The aux of every micro-batch, averaged over them and flattened (fp32), and a function
+    that rebuilds the aux tree from such a flat tensor."""
+    flat = [pytree.tree_flatten(a) for a in auxes]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat):
+        raise TypeError("loss_fn's aux must have the same structure in every micro-batch to be averaged.")
+    leaves = [[torch.as_tensor(x).detach().float() for x in leaves] for leaves, _ in flat]
+    means = [torch.stack(per).mean(0) for per in zip(*leaves)]
+    shapes = [m.shape for m in means]
+    flat_tensor = torch.cat([m.reshape(-1) for m in means]) if means else torch.zeros(0)
 
-    return pytree.tree_map(take, batch)
+    def unflatten(v: torch.Tensor) -> Any:
+        parts = v.split([s.numel() for s in shapes]) if shapes else []
+        return pytree.tree_unflatten([p.reshape(s) for p, s in zip(parts, shapes)], spec)
 
-
-def _count_tokens(batch: Any) -> int:
-    """Elements of the batch's first integer tensor (token ids), else its rows."""
-    leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    for t in leaves:
-        if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
-            return t.numel()
-    return leaves[0].shape[0] if leaves and leaves[0].dim() else 0
+    return flat_tensor, unflatten
 
 
 def jit_step(
@@ -274,15 +307,21 @@ def jit_step(
     loss_scale: DynamicLossScale | None = None,
     overlap: bool = True,
     prefetch: bool = True,
+    has_aux: bool = False,
+    mean_aux: bool = False,
 ) -> Step:
     """Builds ``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``.
 
     ``loss_fn(params, batch)`` is written as for one device: it calls ``apply(params, ...)``
-    (as many times as it likes) and returns the mean loss over its batch. Each rank passes
-    its own slice of the global batch (equal sizes); gradients are averaged over ranks, so
-    a step equals one single-device step on the global batch. ``metrics["loss"]`` is the
+    (as many times as it likes) and returns the mean loss over its batch, or a
+    :class:`shardfn.Mean` ``(total, count)`` (a sum and the number of elements summed, for
+    losses over padded tokens: the step then optimises the mean over every element of the
+    global batch, see [Note: token-weighted losses]). Each rank passes its own slice of the
+    global batch (equal sizes, for a plain loss); gradients are averaged over ranks, so a
+    step equals one single-device step on the global batch. ``metrics["loss"]`` is the
     global mean loss. The step returns the whole state updated: parameter shards, buffers
-    (running statistics, averaged over ranks) and optimizer state.
+    (running statistics, averaged over ranks) and optimizer state. The batch may be a
+    :class:`shardfn.MicroBatches` of micro-batches of any sizes.
 
     Args:
         loss_fn: ``(params, batch) -> scalar tensor``.
@@ -316,6 +355,12 @@ def jit_step(
             order recorded on the previous step; reversed for backward's regathers), at
             most one in flight; costs about one more unit of memory under FULL_SHARD.
             ``False`` gathers each unit only when it runs, for comparison.
+        has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` a pytree of tensors (accuracy,
+            router statistics), as JAX's ``has_aux``. ``metrics["aux"]`` is this rank's aux
+            (a list, one per micro-batch, when there are several).
+        mean_aux: with ``has_aux``: ``metrics["aux"]`` is the aux averaged over micro-batches
+            and ranks instead (fp32 tensors of the same tree), riding on the metrics
+            all-reduce (4 bytes per element more, no extra collective).
 
     ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
     gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),
@@ -341,4 +386,7 @@ def jit_step(
     accumulate = Accumulate.parse(accumulate)
     if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
         raise TypeError(f"jit_step: loss_scale must be a shardfn.DynamicLossScale, got {loss_scale!r}")
-    return Step(loss_fn, mesh, optimizer, donate, micro_batches, accumulate, sync_buffers, loss_scale, overlap, prefetch)
+    if mean_aux and not has_aux:
+        raise ValueError("jit_step(mean_aux=True) averages loss_fn's aux: pass has_aux=True too.")
+    return Step(loss_fn, mesh, optimizer, donate, micro_batches, accumulate, sync_buffers, loss_scale, overlap, prefetch,
+                has_aux, mean_aux)

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .._batch import Mean
 from .._functionalize import Apply, functionalize
 from .._mesh import Mesh
 from .._sharded import ShardedParams, gather, shard
@@ -56,12 +57,20 @@ def reference_training(model_fn, loss_fn: LossFn, batches: Sequence[Any], optimi
     losses = []
     for batch in batches:
         trainable = [n for n, p in state.items() if p.requires_grad]
-        loss = loss_fn(apply, state, batch)  # buffers change in place (or are replaced) in ``state``
+        loss = _plain_loss(loss_fn(apply, state, batch))  # buffers change in place (or are replaced) in ``state``
         grads = dict(zip(trainable, torch.autograd.grad(loss, [state[n] for n in trainable])))
         updates, opt_state = opt.update(grads, opt_state, state)
         state = {n: t.detach().requires_grad_(t.requires_grad) for n, t in apply_updates(state, updates).items()}
         losses.append(float(loss.detach()))
     return losses, {n: t.detach() for n, t in state.items()}
+
+
+def _plain_loss(out: Any) -> torch.Tensor:
+    """A loss_fn's result as the scalar to differentiate: ``(loss, aux)`` -> loss,
+    ``Mean(total, count)`` -> total / count (the mean over the global batch)."""
+    if isinstance(out, tuple) and not isinstance(out, Mean):
+        out = out[0]
+    return out.total / out.count if isinstance(out, Mean) else out
 
 
 def full_state(sharded: ShardedParams) -> dict[str, torch.Tensor]:
