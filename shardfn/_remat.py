@@ -8,6 +8,12 @@ without any saved-tensor handle of ours: the checkpoint keeps only the region's 
 (full remat) or also the outputs of the ops the policy saves (selective remat). The
 recompute's GatherUnit node is never run backward (the original forward's node is), so
 it does not count as a use of the unit (shardfn._reduce).
+
+Buffers: the recompute runs in backward, after ``functional_call`` has put the module
+tree's meta buffers back. The region keeps copies of the unit's buffers as the original
+forward found them and runs the recompute on those: it computes what the forward computed,
+and a running statistic it updates (BatchNorm in train mode) is updated once, by the
+original forward, not again by the recompute.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ def remat_forward(active_unit: Callable[[], Any], forward: Callable[..., Any]) -
         if unit is None or unit.unit.remat is None:
             return forward(*args, **kwargs)
         selective = unit.unit.remat is RematMode.SELECTIVE
+        module = forward.__self__
+        # The unit's buffers as this forward finds them (functional_call has put the tree's in).
+        kept = [(sub, name, t.detach().clone()) for sub in module.modules() for name, t in sub._buffers.items()
+                if t is not None]
 
         def region(*args: Any, **kwargs: Any) -> Any:
             recompute = torch._C._current_graph_task_id() != -1
@@ -41,9 +51,14 @@ def remat_forward(active_unit: Callable[[], Any], forward: Callable[..., Any]) -
             if not selective:  # see Unit.prefetchable
                 unit.runtime.prefetch_after(unit.key, forward=not recompute)
             unit.enter(None)
+            swapped = [(sub, name, sub._buffers[name]) for sub, name, _ in kept] if recompute else []
+            for sub, name, t in kept if recompute else ():
+                sub._buffers[name] = t  # (no op here: selective remat replays the region's ops one for one)
             try:
                 return forward(*args, **kwargs)
             finally:
+                for sub, name, t in swapped:
+                    sub._buffers[name] = t
                 unit.exit()
                 if not unit.layout.strategy.reshard_after_forward:
                     unit.end_use()  # the kept parameters live on in unit.full

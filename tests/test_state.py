@@ -452,3 +452,31 @@ def test_integer_and_boolean_buffers_are_kept_not_averaged(clusters, donate):
         # would round it.
         assert torch.equal(buffers["scale"], torch.full((5,), 0.9))
         assert all(torch.equal(buffers[n], results[0][n]) for n in buffers)
+
+
+# -- remat of units that hold buffers ------------------------------------------------------------------
+
+
+def remat_with_batchnorm(mode):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(ConvNet())
+    remat = None if mode is None else sf.Remat(mode=mode, save=("convolution",) if mode == "selective" else ("mm",))
+    sharded = sf.shard(params, mesh, "FULL_SHARD", remat=remat)
+    opt = sf.optim.sgd(0.1)
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: conv_loss(apply, p, b), mesh, optimizer=opt)
+    for b in conv_batches(2):
+        sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+    return full_state(sharded)
+
+
+def test_remat_of_units_with_batchnorm_equals_no_remat(clusters):
+    # The recompute runs on copies of the unit's buffers as the forward found them: it neither
+    # sees the module tree's meta buffers nor updates the running statistics a second time.
+    plain = clusters[2].run(remat_with_batchnorm, None)[0]
+    for mode in ("full", "selective"):
+        rematted = clusters[2].run(remat_with_batchnorm, mode)[0]
+        assert int(rematted["blocks.0.bn.num_batches_tracked"]) == 2  # one update per forward, not two
+        for n in plain:
+            assert torch.equal(rematted[n], plain[n]), (mode, n)
