@@ -39,6 +39,7 @@ from ._plan import by_prefix as by_prefix
 from ._precision import DynamicLossScale as DynamicLossScale
 from ._precision import LossScaleState as LossScaleState
 from ._precision import Precision as Precision
+from ._reshard import reshard as reshard
 from ._runtime import Accumulate as Accumulate
 from ._sharded import ShardedParams as ShardedParams
 from ._sharded import gather as gather
@@ -91,6 +92,7 @@ __all__ = [
     "materialize",
     "optim",
     "record_collectives",
+    "reshard",
     "shard",
     "track_live_bytes",
     "track_residency",

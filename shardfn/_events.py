@@ -59,6 +59,7 @@ class Purpose(str, enum.Enum):
     LAYOUT = "layout"  # shard(): ranks compare their layouts
     LOAD = "load"  # shard(src_rank=...): values sent from one rank
     STATE_DICT = "state_dict"  # gather(): full parameters
+    RESHARD = "reshard"  # reshard(): a unit's full values, to be cut the new way
     TEST = "test"  # issued by a test
 
     def __str__(self) -> str:

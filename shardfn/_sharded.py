@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,16 +42,17 @@ class ShardedParams(TensorTree):
         >>> print(sharded.layout)                          # units, bytes per rank, collectives
     """
 
-    __slots__ = ("layout", "mesh")
+    __slots__ = ("layout", "mesh", "module")
 
-    def __init__(self, data: Mapping[str, torch.Tensor], layout: Layout, mesh: Mesh):
+    def __init__(self, data: Mapping[str, torch.Tensor], layout: Layout, mesh: Mesh, module: nn.Module | None = None):
         self._data = dict(data)
         self.layout = layout
         self.mesh = mesh
+        self.module = module  # the model's module tree on the meta device (no state), when known
 
     def replace(self, values: Mapping[str, torch.Tensor]) -> "ShardedParams":
         """A new tree with the same layout, some leaves replaced."""
-        return ShardedParams({**self._data, **values}, self.layout, self.mesh)
+        return ShardedParams({**self._data, **values}, self.layout, self.mesh, self.module)
 
     def params(self) -> dict[str, torch.Tensor]:
         """The parameter shards only (no buffers)."""
@@ -80,8 +81,8 @@ class ShardedParams(TensorTree):
 
 pytree.register_pytree_node(
     ShardedParams,
-    lambda s: (list(s._data.values()), (tuple(s._data), s.layout, s.mesh)),
-    lambda values, ctx: ShardedParams(dict(zip(ctx[0], values)), ctx[1], ctx[2]),
+    lambda s: (list(s._data.values()), (tuple(s._data), s.layout, s.mesh, s.module)),
+    lambda values, ctx: ShardedParams(dict(zip(ctx[0], values)), ctx[1], ctx[2], ctx[3]),
     serialized_type_name="shardfn.ShardedParams",
 )
 
@@ -150,19 +151,7 @@ def shard(
         raise TypeError(f"shard(): params[{bad[0]!r}] is a {type(params[bad[0]]).__name__}, not a tensor.")
     plan = make_plan(strategy, units=units, precision=precision, remat=remat)
     module: nn.Module | None = getattr(params, "module", None)
-    info = tree_info(module, list(params))
-    if module is not None:
-        check_names(params.keys(), info.names, what="shard(params, ...)")
-    unit_paths = plan.units.resolve(module, list(info.params))
-    check_unit_modules(module, unit_paths)
-    _check_mesh(plan.strategy, mesh)
-    world = mesh.axis_size("shard") if plan.strategy.sharded else 1
-    replicas = mesh.size // world
-    unit_modules = {p: module.get_submodule(p) for p in unit_paths} if module is not None else {}
-    if module is not None:
-        unit_modules[""] = module
-    remat_units = plan.remat.select(module, list(info.params), unit_paths) if plan.remat is not None else {}
-    layout = build_layout(plan, mesh.shape, world, replicas, params, unit_paths, info, unit_modules, remat_units)
+    layout = layout_for(params, module, mesh, plan)
     if seed is not None and src_rank is not None:
         raise ValueError("shard(): pass seed= (deferred init) or src_rank= (load from one rank), not both.")
     meta = [n for n, t in params.items() if t.is_meta] if seed is None and src_rank is None else []
@@ -187,7 +176,24 @@ def shard(
             data.update({n: params[n].detach().to(mesh.device, copy=True) for n in layout.buffers})
     for n, leaf in layout.leaves.items():
         data[n].requires_grad_(leaf.requires_grad)
-    return ShardedParams({n: data[n] for n in (*layout.leaves, *layout.buffers)}, layout, mesh)
+    return ShardedParams({n: data[n] for n in (*layout.leaves, *layout.buffers)}, layout, mesh, module)
+
+
+def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh: Mesh, plan: Plan) -> Layout:
+    """The layout of ``state`` (full tensors, or meta tensors of their shapes) under ``plan``
+    on ``mesh``: units and remat resolved against the module tree, the mesh checked."""
+    info = tree_info(module, list(state))
+    if module is not None:
+        check_names(state.keys(), info.names, what="shard(params, ...)")
+    unit_paths = plan.units.resolve(module, list(info.params))
+    check_unit_modules(module, unit_paths)
+    _check_mesh(plan.strategy, mesh)
+    world = mesh.axis_size("shard") if plan.strategy.sharded else 1
+    unit_modules = {p: module.get_submodule(p) for p in unit_paths} if module is not None else {}
+    if module is not None:
+        unit_modules[""] = module
+    remat_units = plan.remat.select(module, list(info.params), unit_paths) if plan.remat is not None else {}
+    return build_layout(plan, mesh.shape, world, mesh.size // world, state, unit_paths, info, unit_modules, remat_units)
 
 
 def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
@@ -235,23 +241,46 @@ def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.de
     keep = not rank0_only or mesh.rank == 0
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for unit in layout.units:
-            if layout.world == 1:
-                full = {n: sharded[n].detach().reshape(layout.leaves[n].shape).clone() for n in unit.leaves}
-            else:
-                flat = torch.cat([sharded[n].detach().reshape(-1) for n in unit.leaves])
-                got = torch.empty(layout.world * unit.numel, dtype=flat.dtype, device=flat.device)
-                C.all_gather(got, flat, mesh.group("shard"), Purpose.STATE_DICT, unit.name)
-                del flat
-                got2d = got.view(layout.world, unit.numel)
-                # Ranks that return nothing do not unpack: they hold one gathered unit at most.
-                full = {n: unpack_leaf(got2d, layout.leaves[n], layout.world) for n in unit.leaves} if keep else {}
-                del got, got2d
-            if keep:
-                out.update({n: t.to(device) if device is not None else t for n, t in full.items()})
+        for _, full in full_units(layout, mesh, sharded, Purpose.STATE_DICT, unpack=keep):
+            out.update({n: t.to(device) if device is not None else t for n, t in full.items()})
         if keep:
             out.update({n: sharded[n].detach().to(device, copy=True) if device is not None else sharded[n].detach().clone()
                         for n, b in layout.buffers.items() if b.persistent})
     if not keep:
         return {}
     return {key: out[name] for key, name in layout.state_dict_keys if name in out}
+
+
+def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], purpose: Purpose,
+               unpack: bool = True) -> Iterator[tuple[Any, dict[str, torch.Tensor]]]:
+    """Each unit's full values, one unit at a time (every rank must iterate to the end).
+
+    ``values`` maps leaf names to tensors shaped like their shards (the parameters, or an
+    optimizer state's moments); a unit with none of them is skipped, and a leaf of the unit
+    it lacks travels as zeros. One all-gather of the flat buffer per unit; ``unpack=False``
+    takes part without unpacking (and yields nothing).
+    """
+    for unit in layout.units:
+        names = [n for n in unit.leaves if n in values]
+        if not names:
+            continue
+        if layout.world == 1:  # the shard is the whole tensor: nothing to gather
+            if unpack:
+                yield unit, {n: values[n].detach().reshape(layout.leaves[n].shape).clone() for n in names}
+            continue
+        else:
+            ref = values[names[0]]
+            flat = torch.cat([
+                (values[n].detach() if n in values else torch.zeros(layout.leaves[n].shard_shape, dtype=ref.dtype,
+                                                                     device=ref.device)).reshape(-1)
+                for n in unit.leaves
+            ])
+            got = torch.empty(layout.world * unit.numel, dtype=flat.dtype, device=flat.device)
+            C.all_gather(got, flat, mesh.group("shard"), purpose, unit.name)
+            del flat
+            got2d = got.view(layout.world, unit.numel)
+            # Ranks that return nothing do not unpack: they hold one gathered unit at most.
+            full = {n: unpack_leaf(got2d, layout.leaves[n], layout.world) for n in names} if unpack else {}
+            del got, got2d
+        if unpack:
+            yield unit, full

@@ -1,0 +1,127 @@
+"""reshard: the same state under another plan or mesh of the same world, in memory.
+
+[Note: resharding]
+``reshard`` computes the target layout exactly as ``shard`` does (from the layout's global
+shapes and the module tree the tree keeps), checks that every rank agrees on it, then
+moves the values unit by unit: one all-gather of the old unit's shards gives its full
+tensors (a NO_SHARD source already holds them), from which each rank keeps its rows under
+the new layout. Optimizer-state tensors laid out like the parameter shards (AdamW's
+moments, SGD's momentum) move the same way, one all-gather per unit and state tensor
+group; scalars (step counts, the loss scale) stay as they are. Only copies: the result is
+bitwise the same state. At most one unit's full values live at a time, beside the old and
+the new shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ._events import Purpose
+from ._functionalize import Params
+from ._layout import Layout, local_shard
+from ._mesh import Mesh
+from ._plan import Plan, Strategy, make_plan
+from ._sharded import ShardedParams, full_units, layout_for, verify_agreement
+
+__all__ = ["reshard"]
+
+
+def reshard(
+    sharded: ShardedParams,
+    opt_state: Any = None,
+    plan: Plan | Strategy | str | None = None,
+    *,
+    mesh: Mesh | None = None,
+    units: Any = None,
+    precision: Any = None,
+    remat: Any = None,
+) -> tuple[ShardedParams, Any]:
+    """The same parameters, buffers and optimizer state under another plan or mesh.
+
+    Every rank calls it. The world stays the same (to change the number of ranks, save a
+    checkpoint and load it there). Build a new step for the result: a step belongs to one
+    layout.
+
+    Args:
+        sharded: this rank's state (from :func:`shardfn.shard` or a step).
+        opt_state: its optimizer state, or ``None``. Tensors laid out like the shards move
+            with them; other leaves (counts, the loss scale) are kept.
+        plan: the target strategy or :class:`shardfn.Plan`; default the current plan.
+        mesh: the target mesh (same number of ranks; e.g. a 2-D mesh for HYBRID_SHARD);
+            default the current one.
+        units, precision, remat: replace those fields of the plan, as in ``shard``.
+
+    Returns:
+        ``(sharded, opt_state)`` under the new layout, bitwise equal to the inputs as full
+        tensors (see [Note: resharding]); new tensors, sharing no memory with the inputs.
+
+    Example:
+        >>> sharded, opt_state = shardfn.reshard(sharded, opt_state, "SHARD_GRAD_OP")
+        >>> step = shardfn.jit_step(loss_fn, mesh, optimizer=opt)
+    """
+    if not isinstance(sharded, ShardedParams):
+        raise TypeError(f"reshard() expects the ShardedParams from shard(), got {type(sharded).__name__}")
+    old, old_mesh = sharded.layout, sharded.mesh
+    mesh = mesh or old_mesh
+    if mesh.size != old_mesh.size:
+        raise ValueError(
+            f"reshard(): {mesh!r} has {mesh.size} ranks and the shards live on {old_mesh!r} with {old_mesh.size}. "
+            "reshard keeps the world; to change the number of ranks, save a checkpoint (shardfn.checkpoint.save) "
+            "and load it into shards made on the new world."
+        )
+    plan = make_plan(plan if plan is not None else old.plan, units=units, precision=precision, remat=remat)
+    # What shard() needs to build the layout: the global shapes (meta) and the buffers.
+    stand_in = Params({
+        n: torch.empty(leaf.shape, dtype=leaf.dtype, device="meta").requires_grad_(leaf.requires_grad)
+        for n, leaf in old.leaves.items()
+    })
+    stand_in.update({n: sharded[n] for n in old.buffers})
+    layout = layout_for(stand_in, sharded.module, mesh, plan)
+    verify_agreement(layout, mesh)
+    params = _move(old, old_mesh, sharded.params(), layout, mesh)
+    for n, leaf in layout.leaves.items():
+        params[n].requires_grad_(leaf.requires_grad)
+    buffers = {n: sharded[n].detach().clone() for n in layout.buffers}
+    new = ShardedParams({**params, **buffers}, layout, mesh, sharded.module)
+    return new, _move_state(opt_state, old, old_mesh, layout, mesh)
+
+
+def _move(old: Layout, old_mesh: Mesh, values: dict[str, torch.Tensor], new: Layout, mesh: Mesh) -> dict[str, torch.Tensor]:
+    """Leaf name -> its shard under ``new``, from shards under ``old`` (one unit at a time)."""
+    rank = new.shard_rank(mesh)
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for _, full in full_units(old, old_mesh, values, Purpose.RESHARD):
+            for n, t in full.items():
+                out[n] = local_shard(t, new.leaves[n], rank, t.device)
+            del full
+    return out
+
+
+def _move_state(opt_state: Any, old: Layout, old_mesh: Mesh, new: Layout, mesh: Mesh) -> Any:
+    if opt_state is None:
+        return None
+    flat, spec = pytree.tree_flatten_with_path(opt_state)
+    groups: dict[str, dict[str, int]] = {}  # container path -> leaf name -> index in flat
+    for i, (path, leaf) in enumerate(flat):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"reshard(): optimizer state leaf opt_state{pytree.keystr(path)} is a {type(leaf).__name__}, not a "
+                "tensor (from_torch's state holds a torch optimizer): it cannot be resharded. Re-initialise it with "
+                "opt.init(new_sharded), or keep shardfn.optim's optimizers."
+            )
+        key = path[-1] if path else None
+        name = key.key if isinstance(key, pytree.MappingKey) else None
+        if name in old.leaves and tuple(leaf.shape) == old.leaves[name].shard_shape:
+            groups.setdefault(pytree.keystr(path[:-1]), {})[name] = i
+    # New tensors throughout, moved or not (counts, the loss scale): a step that updates the
+    # result in place must not reach into the state it came from.
+    leaves = [leaf.detach().clone() for _, leaf in flat]
+    for members in groups.values():
+        moved = _move(old, old_mesh, {n: leaves[i] for n, i in members.items()}, new, mesh)
+        for n, i in members.items():
+            leaves[i] = moved[n]
+    return pytree.tree_unflatten(leaves, spec)
