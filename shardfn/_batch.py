@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from torch._subclasses.fake_tensor import is_fake
+
 from . import _collectives as C
 from ._events import Purpose
 
@@ -153,8 +155,8 @@ def agree_on_micro_batches(batches: MicroBatches, mesh: Any) -> tuple[int, int]:
     return int(everyone[:, 1].min()), int(everyone[:, 2].max())
 
 
-def objective(out: Any, has_aux: bool, needs_grad: bool) -> tuple[torch.Tensor, float | None, Any]:
-    """``loss_fn``'s result as ``(what to back-propagate, Mean's count or None, aux)``."""
+def objective(out: Any, has_aux: bool, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """``loss_fn``'s result as ``(what to back-propagate, Mean's count (0-d fp32) or None, aux)``."""
     aux = None
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2) or isinstance(out, Mean):
@@ -164,14 +166,14 @@ def objective(out: Any, has_aux: bool, needs_grad: bool) -> tuple[torch.Tensor, 
     count = None
     if isinstance(out, Mean):
         out, count = out.total, out.count
-        if isinstance(count, torch.Tensor):
-            if count.numel() != 1:
-                raise TypeError(f"shardfn.Mean(total, count): count must be a number, got a tensor of shape "
-                                f"{tuple(count.shape)}.")
-            count = float(count.detach())
-        if not isinstance(count, (int, float)) or count < 0:
+        if isinstance(count, torch.Tensor) and count.numel() != 1:
+            raise TypeError(f"shardfn.Mean(total, count): count must be a number, got a tensor of shape "
+                            f"{tuple(count.shape)}.")
+        if not isinstance(count, (int, float, torch.Tensor)) or isinstance(count, bool):
             raise TypeError(f"shardfn.Mean(total, count): count must be a number >= 0, got {count!r}.")
-        count = float(count)
+        count = torch.as_tensor(count).detach().reshape(()).to(torch.float32)
+        if not is_fake(count) and not float(count) >= 0:  # a planning run (explain) has no values
+            raise TypeError(f"shardfn.Mean(total, count): count must be a number >= 0, got {float(count)!r}.")
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
         raise TypeError(_NOT_A_LOSS.format(aux=" (with has_aux: (loss, aux))" if has_aux else "",
                                            got=f"{type(out).__name__} {getattr(out, 'shape', '')}".strip()))

@@ -146,7 +146,7 @@ class Step:
         return new, opt_state, metrics
 
     def _grads(self, rt: Runtime, sharded: ShardedParams, batch: Any,
-               scale: float) -> tuple[torch.Tensor, float | None, dict[str, torch.Tensor], list[Any]]:
+               scale: float) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor], list[Any]]:
         """This rank's loss (the mean over micro-batches, or with Mean the sum of totals),
         Mean's count (or None), the reduced gradients of the trainable shards, the aux of each
         micro-batch."""
@@ -188,9 +188,9 @@ class Step:
             out = {n: g.div_(scale) for n, g in out.items()}
         if counts[0] is None:
             return torch.stack(values).mean(), None, out, auxes
-        return torch.stack([v.float() for v in values]).sum(), float(sum(counts)), out, auxes
+        return torch.stack([v.float() for v in values]).sum(), torch.stack(counts).sum(), out, auxes
 
-    def _reduce_metrics(self, layout: Layout, loss: torch.Tensor, count: float | None, sq: torch.Tensor,
+    def _reduce_metrics(self, layout: Layout, loss: torch.Tensor, count: torch.Tensor | None, sq: torch.Tensor,
                         flags: torch.Tensor, auxes: list[Any], k: int) -> dict[str, Any]:
         """Global loss and gradient norm, which buffers changed on any rank (and Mean's global
         count, the averaged aux): one all-reduce (sum) per mesh axis of
@@ -203,7 +203,7 @@ class Step:
         gradients. A buffer flag is positive where some rank changed it.
         """
         device = self.mesh.device
-        head = [loss.detach().float(), sq.float()] + ([torch.tensor(count)] if count is not None else [])
+        head = [loss.detach().float(), sq.float()] + ([count] if count is not None else [])
         aux_flat, unflatten = _flat_aux(auxes) if self.has_aux and self.mean_aux else (torch.zeros(0), None)
         v = torch.cat([torch.stack([t.to(device) for t in head]), flags, aux_flat.to(device)])
         if self.mesh.size > 1:

@@ -174,3 +174,13 @@ def test_a_model_with_buffers_plans_too():
     shards = sum(u.param_bytes for u in report.units)
     assert report.persistent_bytes == shards + buffers + sum(u.optim_bytes for u in report.units) + 8  # + AdamW count
     assert report.collectives["all_reduce"] == (1, 8 + 4 * 4)  # metrics: loss, norm and 4 buffer flags
+
+
+def test_a_token_weighted_loss_plans_too():
+    def token_mean(apply, params, batch):
+        logits = apply(params, batch)
+        return sf.Mean(logits.float().square().sum(), (batch != 0).sum())
+
+    report = sf.explain(GPT(CFG), 2, "FULL_SHARD", torch.zeros(2, CFG.seq_len, dtype=torch.long), loss_fn=token_mean,
+                        verbose=False)
+    assert report.collectives["all_reduce"] == (1, 12)  # the count rides on the metrics all-reduce
