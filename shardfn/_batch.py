@@ -190,7 +190,7 @@ def count_tokens(batch: Any) -> int:
     for t in leaves:
         if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
             return t.numel()
-    return leaves[0].shape[0] if leaves and leaves[0].dim() else 0
+    return rows(batch)
 
 
 def uneven_error(sizes: tuple[int, int]) -> ValueError:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from ._events import Collective, CollectiveCall, Purpose, emit, observers
+from ._events import Collective, CollectiveCall, Purpose, emit, label, observers
 
 __all__ = [
     "AVG", "MAX", "SUM", "all_gather", "all_gather_mesh", "all_reduce", "all_reduce_mesh", "barrier", "broadcast",
@@ -42,8 +42,7 @@ def _record(kind: Collective, group: ProcessGroup, t: torch.Tensor, purpose: Pur
 
 
 def _range(kind: Collective, purpose: Purpose, unit: str):
-    return torch.profiler.record_function(f"shardfn::{kind.value}[{purpose.value}:{unit}]" if unit
-                                          else f"shardfn::{kind.value}[{purpose.value}]")
+    return torch.profiler.record_function(f"shardfn::{kind.value}[{label(purpose, unit)}]")
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str = "",

@@ -92,7 +92,12 @@ class CollectiveCall:
     @property
     def tag(self) -> str:
         """``"purpose:unit"``, for display (profiler ranges use it); never parsed."""
-        return f"{self.purpose.value}:{self.unit}" if self.unit else self.purpose.value
+        return label(self.purpose, self.unit)
+
+
+def label(purpose: Purpose, unit: str = "") -> str:
+    """``"purpose:unit"`` (or ``"purpose"``): how a collective is named in displays and profiles."""
+    return f"{purpose.value}:{unit}" if unit else purpose.value
 
 
 class ResidencyEvent(NamedTuple):

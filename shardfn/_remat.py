@@ -41,9 +41,10 @@ def remat_forward(active_unit: Callable[[], Any], forward: Callable[..., Any]) -
             return forward(*args, **kwargs)
         selective = unit.unit.remat is RematMode.SELECTIVE
         module = forward.__self__
-        # The unit's buffers as this forward finds them (functional_call has put the tree's in).
+        # The unit's buffers as this forward finds them (functional_call has put the tree's in);
+        # without grad there is no backward, so no recompute to keep them for.
         kept = [(sub, name, t.detach().clone()) for sub in module.modules() for name, t in sub._buffers.items()
-                if t is not None]
+                if t is not None] if torch.is_grad_enabled() else []
 
         def region(*args: Any, **kwargs: Any) -> Any:
             recompute = torch._C._current_graph_task_id() != -1

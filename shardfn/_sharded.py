@@ -268,19 +268,18 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
             if unpack:
                 yield unit, {n: values[n].detach().reshape(layout.leaves[n].shape).clone() for n in names}
             continue
-        else:
-            ref = values[names[0]]
-            flat = torch.cat([
-                (values[n].detach() if n in values else torch.zeros(layout.leaves[n].shard_shape, dtype=ref.dtype,
-                                                                     device=ref.device)).reshape(-1)
-                for n in unit.leaves
-            ])
-            got = torch.empty(layout.world * unit.numel, dtype=flat.dtype, device=flat.device)
-            C.all_gather(got, flat, mesh.group("shard"), purpose, unit.name)
-            del flat
-            got2d = got.view(layout.world, unit.numel)
-            # Ranks that return nothing do not unpack: they hold one gathered unit at most.
-            full = {n: unpack_leaf(got2d, layout.leaves[n], layout.world) for n in names} if unpack else {}
-            del got, got2d
+        ref = values[names[0]]
+        flat = torch.cat([
+            (values[n].detach() if n in values else torch.zeros(layout.leaves[n].shard_shape, dtype=ref.dtype,
+                                                                 device=ref.device)).reshape(-1)
+            for n in unit.leaves
+        ])
+        got = torch.empty(layout.world * unit.numel, dtype=flat.dtype, device=flat.device)
+        C.all_gather(got, flat, mesh.group("shard"), purpose, unit.name)
+        del flat
+        got2d = got.view(layout.world, unit.numel)
+        # Ranks that return nothing do not unpack: they hold one gathered unit at most.
+        full = {n: unpack_leaf(got2d, layout.leaves[n], layout.world) for n in names} if unpack else {}
+        del got, got2d
         if unpack:
             yield unit, full
