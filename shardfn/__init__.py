@@ -15,6 +15,8 @@ from ._explain import explain as explain
 from ._functionalize import Apply as Apply
 from ._functionalize import Params as Params
 from ._functionalize import functionalize as functionalize
+from ._grad import Grad as Grad
+from ._grad import jit_grad as jit_grad
 from ._layout import BufferLayout as BufferLayout
 from ._layout import Layout as Layout
 from ._layout import LeafLayout as LeafLayout
@@ -39,6 +41,7 @@ from ._plan import by_prefix as by_prefix
 from ._precision import DynamicLossScale as DynamicLossScale
 from ._precision import LossScaleState as LossScaleState
 from ._precision import Precision as Precision
+from ._psum import on_shards as on_shards
 from ._reshard import reshard as reshard
 from ._runtime import Accumulate as Accumulate
 from ._sharded import ShardedParams as ShardedParams
@@ -57,6 +60,7 @@ __all__ = [
     "DynamicLossScale",
     "Explanation",
     "FullShard",
+    "Grad",
     "HybridShard",
     "HybridShardZero2",
     "Layout",
@@ -88,8 +92,10 @@ __all__ = [
     "explain",
     "functionalize",
     "gather",
+    "jit_grad",
     "jit_step",
     "materialize",
+    "on_shards",
     "optim",
     "record_collectives",
     "reshard",

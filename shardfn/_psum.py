@@ -3,9 +3,13 @@
 The analogue of ``jax.lax.psum`` inside ``shard_map``: an optimizer sees only this
 rank's shard of each parameter and gradient, so a statistic over a whole parameter (its
 norm, a trust ratio) is the sum of per-shard partial results over the ranks that hold
-the other shards. :func:`psum` does that sum; outside a step, or when parameters are not
-sharded (NO_SHARD, a world of one), it returns its input, so the same optimizer code runs
-unchanged on one device.
+the other shards. :func:`psum` does that sum inside a step, or inside
+:func:`on_shards` (code of your own on the shards, e.g. on the gradients of
+``shardfn.jit_grad``). When parameters are not sharded (NO_SHARD, a world of one) it
+returns its input, and so it does on one process, so the same optimizer code runs
+unchanged on one device. With several processes and neither a step nor ``on_shards``
+it cannot know which ranks hold the other shards, and raises rather than return a
+partial sum.
 
 [Note: padding]
 Padding rows of a shard are zero in parameters and gradients (packing zeroes them and the
@@ -15,16 +19,56 @@ over the real parameters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextvars
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import _collectives as C
 from ._events import Purpose
 from ._runtime import current
 from ._tree import TensorTree
 
-__all__ = ["Gradients", "global_norm", "psum", "sum_of_squares"]
+__all__ = ["Gradients", "global_norm", "on_shards", "psum", "sum_of_squares"]
+
+_NO_SCOPE = (
+    "[rank {rank}] shardfn.optim.psum (or global_norm, clip_by_global_norm) outside a step, on {world} processes: "
+    "it cannot tell which ranks hold the other shards of these tensors, and a sum over this rank's shard alone "
+    "would be silently wrong. Run it inside `with shardfn.on_shards(sharded):` (sharded: the ShardedParams "
+    "the tensors are shards of), or inside a step."
+)
+
+# (mesh, whether ranks on the "shard" axis hold different shards) set by on_shards().
+_SCOPE: contextvars.ContextVar[tuple[Any, bool] | None] = contextvars.ContextVar("shardfn_on_shards", default=None)
+
+
+@contextmanager
+def on_shards(sharded: Any) -> Iterator[None]:
+    """Code in the block works on this rank's shards of ``sharded``: :func:`psum` (and
+    ``global_norm``, ``clip_by_global_norm``) sums over the ranks holding the other shards.
+
+    A step sets this up for its optimizer by itself; use it for your own code on shards
+    outside a step, e.g. on the gradients of ``shardfn.jit_grad``. Every rank must run the
+    same psums in the same order.
+
+    Example:
+        >>> loss, grads, metrics = grad_fn(sharded, batch)
+        >>> with shardfn.on_shards(sharded):
+        ...     norms = {n: psum(g.float().square().sum()).sqrt() for n, g in grads.items()}
+        ...     updates, opt_state = opt.update(grads, opt_state, sharded)
+    """
+    layout = getattr(sharded, "layout", None)
+    if layout is None:
+        raise TypeError(f"on_shards(sharded): expected the ShardedParams from shardfn.shard(), got "
+                        f"{type(sharded).__name__}.")
+    token = _SCOPE.set((sharded.mesh, layout.strategy.sharded))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
 
 
 class Gradients(TensorTree):
@@ -50,18 +94,27 @@ class Gradients(TensorTree):
 def psum(t: torch.Tensor) -> torch.Tensor:
     """Sum of ``t`` over the ranks that hold the other shards of the parameters.
 
-    Every rank must call it (it is a collective inside a step). Outside a step, or
-    when parameters are replicated, it returns ``t`` unchanged.
+    Every rank must call it (it is a collective inside a step or :func:`on_shards`). When
+    parameters are replicated, or on one process, it returns ``t`` unchanged; elsewhere
+    it raises (see the module docstring).
 
     Example:
         >>> # inside an optimizer's update, on local shards:
         >>> param_norm = psum(p.square().sum()).sqrt()    # the norm of the whole parameter
     """
     rt = current()
-    if rt is None or not rt.sharded or rt.mesh.axis_size("shard") == 1:
+    if rt is not None:
+        mesh, sharded = rt.mesh, rt.sharded
+    elif (scope := _SCOPE.get()) is not None:
+        mesh, sharded = scope
+    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(_NO_SCOPE.format(rank=dist.get_rank(), world=dist.get_world_size()))
+    else:
+        return t
+    if not sharded or mesh.axis_size("shard") == 1:
         return t
     out = t.detach().clone()
-    C.all_reduce(out, rt.mesh.group("shard"), Purpose.PSUM, op=C.SUM)
+    C.all_reduce(out, mesh.group("shard"), Purpose.PSUM, op=C.SUM)
     return out
 
 

@@ -1,0 +1,305 @@
+"""jit_grad: a step's gradients as a tree of shards, for loops that do more than one update.
+
+[Note: gradients as a tree]
+``jit_grad(loss_fn, mesh)`` is everything a step does before its optimizer: the
+forward and backward of every micro-batch with just-in-time gathers, one reduction per
+unit, the metrics all-reduce (loss, gradient norm, ``Mean``'s count, buffer flags, aux)
+and the buffer averaging. :class:`shardfn.Step` runs the same :class:`Grad` and then its
+optimizer, inside the same runtime (so ``shardfn.optim.psum`` works in the optimizer), so
+the two cannot drift apart.
+
+The gradients are those of the global mean loss (of ``sum(total) / sum(count)`` for a
+:class:`shardfn.Mean`), laid out like the trainable parameters: name -> this rank's
+dim-0 shard, padding rows zero. They come as :class:`shardfn.optim.Gradients`, carrying
+their global norm, so ``clip_by_global_norm`` on them needs no collective. Buffers
+(running statistics) are updated in the tree you pass, and averaged over the ranks, as a
+step would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import is_fake
+
+from . import _collectives as C
+from ._batch import MicroBatches, agree_on_micro_batches, count_tokens, objective, split, uneven_error
+from ._buffers import StepBuffers
+from ._events import Purpose
+from ._layout import Layout
+from ._mesh import Mesh
+from ._psum import Gradients, sum_of_squares
+from ._runtime import Accumulate, Runtime, active
+from ._sharded import ShardedParams
+
+__all__ = ["Grad", "GradOut", "jit_grad"]
+
+_OTHER_LAYOUT = (
+    "{what}(sharded, ...): these shards have a different layout than the ones it was first called with.\n"
+    "  first call: {first!r}\n  this call:  {got!r}\n"
+    "A step or grad function (and the optimizer state) belongs to one layout: build a new one with "
+    "shardfn.jit_step(...) / shardfn.jit_grad(...) (and a new opt_state, opt.init(sharded)) for these shards, or "
+    "pass the shards it returned."
+)
+_NO_ELEMENTS = (
+    "[rank {rank}] {what}: the Mean losses of this step count 0 elements on every rank (every label padding?): "
+    "there is nothing to average. Nothing was updated; skip such batches."
+)
+_USED_DIRECTLY = (
+    "loss_fn used the shards of {names} directly, not through apply(params, ...): a shard is this rank's dim-0 "
+    "chunk of the parameter, not the parameter. Call apply(params, ...) (or compute the term from "
+    "shardfn.gather(...) outside the step)."
+)
+
+
+class GradOut(NamedTuple):
+    """What :meth:`Grad.run` yields: the global mean loss (0-d fp32), the gradient shards
+    and the metrics so far (``tokens`` and ``comm_bytes`` are added when the run ends)."""
+
+    loss: torch.Tensor
+    grads: Gradients
+    metrics: dict[str, Any]
+
+
+class Grad:
+    """``grad_fn(sharded, batch) -> (loss, grads, metrics)``; see :func:`jit_grad`."""
+
+    def __init__(self, loss_fn: Callable[..., Any], mesh: Mesh, *, micro_batches: int = 1,
+                 accumulate: Accumulate = Accumulate.REDUCE_EACH, sync_buffers: bool = True, overlap: bool = True,
+                 prefetch: bool = True, has_aux: bool = False, mean_aux: bool = False, what: str = "grad_fn"):
+        self.loss_fn = loss_fn
+        self.mesh = mesh
+        self.micro_batches = micro_batches
+        self.accumulate = accumulate
+        self.sync_buffers = sync_buffers
+        self.overlap = overlap
+        self.prefetch = prefetch
+        self.has_aux = has_aux
+        self.mean_aux = mean_aux
+        self.what = what  # how errors name the caller: "step" or "grad_fn"
+        # Not state of the model: the units' forward order (a prefetch hint, recorded on
+        # each call for the next) and the layout of the first call (to catch other shards).
+        self.order: list[tuple[int, int]] = []
+        self.layout: Layout | None = None
+
+    def __call__(self, sharded: ShardedParams, batch: Any) -> tuple[torch.Tensor, Gradients, dict[str, Any]]:
+        self.check(sharded)
+        buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=True, track=self.sync_buffers)
+        with self.run(sharded, batch, buffers) as out:
+            pass
+        replaced = {n: b for n, b in buffers.work.items() if b is not sharded[n]}
+        if replaced:
+            sharded._set_buffers(replaced)
+        return out.loss, out.grads, out.metrics
+
+    def check(self, sharded: Any) -> None:
+        if not isinstance(sharded, ShardedParams):
+            raise TypeError(
+                f"{self.what}(sharded, ...): expected the ShardedParams from shardfn.shard(), got "
+                f"{type(sharded).__name__}."
+            )
+        if sharded.mesh != self.mesh:
+            raise ValueError(
+                f"{self.what}(sharded, ...): the shards live on {sharded.mesh!r} but this {self.what} was built for "
+                f"{self.mesh!r}. Shard with the same mesh you pass to jit_step / jit_grad."
+            )
+        if self.layout is None:
+            self.layout = sharded.layout
+        elif sharded.layout is not self.layout and sharded.layout != self.layout:
+            raise ValueError(_OTHER_LAYOUT.format(what=self.what, first=self.layout, got=sharded.layout))
+
+    @contextmanager
+    def run(self, sharded: ShardedParams, batch: Any, buffers: StepBuffers, scale: float = 1.0) -> Iterator[GradOut]:
+        """Computes the gradients and metrics with ``buffers`` as the working buffers, and
+        yields them while the runtime is still active (a step runs its optimizer there)."""
+        layout = sharded.layout
+        rt = Runtime(
+            self.mesh, in_step=True, overlap=self.overlap, prefetch=self.prefetch, order=self.order,
+            accumulate=self.accumulate, owner=sharded, buffers=buffers,
+        )
+        try:
+            with active(rt):
+                loss, count, grads, auxes = self._grads(rt, sharded, batch, scale)
+                # The loss, the gradients' sum of squares, Mean's count, the buffer-change flags
+                # (and the aux to average) share one all-reduce per mesh axis.
+                reduced = self._reduce_metrics(layout, loss, count, sum_of_squares(grads),
+                                               buffers.flags(self.mesh.device), auxes, len(auxes))
+                if reduced["rescale"] is not None:  # [Note: token-weighted losses]
+                    torch._foreach_mul_(list(grads.values()), reduced["rescale"])
+                norm = reduced["norm"]
+                metrics: dict[str, Any] = {"loss": _scalar(reduced["loss"]), "grad_norm": _scalar(norm)}
+                if self.has_aux:
+                    metrics["aux"] = reduced["aux"]
+                if self.sync_buffers:
+                    buffers.sync(reduced["changed"], self.mesh)
+                yield GradOut(reduced["loss"], Gradients(grads, norm), metrics)
+        finally:
+            self.order = rt.finish()
+        metrics["tokens"] = count_tokens(batch) * self.mesh.size
+        metrics["comm_bytes"] = dict(rt.log.bytes())
+
+    def _grads(self, rt: Runtime, sharded: ShardedParams, batch: Any,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor], list[Any]]:
+        """This rank's loss (the mean over micro-batches, or with Mean the sum of totals),
+        Mean's count (or None), the reduced gradients of the trainable shards, the aux of each
+        micro-batch."""
+        trainable = [n for n, leaf in sharded.layout.leaves.items() if leaf.requires_grad]
+        leaves = [sharded[n] for n in trainable]
+        batches = split(batch, self.micro_batches)
+        sizes = agree_on_micro_batches(batch, self.mesh) if isinstance(batch, MicroBatches) else None
+        k = len(batches)
+        grads: dict[str, torch.Tensor] = {}
+        values, counts, auxes = [], [], []
+        # Gradients of the mean over micro-batches and ranks (see [Note: averaging
+        # gradients]), times the fp16 loss scale, divided out below.
+        factor = rt.loss_factor(k) * scale
+        for i, mb in enumerate(batches):
+            rt.start_micro_batch(last=i == k - 1)
+            loss, count, aux = objective(self.loss_fn(sharded, mb), self.has_aux, bool(leaves))
+            if counts and (count is None) != (counts[0] is None):
+                raise TypeError("loss_fn returned shardfn.Mean for some micro-batches and a plain loss for others; "
+                                "return one kind in a step.")
+            if count is None and sizes is not None and sizes[0] != sizes[1]:
+                raise uneven_error(sizes)
+            values.append(loss.detach())
+            counts.append(count)
+            auxes.append(aux)
+            if not leaves:
+                continue
+            try:
+                with torch.profiler.record_function("shardfn::backward"):
+                    direct = torch.autograd.grad(loss * factor if factor != 1.0 else loss, leaves, allow_unused=True)
+            except BaseException:
+                rt.wait_pending()
+                raise
+            rt.end_backward(grads)  # every reduction done; the reduced shard gradients added into grads
+            used = [n for n, g in zip(trainable, direct) if g is not None]
+            if used:
+                raise ValueError(_USED_DIRECTLY.format(names=", ".join(used[:4])))
+        out = {n: grads[n] if n in grads else torch.zeros_like(sharded[n]) for n in trainable}
+        if scale != 1.0:
+            out = {n: g.div_(scale) for n, g in out.items()}
+        if counts[0] is None:
+            return torch.stack(values).mean(), None, out, auxes
+        return torch.stack([v.float() for v in values]).sum(), torch.stack(counts).sum(), out, auxes
+
+    def _reduce_metrics(self, layout: Layout, loss: torch.Tensor, count: torch.Tensor | None, sq: torch.Tensor,
+                        flags: torch.Tensor, auxes: list[Any], k: int) -> dict[str, Any]:
+        """Global loss and gradient norm, which buffers changed on any rank (and Mean's global
+        count, the averaged aux): one all-reduce (sum) per mesh axis of
+        ``[loss, sum of squares, (count), flags..., (aux...)]``.
+
+        A plain loss is averaged over every rank (equal-sized batches); with Mean, the loss
+        is the sum of totals over the global count, and the gradients are to be multiplied
+        by ``rescale`` (see [Note: token-weighted losses]). The sum of squares is summed over
+        all ranks and divided by the number of replicas of each shard, which hold the same
+        gradients. A buffer flag is positive where some rank changed it.
+        """
+        device = self.mesh.device
+        head = [loss.detach().float(), sq.float()] + ([count] if count is not None else [])
+        aux_flat, unflatten = _flat_aux(auxes) if self.has_aux and self.mean_aux else (torch.zeros(0), None)
+        v = torch.cat([torch.stack([t.to(device) for t in head]), flags, aux_flat.to(device)])
+        if self.mesh.size > 1:
+            C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM)
+        n = len(head)
+        norm = (v[1] / layout.replicas).sqrt()
+        out: dict[str, Any] = {"changed": v[n : n + flags.numel()], "rescale": None}
+        if count is None:
+            out["loss"] = v[0] / self.mesh.size
+        else:
+            total = v[2]
+            if not is_fake(total) and float(total) == 0:
+                raise ValueError(_NO_ELEMENTS.format(rank=self.mesh.rank, what=self.what))
+            rescale = self.mesh.size * k / total
+            out["loss"], out["rescale"] = v[0] / total, rescale
+            norm = norm * rescale
+        out["norm"] = norm
+        if self.has_aux:
+            out["aux"] = unflatten(v[n + flags.numel():] / self.mesh.size) if unflatten is not None else (
+                auxes[0] if len(auxes) == 1 else list(auxes))
+        return out
+
+
+def _scalar(t: torch.Tensor) -> float | None:
+    """A metric as a Python float; ``None`` for a fake tensor (a planning run has no values)."""
+    return None if is_fake(t) else float(t)
+
+
+def _flat_aux(auxes: list[Any]) -> tuple[torch.Tensor, Any]:
+    """The aux of every micro-batch, averaged over them and flattened (fp32), and a function
+    that rebuilds the aux tree from such a flat tensor."""
+    flat = [pytree.tree_flatten(a) for a in auxes]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat):
+        raise TypeError("loss_fn's aux must have the same structure in every micro-batch to be averaged.")
+    leaves = [[torch.as_tensor(x).detach().float() for x in leaves] for leaves, _ in flat]
+    means = [torch.stack(per).mean(0) for per in zip(*leaves)]
+    shapes = [m.shape for m in means]
+    flat_tensor = torch.cat([m.reshape(-1) for m in means]) if means else torch.zeros(0)
+
+    def unflatten(v: torch.Tensor) -> Any:
+        parts = v.split([s.numel() for s in shapes]) if shapes else []
+        return pytree.tree_unflatten([p.reshape(s) for p, s in zip(parts, shapes)], spec)
+
+    return flat_tensor, unflatten
+
+
+def check_options(micro_batches: int, accumulate: Accumulate | str, has_aux: bool, mean_aux: bool,
+                  what: str) -> Accumulate:
+    """The options jit_step and jit_grad share, checked; returns ``accumulate`` parsed."""
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"{what}: micro_batches must be a positive int, got {micro_batches!r}")
+    if mean_aux and not has_aux:
+        raise ValueError(f"{what}(mean_aux=True) averages loss_fn's aux: pass has_aux=True too.")
+    return Accumulate.parse(accumulate)
+
+
+def jit_grad(
+    loss_fn: Callable[..., Any],
+    mesh: Mesh,
+    *,
+    micro_batches: int = 1,
+    accumulate: Accumulate | str = Accumulate.REDUCE_EACH,
+    sync_buffers: bool = True,
+    overlap: bool = True,
+    prefetch: bool = True,
+    has_aux: bool = False,
+    mean_aux: bool = False,
+) -> Grad:
+    """Builds ``grad_fn(sharded, batch) -> (loss, grads, metrics)``: a step without its update.
+
+    For loops that do something other than one optimizer update per batch: DiLoCo's outer
+    step, per-unit gradient statistics, the gradient noise scale, an update of your own.
+    ``loss_fn``, the batch and every option mean what they mean for :func:`shardfn.jit_step`,
+    which runs this same code and then its optimizer (see [Note: gradients as a tree]).
+
+    Returns, on every rank:
+        loss: the global mean loss, a 0-d fp32 tensor (the same on every rank).
+        grads: :class:`shardfn.optim.Gradients`, name -> this rank's shard of the gradient of
+            that loss, for every trainable parameter (shaped like its shard in ``sharded``;
+            padding rows zero), with ``grads.global_norm``. Feed them to
+            ``optimizer.update(grads, state, sharded)``; for statistics over whole
+            parameters sum over the shards with ``shardfn.optim.psum`` inside
+            ``shardfn.on_shards(sharded)``.
+        metrics: ``loss``, ``grad_norm``, ``tokens``, ``comm_bytes`` (and ``aux``), as a step's.
+
+    Buffers: the forward's updates of the buffers (running statistics) land in ``sharded``,
+    averaged over the ranks, as ``apply`` outside a step does.
+
+    Example:
+        >>> grad_fn = shardfn.jit_grad(loss_fn, mesh)
+        >>> loss, grads, metrics = grad_fn(sharded, batch)
+        >>> updates, opt_state = opt.update(grads, opt_state, sharded)
+        >>> shardfn.optim.apply_updates_(sharded, updates)
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"jit_grad: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"jit_grad: mesh must be a shardfn.Mesh, got {type(mesh).__name__}")
+    accumulate = check_options(micro_batches, accumulate, has_aux, mean_aux, "jit_grad")
+    return Grad(loss_fn, mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
+                overlap=overlap, prefetch=prefetch, has_aux=has_aux, mean_aux=mean_aux)
