@@ -4,6 +4,7 @@ from . import checkpoint as checkpoint
 from . import optim as optim
 from ._batch import Mean as Mean
 from ._batch import MicroBatches as MicroBatches
+from ._bind import bind as bind
 from ._events import CollectiveLog as CollectiveLog
 from ._events import Purpose as Purpose
 from ._events import Residency as Residency
@@ -85,6 +86,7 @@ __all__ = [
     "UnitCost",
     "UnitLayout",
     "UnitPolicy",
+    "bind",
     "by_module_type",
     "by_param_count",
     "by_prefix",

@@ -45,7 +45,7 @@ from ._remat import remat_forward
 from ._runtime import Runtime, current
 from ._tree import check_names
 
-__all__ = ["sharded_call"]
+__all__ = ["sharded_call", "units_for"]
 
 
 # -- saved tensors: handles instead of references ----------------------------------------
@@ -134,20 +134,11 @@ def _post_hook(apply: Any, path: str):
 def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
     """``apply(sharded, *args, **kwargs)``: see [Note: how a sharded call works]."""
     layout: Layout = sharded.layout
-    slots = _prepare(apply, layout)
     rt = current()
     if rt is None:  # outside a step: a runtime for this call alone
         rt = Runtime(sharded.mesh, in_step=False)
     store = rt.in_step and sharded is rt.owner
-
-    def build(index: int) -> dict[str, Unit]:
-        return {
-            u.path: Unit(layout, u, (index, u.path), [sharded[n] for n in u.leaves], sharded.mesh, slots[u.path], rt,
-                         store)
-            for u in layout.units
-        }
-
-    units = rt.units_of(sharded, build)
+    units = units_for(apply, sharded, rt)
     # Buffers: the step's working copies for the step's own tree, else the tree's own.
     buffers = rt.buffers.work if store and rt.buffers is not None else {n: sharded[n] for n in layout.buffers}
     state: dict[str, torch.Tensor] = dict(buffers)
@@ -178,6 +169,22 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
         if root is not None:
             # The graph holds what backward needs; the call itself no longer does.
             root.release()
+
+
+def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, Unit]:
+    """The units of ``sharded`` in runtime ``rt`` (built on first use), by unit path."""
+    layout: Layout = sharded.layout
+    slots = _prepare(apply, layout)
+    store = rt.in_step and sharded is rt.owner
+
+    def build(index: int) -> dict[str, Unit]:
+        return {
+            u.path: Unit(layout, u, (index, u.path), [sharded[n] for n in u.leaves], sharded.mesh, slots[u.path], rt,
+                         store)
+            for u in layout.units
+        }
+
+    return rt.units_of(sharded, build)
 
 
 def _prepare(apply: Any, layout: Layout) -> dict[str, list[tuple[nn.Module, str, int]]]:

@@ -111,6 +111,12 @@ class Unit:
         return self.unit.path == ""
 
     @property
+    def reshards(self) -> bool:
+        """Whether the unit lets go of its gathered parameters after its forward."""
+        rule = self.runtime.reshard_after_forward
+        return self.layout.strategy.reshard_after_forward if rule is None else rule
+
+    @property
     def entered(self) -> bool:
         return self.originals is not None
 
@@ -250,7 +256,7 @@ class Unit:
         if self.range is not None:
             self.range.__exit__(None, None, None)
             self.range = None
-        if self.layout.strategy.reshard_after_forward:
+        if self.reshards:
             self.end_use()
             self.release()
 

@@ -61,7 +61,7 @@ def remat_forward(active_unit: Callable[[], Any], forward: Callable[..., Any]) -
                 for sub, name, t in swapped:
                     sub._buffers[name] = t
                 unit.exit()
-                if not unit.layout.strategy.reshard_after_forward:
+                if not unit.reshards:
                     unit.end_use()  # the kept parameters live on in unit.full
 
         context_fn = _selective(unit.layout.plan.remat.save) if selective else _no_contexts

@@ -77,9 +77,13 @@ class Runtime:
         accumulate: Accumulate = Accumulate.REDUCE_EACH,
         owner: Any = None,
         buffers: Any = None,
+        reshard_after_forward: bool | None = None,
     ):
         self.mesh = mesh
         self.in_step = in_step
+        # Whether a unit lets go of its gathered parameters after its forward: the
+        # strategy's rule when None; shardfn.bind sets it (no backward follows there).
+        self.reshard_after_forward = reshard_after_forward
         self.overlap = overlap
         self.prefetch = prefetch
         self.order = list(order or [])  # (tree index, unit path) in the previous step's forward order

@@ -1,0 +1,129 @@
+"""shardfn.bind: the model as an nn.Module on shards; greedy decoding and HF generate."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+from shardfn.testing.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=29, seq_len=16, d_model=16, n_layers=3, n_heads=2)
+PROMPT = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
+NEW = 10
+
+
+def gpt():
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def greedy(model, prompt, new):
+    """Greedy decoding with the model called as a module, one forward per token."""
+    x = prompt
+    for _ in range(new):
+        x = torch.cat([x, model(x)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return x
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=61, n_positions=32, n_embd=24, n_layer=3, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def hf_generate(model, prompt, new):
+    return model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+
+
+MODELS = {"gpt": (gpt, greedy), "gpt2": (gpt2, hf_generate)}
+
+
+def decode_on_shards(name, strategy, keep, remat=None):
+    make, decode = MODELS[name]
+    mesh = sf.Mesh.from_group()
+    params, apply = sf.functionalize(make())
+    sharded = sf.shard(params, mesh, strategy, remat=remat)
+    apply.eval()
+    with sf.record_collectives() as log:
+        with sf.bind(apply, sharded, keep_gathered=keep) as model:
+            out = decode(model, PROMPT, NEW)
+    units = [u for u in sharded.layout.units if u.path]
+    meta_after = all(p.is_meta for p in apply.module.parameters())  # the module holds no state again
+    return out, dict(log.counts(purpose="gather")), len(units), any(u.path == "" for u in sharded.layout.units), \
+        meta_after
+
+
+def decode_plain(name):
+    make, decode = MODELS[name]
+    with torch.no_grad():
+        return decode(make().eval(), PROMPT, NEW)
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt2"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_decoding_on_shards_gives_the_single_process_tokens(clusters, name, world):
+    want = decode_plain(name)
+    assert want.shape == (2, 4 + NEW)
+    for keep in (False, True):
+        for out, gathers, units, has_root, meta_after in clusters[world].run(decode_on_shards, name, "FULL_SHARD", keep):
+            assert torch.equal(out, want), (keep, out, want)
+            assert units == CFG.n_layers and has_root and meta_after
+            # One all-gather of the root at entry; then per unit one for every forward
+            # (NEW of them: HF and our loop both run one forward per new token), or one in all.
+            assert gathers == {"all_gather": 1 + units * (1 if keep else NEW)}, (keep, gathers)
+
+
+@pytest.mark.parametrize("strategy, remat", [("SHARD_GRAD_OP", None), ("FULL_SHARD", sf.Remat())])
+def test_decoding_under_other_strategies_and_remat(clusters, strategy, remat):
+    # SHARD_GRAD_OP keeps units gathered until backward in a step; bind has no backward, so
+    # without keep_gathered it lets go after each forward too. Remat units gather inside
+    # their checkpoint region, which runs plainly under no_grad.
+    want = decode_plain("gpt")
+    for keep in (False, True):
+        for out, gathers, units, _, _ in clusters[2].run(decode_on_shards, "gpt", strategy, keep, remat):
+            assert torch.equal(out, want)
+            assert gathers == {"all_gather": 1 + units * (1 if keep else NEW)}, (keep, gathers)
+
+
+def test_bind_refuses_what_is_not_shards():
+    params, apply = sf.functionalize(gpt())
+    with pytest.raises(TypeError, match="expected the ShardedParams"):
+        with sf.bind(apply, params):
+            pass
+
+
+def bind_errors():
+    mesh = sf.Mesh.from_group()
+    params, apply = sf.functionalize(gpt())
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    messages = []
+    try:
+        with sf.bind(apply, sharded) as model:
+            model(torch.zeros(1, CFG.seq_len + 1, dtype=torch.long))  # the model raises in forward
+    except ValueError as e:
+        messages.append(str(e))
+    # After the error the module holds no state, and a call works again.
+    with sf.bind(apply, sharded) as model:
+        ok = model(PROMPT).shape == (2, 4, CFG.vocab_size)
+    def loss_fn(p, b):
+        with sf.bind(apply, p):
+            pass
+        return apply(p, b).sum()
+
+    step = sf.jit_step(loss_fn, mesh, optimizer=sf.optim.sgd(0.1))
+    try:
+        step(sharded, step.init(sharded), PROMPT)
+    except RuntimeError as e:
+        messages.append(str(e))
+    dist.barrier()
+    return messages, ok, all(p.is_meta for p in apply.module.parameters())
+
+
+def test_bind_cleans_up_after_an_error_and_refuses_a_step(clusters):
+    for messages, ok, meta in clusters[2].run(bind_errors):
+        assert "exceeds cfg.seq_len" in messages[0]
+        assert "inside a step" in messages[1]
+        assert ok and meta
