@@ -84,8 +84,7 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
     units = units_for(apply, sharded, rt)
     with torch.no_grad():
         state = {n: sharded[n] for n in layout.buffers}
-        root = units.get("")
-        if root is not None:
+        for root in units.get("", []):
             state.update(zip(root.unit.leaves, root.start_use(Purpose.GATHER)))
     names = [(alias, n) for n in state for alias in layout.aliases.get(n, (n,))]
     slots = _slots(apply.module, [alias for alias, _ in names])
@@ -99,7 +98,7 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
             yield apply.module
     finally:
         apply.calls.pop()
-        for unit in units.values():
+        for unit in (u for group in units.values() for u in reversed(group)):
             if unit.entered:  # a unit's forward raised
                 unit.exit()
             unit.end_use()

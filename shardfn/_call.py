@@ -59,10 +59,15 @@ class _Handle:
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
 
-def _saved_tensor_hooks(unit: Unit):
+def _saved_tensor_hooks(units: list[Unit]):
+    """Handles for the gathered parameters of ``units``: the units of one module (several
+    when its parameters have several dtypes, see [Note: mixed dtypes in a unit])."""
+
     def pack(t: torch.Tensor) -> Any:
-        if unit.storages and not t.is_sparse:
-            index = unit.storages.get(id(t.untyped_storage()))
+        if t.is_sparse:
+            return t
+        for unit in units:
+            index = unit.storages.get(id(t.untyped_storage())) if unit.storages else None
             if index is not None and unit.full is not None and t.dtype == unit.full[index].dtype:
                 unit.handles += 1
                 unit.use.pending += 1
@@ -99,31 +104,35 @@ def _saved_tensor_hooks(unit: Unit):
 # -- module hooks -----------------------------------------------------------------------
 
 
-def _active_unit(apply: Any, path: str) -> Unit | None:
-    """The unit at ``path`` of the sharded call of ``apply`` in progress, if any."""
-    return apply.calls[-1].get(path) if apply.calls else None
+def _active_units(apply: Any, path: str) -> list[Unit]:
+    """The units of the module at ``path`` in the sharded call of ``apply`` in progress
+    (one per dtype group; none outside a call)."""
+    return apply.calls[-1].get(path, []) if apply.calls else []
 
 
 def _pre_hook(apply: Any, path: str):
     def hook(module: nn.Module, args: Any) -> None:
-        unit = _active_unit(apply, path)
-        if unit is None or unit.unit.remat is not None:  # a remat unit gathers inside its checkpoint
+        units = _active_units(apply, path)
+        if not units or units[0].unit.remat is not None:  # a remat unit gathers inside its checkpoint
             return
-        if unit.use is None:  # SHARD_GRAD_OP reuses a unit called twice in one forward
-            unit.start_use(Purpose.GATHER)
-            unit.runtime.prefetch_after(unit.key, forward=True)
+        for unit in units:
+            if unit.use is None:  # SHARD_GRAD_OP reuses a unit called twice in one forward
+                unit.start_use(Purpose.GATHER)
+                unit.runtime.prefetch_after(unit.key, forward=True)
         # Handles only where the unit's memory can be dropped: a sharded strategy (NO_SHARD's
-        # full parameters are the shards themselves).
-        unit.enter(_saved_tensor_hooks(unit) if unit.layout.strategy.sharded else None)
+        # full parameters are the shards themselves). The first unit holds the hooks.
+        hooks = _saved_tensor_hooks(units) if units[0].layout.strategy.sharded else None
+        for i, unit in enumerate(units):
+            unit.enter(hooks if i == 0 else None)
 
     return hook
 
 
 def _post_hook(apply: Any, path: str):
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        unit = _active_unit(apply, path)
-        if unit is not None and unit.entered and unit.unit.remat is None:
-            unit.exit()
+        for unit in reversed(_active_units(apply, path)):
+            if unit.entered and unit.unit.remat is None:
+                unit.exit()
 
     return hook
 
@@ -139,11 +148,11 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
         rt = Runtime(sharded.mesh, in_step=False)
     store = rt.in_step and sharded is rt.owner
     units = units_for(apply, sharded, rt)
+    roots = units.get("", [])
     # Buffers: the step's working copies for the step's own tree, else the tree's own.
     buffers = rt.buffers.work if store and rt.buffers is not None else {n: sharded[n] for n in layout.buffers}
     state: dict[str, torch.Tensor] = dict(buffers)
-    root = units.get("")
-    if root is not None:
+    for root in roots:
         state.update(zip(root.unit.leaves, root.start_use(Purpose.GATHER)))
     precision = layout.plan.precision
     if precision.cast_inputs:
@@ -162,32 +171,36 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
         return cast_floating(out, precision.output)
     finally:
         apply.calls.pop()
-        for u in units.values():
+        for u in (u for group in units.values() for u in reversed(group)):
             if u.entered:  # the unit's forward raised: undo its hooks and parameters
                 u.exit()
             u.end_use()  # forward is over: only saved handles (and u.full) remain
-        if root is not None:
+        for root in roots:
             # The graph holds what backward needs; the call itself no longer does.
             root.release()
 
 
-def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, Unit]:
-    """The units of ``sharded`` in runtime ``rt`` (built on first use), by unit path."""
+def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:
+    """The units of ``sharded`` in runtime ``rt`` (built on first use), by module path:
+    one per dtype group of the module's parameters (see [Note: mixed dtypes in a unit])."""
     layout: Layout = sharded.layout
     slots = _prepare(apply, layout)
     store = rt.in_step and sharded is rt.owner
 
-    def build(index: int) -> dict[str, Unit]:
+    def build(index: int) -> dict[int, Unit]:
         return {
-            u.path: Unit(layout, u, (index, u.path), [sharded[n] for n in u.leaves], sharded.mesh, slots[u.path], rt,
-                         store)
+            u.index: Unit(layout, u, (index, u.index), [sharded[n] for n in u.leaves], sharded.mesh, slots[u.index],
+                          rt, store)
             for u in layout.units
         }
 
-    return rt.units_of(sharded, build)
+    by_path: dict[str, list[Unit]] = {}
+    for unit in rt.units_of(sharded, build).values():
+        by_path.setdefault(unit.unit.path, []).append(unit)
+    return by_path
 
 
-def _prepare(apply: Any, layout: Layout) -> dict[str, list[tuple[nn.Module, str, int]]]:
+def _prepare(apply: Any, layout: Layout) -> dict[int, list[tuple[nn.Module, str, int]]]:
     """Checks ``layout`` against the model once, registers unit hooks, returns the slots.
 
     A slot ``(submodule, attribute, leaf index)`` is one place a unit's full tensor goes;
@@ -197,10 +210,10 @@ def _prepare(apply: Any, layout: Layout) -> dict[str, list[tuple[nn.Module, str,
     if cached is not None and cached[0] is layout:
         return cached[1]
     check_names([*layout.leaves, *layout.buffers], apply.names, what="apply(sharded, ...)")
-    slots: dict[str, list[tuple[nn.Module, str, int]]] = {}
+    slots: dict[int, list[tuple[nn.Module, str, int]]] = {}
     for u in layout.units:
+        slots[u.index] = []
         if u.path == "":
-            slots[""] = []
             continue
         try:
             m = apply.module.get_submodule(u.path)
@@ -213,12 +226,11 @@ def _prepare(apply: Any, layout: Layout) -> dict[str, list[tuple[nn.Module, str,
             m.register_forward_pre_hook(_pre_hook(apply, u.path))
             m.register_forward_hook(_post_hook(apply, u.path), always_call=True)
             # Inert unless the unit is rematerialised in the active call's layout.
-            m.forward = remat_forward(lambda path=u.path: _active_unit(apply, path), m.forward)
+            m.forward = remat_forward(lambda path=u.path: _active_units(apply, path), m.forward)
             apply.hooked.add(u.path)
-        slots[u.path] = []
         for i, leaf in enumerate(u.leaves):
             for alias in layout.aliases.get(leaf, (leaf,)):
                 sub_path, _, attr = alias.rpartition(".")
-                slots[u.path].append((apply.module.get_submodule(sub_path), attr, i))
+                slots[u.index].append((apply.module.get_submodule(sub_path), attr, i))
     apply.prepared[id(layout)] = (layout, slots)
     return slots

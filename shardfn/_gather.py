@@ -77,11 +77,11 @@ class Unit:
         "inflight", "use", "outputs", "originals", "hooks", "range", "handles", "calls", "grads",
     )
 
-    def __init__(self, layout: Layout, unit: UnitLayout, key: tuple[int, str], shards: list[torch.Tensor], mesh: Any,
+    def __init__(self, layout: Layout, unit: UnitLayout, key: tuple[int, int], shards: list[torch.Tensor], mesh: Any,
                  slots: list, runtime: Any, store: bool):
         self.layout = layout
         self.unit = unit
-        self.key = key  # (index of its tree in the runtime, unit path): the prefetch order's entries
+        self.key = key  # (index of its tree in the runtime, unit index): the prefetch order's entries
         self.shards = shards
         self.group = mesh.group("shard")  # all-gathers and reduce-scatters
         self.rank = layout.shard_rank(mesh)  # this rank's row of an all-gather's output

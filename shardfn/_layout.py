@@ -77,10 +77,12 @@ class UnitLayout:
     param_dtype: torch.dtype  # what the unit is gathered and computed in (see _precision)
     reduce_dtype: torch.dtype  # what its gradients are reduced in
     remat: RematMode | None = None  # see shardfn.Remat
+    split: bool = False  # the module's parameters have several dtypes: this is the group of ``dtype``
 
     @property
     def name(self) -> str:
-        return self.path or "<root>"
+        base = self.path or "<root>"
+        return f"{base}[{str(self.dtype).removeprefix('torch.')}]" if self.split else base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,38 +246,32 @@ def build_layout(
     for path, names in members.items():
         if not names:
             continue
-        dtypes = {state[n].dtype for n in names}
-        if len(dtypes) > 1:
-            by_dtype: dict[torch.dtype, list[str]] = {}
-            for n in names:
-                by_dtype.setdefault(state[n].dtype, []).append(n)
-            # Fewest first: the odd ones out are what the user needs to see.
-            detail = "; ".join(
-                f"{dt}: {', '.join(ns[:4])}{' ...' if len(ns) > 4 else ''} ({len(ns)})"
-                for dt, ns in sorted(by_dtype.items(), key=lambda kv: len(kv[1]))
-            )
-            raise ValueError(
-                f"shard(): unit {path or '<root>'!r} mixes dtypes ({detail}); a unit is one flat buffer. "
-                "Cast the model to one dtype first (model.float()), or choose units that separate them."
-            )
-        offset = grad_offset = 0
+        # [Note: mixed dtypes in a unit] A unit is one flat buffer per dtype: a module whose
+        # parameters have several dtypes (a bf16 block with fp32 LoRA adapters or norms) is
+        # one unit per dtype group, all on the same module, in order of first appearance.
+        # Each group is gathered, reduced and accounted for on its own (one collective per
+        # group and direction), in its own dtype unless the Precision says otherwise.
+        groups: dict[torch.dtype, list[str]] = {}
         for n in names:
-            t = state[n]
-            rows = t.shape[0] if t.dim() else 1
-            chunk = -(-rows // world)
-            numel = chunk * (math.prod(t.shape[1:]) if t.dim() else 1)
-            # Frozen leaves are gathered with their unit but have no gradient: they take
-            # no space in the reduce-scatter (or all-reduce) buffer.
-            goff = grad_offset if t.requires_grad else -1
-            leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), chunk, offset, goff)
-            offset += numel
-            grad_offset += numel if t.requires_grad else 0
-        master = dtypes.pop()
-        param_dtype, reduce_dtype = plan.precision.unit_dtypes(path, unit_modules.get(path), master)
-        units.append(UnitLayout(
-            len(units), path, tuple(names), offset, master, grad_offset, param_dtype, reduce_dtype,
-            (remat or {}).get(path),
-        ))
+            groups.setdefault(state[n].dtype, []).append(n)
+        for master, group in groups.items():
+            offset = grad_offset = 0
+            for n in group:
+                t = state[n]
+                rows = t.shape[0] if t.dim() else 1
+                chunk = -(-rows // world)
+                numel = chunk * (math.prod(t.shape[1:]) if t.dim() else 1)
+                # Frozen leaves are gathered with their unit but have no gradient: they take
+                # no space in the reduce-scatter (or all-reduce) buffer.
+                goff = grad_offset if t.requires_grad else -1
+                leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), chunk, offset, goff)
+                offset += numel
+                grad_offset += numel if t.requires_grad else 0
+            param_dtype, reduce_dtype = plan.precision.unit_dtypes(path, unit_modules.get(path), master)
+            units.append(UnitLayout(
+                len(units), path, tuple(group), offset, master, grad_offset, param_dtype, reduce_dtype,
+                (remat or {}).get(path), len(groups) > 1,
+            ))
     buffers = {
         n: BufferLayout(n, tuple(state[n].shape), state[n].dtype, n in info.persistent) for n in info.buffers
     }

@@ -91,8 +91,12 @@ def unit_values(
 
 
 def _units_with_buffers(layout: Layout) -> list[UnitLayout]:
-    """The layout's units, plus an empty root unit when only buffers live outside the units."""
-    units = list(layout.units)
+    """One unit per module path (a module split by dtype is initialised once, see [Note:
+    mixed dtypes in a unit]), plus an empty root unit when only buffers live outside the units."""
+    first: dict[str, UnitLayout] = {}
+    for u in layout.units:
+        first.setdefault(u.path, u)
+    units = list(first.values())
     if not any(u.path == "" for u in units):
         units.insert(0, UnitLayout(-1, "", (), 0, torch.float32, 0, torch.float32, torch.float32))
     return units

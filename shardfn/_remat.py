@@ -31,14 +31,15 @@ from ._plan import RematMode
 __all__ = ["remat_forward"]
 
 
-def remat_forward(active_unit: Callable[[], Any], forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps a unit module's ``forward``: inert unless ``active_unit()`` (the unit in the
-    sharded call in progress) is rematerialised."""
+def remat_forward(active_units: Callable[[], list[Any]], forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a unit module's ``forward``: inert unless ``active_units()`` (the module's units
+    in the sharded call in progress, one per dtype group) are rematerialised."""
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        unit = active_unit()
-        if unit is None or unit.unit.remat is None:
+        units = active_units()
+        if not units or units[0].unit.remat is None:
             return forward(*args, **kwargs)
+        unit = units[0]
         selective = unit.unit.remat is RematMode.SELECTIVE
         module = forward.__self__
         # The unit's buffers as this forward finds them (functional_call has put the tree's in);
@@ -48,10 +49,11 @@ def remat_forward(active_unit: Callable[[], Any], forward: Callable[..., Any]) -
 
         def region(*args: Any, **kwargs: Any) -> Any:
             recompute = torch._C._current_graph_task_id() != -1
-            unit.start_use(Purpose.REGATHER if recompute else Purpose.GATHER)
-            if not selective:  # see Unit.prefetchable
-                unit.runtime.prefetch_after(unit.key, forward=not recompute)
-            unit.enter(None)
+            for u in units:
+                u.start_use(Purpose.REGATHER if recompute else Purpose.GATHER)
+                if not selective:  # see Unit.prefetchable
+                    u.runtime.prefetch_after(u.key, forward=not recompute)
+                u.enter(None)
             swapped = [(sub, name, sub._buffers[name]) for sub, name, _ in kept] if recompute else []
             for sub, name, t in kept if recompute else ():
                 sub._buffers[name] = t  # (no op here: selective remat replays the region's ops one for one)
@@ -60,9 +62,10 @@ def remat_forward(active_unit: Callable[[], Any], forward: Callable[..., Any]) -
             finally:
                 for sub, name, t in swapped:
                     sub._buffers[name] = t
-                unit.exit()
-                if not unit.reshards:
-                    unit.end_use()  # the kept parameters live on in unit.full
+                for u in reversed(units):
+                    u.exit()
+                    if not u.reshards:
+                        u.end_use()  # the kept parameters live on in u.full
 
         context_fn = _selective(unit.layout.plan.remat.save) if selective else _no_contexts
         return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

@@ -73,7 +73,7 @@ class Runtime:
         in_step: bool,
         overlap: bool = False,
         prefetch: bool = False,
-        order: list[tuple[int, str]] | None = None,
+        order: list[tuple[int, int]] | None = None,
         accumulate: Accumulate = Accumulate.REDUCE_EACH,
         owner: Any = None,
         buffers: Any = None,
@@ -86,8 +86,8 @@ class Runtime:
         self.reshard_after_forward = reshard_after_forward
         self.overlap = overlap
         self.prefetch = prefetch
-        self.order = list(order or [])  # (tree index, unit path) in the previous step's forward order
-        self.seen: list[tuple[int, str]] = []  # ... and in this one
+        self.order = list(order or [])  # (tree index, unit index) in the previous step's forward order
+        self.seen: list[tuple[int, int]] = []  # ... and in this one
         self.accumulate = accumulate
         self.last_micro_batch = True
         self.owner = owner  # the step's own sharded tree: its gradients are collected
@@ -95,7 +95,7 @@ class Runtime:
         self.log = CollectiveLog()
         # A step reports to the observers active when it started, and to its own log.
         self.observers = (*observers(), self.log) if in_step else observers()
-        self._trees: list[tuple[Any, dict[str, Any]]] = []  # (sharded tree, its units by path)
+        self._trees: list[tuple[Any, dict[int, Any]]] = []  # (sharded tree, its units by unit index)
         self._pending: list[tuple[Any, Any]] = []  # the reduction in flight: (work, buffers to keep alive)
         self.reduced: list[tuple[Any, Any]] = []  # (unit, reduced shard gradient), in order
         self.owned: set[int] = set()  # storages of gradients handed out in a world of one
@@ -121,7 +121,7 @@ class Runtime:
 
     # -- units ---------------------------------------------------------------------------
 
-    def units_of(self, tree: Any, build: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    def units_of(self, tree: Any, build: Callable[[int], dict[int, Any]]) -> dict[int, Any]:
         """The units of ``tree`` in this runtime, built by ``build(tree index)`` on first use."""
         for t, units in self._trees:
             if t is tree:
@@ -134,11 +134,11 @@ class Runtime:
         for _, units in self._trees:
             yield from units.values()
 
-    def _unit_at(self, key: tuple[int, str]) -> Any:
-        i, path = key
-        return self._trees[i][1].get(path) if i < len(self._trees) else None
+    def _unit_at(self, key: tuple[int, int]) -> Any:
+        i, index = key
+        return self._trees[i][1].get(index) if i < len(self._trees) else None
 
-    def prefetch_after(self, key: tuple[int, str], forward: bool) -> None:
+    def prefetch_after(self, key: tuple[int, int], forward: bool) -> None:
         """[Note: prefetch] With ``jit_step(prefetch=True)``, gathering a unit starts the
         all-gather of the unit that runs next: the next one in the forward order recorded
         on the previous step, or, in backward, the previous one that will be regathered.
@@ -204,7 +204,7 @@ class Runtime:
         for unit in self.units():
             unit.cancel_prefetch()
 
-    def finish(self) -> list[tuple[int, str]]:
+    def finish(self) -> list[tuple[int, int]]:
         """After the step: nothing in flight, nothing gathered; returns the order seen."""
         self.wait_pending()
         for unit in self.units():
