@@ -1,8 +1,9 @@
 """The runtime of a step: the one object that owns what lives while a step runs.
 
 [Note: the runtime]
-Each call of a step builds one :class:`Runtime` (outside a step, each call of ``apply`` on
-shards builds its own). It owns, for that step and no longer:
+Each call of a step (or of ``jit_grad``'s function) builds one :class:`Runtime`; outside a
+step, each call of ``apply`` on shards builds its own, and ``shardfn.bind`` one for its
+block. It owns, for that step and no longer:
 
 * the units of every sharded tree the step's forward runs (shardfn._gather), made on the
   first call of ``apply`` and shared by every later call in the step, so a unit that
