@@ -40,6 +40,11 @@ class StepBuffers:
         self.floating = [n for n in names if own[n].is_floating_point()] if track else []
         self.before = {n: own[n].clone() if donate else own[n] for n in self.floating}
 
+    def replaced(self, tree: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The working buffers that are not ``tree``'s own tensors (copies, or buffers the
+        forward replaced): what the tree must take after the step."""
+        return {n: b for n, b in self.work.items() if b is not tree[n]}
+
     def flags(self, device: torch.device) -> torch.Tensor:
         """1.0 for each floating-point buffer this rank's forward changed, else 0.0."""
         out = [0.0 if _same(self.work[n], self.before[n]) else 1.0 for n in self.floating]

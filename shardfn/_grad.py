@@ -91,7 +91,7 @@ class Grad:
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=True, track=self.sync_buffers)
         with self.run(sharded, batch, buffers) as out:
             pass
-        replaced = {n: b for n, b in buffers.work.items() if b is not sharded[n]}
+        replaced = buffers.replaced(sharded)
         if replaced:
             sharded._set_buffers(replaced)
         return out.loss, out.grads, out.metrics
@@ -248,9 +248,13 @@ def _flat_aux(auxes: list[Any]) -> tuple[torch.Tensor, Any]:
     return flat_tensor, unflatten
 
 
-def check_options(micro_batches: int, accumulate: Accumulate | str, has_aux: bool, mean_aux: bool,
-                  what: str) -> Accumulate:
-    """The options jit_step and jit_grad share, checked; returns ``accumulate`` parsed."""
+def check_options(loss_fn: Any, mesh: Any, micro_batches: int, accumulate: Accumulate | str, has_aux: bool,
+                  mean_aux: bool, what: str) -> Accumulate:
+    """The arguments jit_step and jit_grad share, checked; returns ``accumulate`` parsed."""
+    if not callable(loss_fn):
+        raise TypeError(f"{what}: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{what}: mesh must be a shardfn.Mesh, got {type(mesh).__name__}")
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"{what}: micro_batches must be a positive int, got {micro_batches!r}")
     if mean_aux and not has_aux:
@@ -296,10 +300,6 @@ def jit_grad(
         >>> updates, opt_state = opt.update(grads, opt_state, sharded)
         >>> shardfn.optim.apply_updates_(sharded, updates)
     """
-    if not callable(loss_fn):
-        raise TypeError(f"jit_grad: loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"jit_grad: mesh must be a shardfn.Mesh, got {type(mesh).__name__}")
-    accumulate = check_options(micro_batches, accumulate, has_aux, mean_aux, "jit_grad")
+    accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, has_aux, mean_aux, "jit_grad")
     return Grad(loss_fn, mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
                 overlap=overlap, prefetch=prefetch, has_aux=has_aux, mean_aux=mean_aux)

@@ -72,7 +72,7 @@ class Step:
                     else:
                         updates, inner = self.optimizer.update(grads, inner, sharded)
         opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner
-        replaced = {n: b for n, b in buffers.work.items() if b is not sharded[n]}
+        replaced = buffers.replaced(sharded)
         if updates is None or self.donate:
             if updates is not None:
                 apply_updates_(sharded, updates)
@@ -191,16 +191,12 @@ def jit_step(
         >>> opt_state = step.init(sharded)         # = opt.init(sharded) without loss_scale
         >>> sharded, opt_state, metrics = step(sharded, opt_state, batch)
     """
-    if not callable(loss_fn):
-        raise TypeError(f"jit_step: loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"jit_step: mesh must be a shardfn.Mesh, got {type(mesh).__name__}")
+    accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, has_aux, mean_aux, "jit_step")
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
         raise TypeError(
             f"jit_step: optimizer must have init and update functions (a GradientTransformation such as "
             f"shardfn.optim.adamw(3e-4)), got {type(optimizer).__name__}."
         )
-    accumulate = check_options(micro_batches, accumulate, has_aux, mean_aux, "jit_step")
     if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
         raise TypeError(f"jit_step: loss_scale must be a shardfn.DynamicLossScale, got {loss_scale!r}")
     grad = Grad(loss_fn, mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,

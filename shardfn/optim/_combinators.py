@@ -145,22 +145,20 @@ def stateless(
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
-    def update(grads: Params, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
-        _check_mapping(grads, "grads")
-        if not grads:
-            return {}, state
-        with torch.no_grad():
-            return fn(grads, params), state
+    def applying(f: Callable[..., Updates]) -> Callable[..., tuple[Updates, EmptyState]]:
+        def run(grads: Params, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+            _check_mapping(grads, "grads")
+            if not grads:
+                return {}, state
+            with torch.no_grad():
+                return f(grads, params), state
 
+        return run
+
+    update = applying(fn)
     if fn_ is None:
         return GradientTransformation(init, update, _no_hyperparams)
-
-    def in_place(grads: Params, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
-        _check_mapping(grads, "grads")
-        if not grads:
-            return {}, state
-        with torch.no_grad():
-            return fn_(grads, params), state
+    in_place = applying(fn_)
 
     def update_(grads: Params, state: EmptyState, params: Params | None = None) -> EmptyState:
         if params is None:
