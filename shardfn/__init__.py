@@ -17,6 +17,9 @@ from ._functionalize import Apply as Apply
 from ._functionalize import Params as Params
 from ._functionalize import functionalize as functionalize
 from ._grad import Grad as Grad
+from ._guard import CommError as CommError
+from ._guard import DivergenceError as DivergenceError
+from ._guard import PeerError as PeerError
 from ._grad import jit_grad as jit_grad
 from ._layout import BufferLayout as BufferLayout
 from ._layout import Layout as Layout
@@ -58,6 +61,8 @@ __all__ = [
     "Apply",
     "BufferLayout",
     "CollectiveLog",
+    "CommError",
+    "DivergenceError",
     "DynamicLossScale",
     "Explanation",
     "FullShard",
@@ -73,6 +78,7 @@ __all__ = [
     "MicroBatches",
     "NoShard",
     "Params",
+    "PeerError",
     "Plan",
     "Precision",
     "Purpose",

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from . import _guard
 from ._events import Purpose
 from ._gather import Unit
 from ._layout import Layout
@@ -142,10 +143,18 @@ def _post_hook(apply: Any, path: str):
 
 def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
     """``apply(sharded, *args, **kwargs)``: see [Note: how a sharded call works]."""
-    layout: Layout = sharded.layout
     rt = current()
-    if rt is None:  # outside a step: a runtime for this call alone
-        rt = Runtime(sharded.mesh, in_step=False)
+    if rt is not None:
+        return _call(apply, sharded, rt, args, kwargs)
+    # Outside a step: a runtime for this call alone; an error in it reaches every rank.
+    if sharded.mesh.size > 1:
+        _guard.check_alive("apply(sharded, ...)")
+    with _guard.guarded(sharded.mesh, _guard.Where.APPLY):
+        return _call(apply, sharded, Runtime(sharded.mesh, in_step=False), args, kwargs)
+
+
+def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> Any:
+    layout: Layout = sharded.layout
     store = rt.in_step and sharded is rt.owner
     units = units_for(apply, sharded, rt)
     roots = units.get("", [])

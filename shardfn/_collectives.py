@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from . import _guard as G
 from ._events import Collective, CollectiveCall, Purpose, emit, label, observers
 
 __all__ = [
@@ -33,7 +34,11 @@ __all__ = [
 AVG, SUM, MAX = ReduceOp.AVG, ReduceOp.SUM, ReduceOp.MAX
 
 
-def _record(kind: Collective, group: ProcessGroup, t: torch.Tensor, purpose: Purpose, unit: str, to: Any) -> None:
+def _record(kind: Collective, group: ProcessGroup, t: torch.Tensor, purpose: Purpose, unit: str, to: Any,
+            detail: int = 0) -> None:
+    """Agrees on the collective with the other ranks (see [Note: the schedule guard]), then
+    reports it."""
+    G.agree(group, kind, purpose, unit, t.numel() * t.element_size(), detail)
     to = observers() if to is None else to
     if to:
         call = CollectiveCall(kind, tuple(dist.get_process_group_ranks(group)), t.numel() * t.element_size(), t.dtype,
@@ -53,7 +58,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, purpos
     """
     _record(Collective.ALL_GATHER, group, out, purpose, unit, to)
     with _range(Collective.ALL_GATHER, purpose, unit):
-        return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+        work = dist.all_gather_single(out, inp, group=group, async_op=True)
+    return _done(work, group, async_op, Collective.ALL_GATHER, purpose, unit)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str = "",
@@ -65,22 +71,28 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, pu
     """
     _record(Collective.REDUCE_SCATTER, group, inp, purpose, unit, to)
     with _range(Collective.REDUCE_SCATTER, purpose, unit):
-        return dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
+        work = dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
+    return _done(work, group, async_op, Collective.REDUCE_SCATTER, purpose, unit)
 
 
 def all_reduce(t: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str = "", op: ReduceOp = AVG,
-               async_op: bool = False, to: Any = None) -> Any:
-    """In-place all-reduce of ``t`` over ``group`` (``AVG``, ``SUM`` or ``MAX``)."""
-    _record(Collective.ALL_REDUCE, group, t, purpose, unit, to)
+               async_op: bool = False, to: Any = None, detail: int = 0) -> Any:
+    """In-place all-reduce of ``t`` over ``group`` (``AVG``, ``SUM`` or ``MAX``).
+
+    ``detail``: a number every rank must agree on, checked with the collective's header
+    (the step's metrics all-reduce passes the batch's rows)."""
+    _record(Collective.ALL_REDUCE, group, t, purpose, unit, to, detail)
     with _range(Collective.ALL_REDUCE, purpose, unit):
-        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+        work = dist.all_reduce(t, op=op, group=group, async_op=True)
+    return _done(work, group, async_op, Collective.ALL_REDUCE, purpose, unit)
 
 
 def broadcast(t: torch.Tensor, group_src: int, group: ProcessGroup, purpose: Purpose, unit: str = "") -> None:
     """``t`` on every rank of ``group`` becomes the ``t`` of its rank ``group_src``."""
     _record(Collective.BROADCAST, group, t, purpose, unit, None)
     with _range(Collective.BROADCAST, purpose, unit):
-        dist.broadcast(t, group=group, group_src=group_src)
+        work = dist.broadcast(t, group=group, group_src=group_src, async_op=True)
+    _done(work, group, False, Collective.BROADCAST, purpose, unit)
 
 
 def scatter(out: torch.Tensor, inp: torch.Tensor | None, group_src: int, group: ProcessGroup, purpose: Purpose,
@@ -88,19 +100,35 @@ def scatter(out: torch.Tensor, inp: torch.Tensor | None, group_src: int, group: 
     """Rank ``r`` of ``group`` receives row ``r`` of ``inp`` (``[group size, n]``, given on ``group_src``)."""
     _record(Collective.SCATTER, group, out, purpose, unit, None)
     with _range(Collective.SCATTER, purpose, unit):
-        dist.scatter(out, list(inp.unbind(0)) if inp is not None else None, group=group, group_src=group_src)
+        work = dist.scatter(out, list(inp.unbind(0)) if inp is not None else None, group=group, group_src=group_src,
+                            async_op=True)
+    _done(work, group, False, Collective.SCATTER, purpose, unit)
 
 
 def barrier(group: ProcessGroup | None) -> None:
     """Waits for every rank of ``group`` (checkpoint publication; not counted as traffic)."""
+    group = group if group is not None else dist.group.WORLD
+    G.agree(group, Collective.BARRIER, Purpose.CHECKPOINT, "", 0)
     with torch.profiler.record_function("shardfn::barrier[checkpoint]"):
-        dist.barrier(group=group)
+        work = dist.barrier(group=group, async_op=True)
+    _done(work, group, False, Collective.BARRIER, Purpose.CHECKPOINT, "")
+
+
+def _done(work: Any, group: ProcessGroup, async_op: bool, kind: Collective, purpose: Purpose, unit: str) -> Any:
+    """The handle of an asynchronous collective (its ``wait()`` bounded by the step
+    timeout), or, for a blocking one, None once it is done."""
+    what = f"{kind.value} ({G.label(purpose, unit)})"
+    if async_op:
+        return G.Pending(work, group, what)
+    G.wait(work, group, what)
+    return None
 
 
 # -- over every axis of a mesh ------------------------------------------------------------
 
 
-def all_reduce_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose, op: ReduceOp = SUM, to: Any = None) -> None:
+def all_reduce_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose, op: ReduceOp = SUM, to: Any = None,
+                    detail: int = 0) -> None:
     """In-place all-reduce of ``t`` over the whole mesh: one collective per axis of size > 1.
 
     ``SUM`` and ``MAX`` over every axis in turn are the sum and max over all ranks; so is
@@ -108,7 +136,7 @@ def all_reduce_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose, op: ReduceOp =
     """
     for axis in mesh.axis_names:
         if mesh.axis_size(axis) > 1:
-            all_reduce(t, mesh.group(axis), purpose, op=op, to=to)
+            all_reduce(t, mesh.group(axis), purpose, op=op, to=to, detail=detail)
 
 
 def all_gather_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose) -> torch.Tensor:

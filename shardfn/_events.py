@@ -41,6 +41,7 @@ class Collective(str, enum.Enum):
     ALL_REDUCE = "all_reduce"
     BROADCAST = "broadcast"
     SCATTER = "scatter"
+    BARRIER = "barrier"  # no data: every rank has reached it (checkpoints)
 
     def __str__(self) -> str:
         return self.value
@@ -60,6 +61,7 @@ class Purpose(str, enum.Enum):
     LOAD = "load"  # shard(src_rank=...): values sent from one rank
     STATE_DICT = "state_dict"  # gather(): full parameters
     RESHARD = "reshard"  # reshard(): a unit's full values, to be cut the new way
+    CHECKPOINT = "checkpoint"  # checkpoint.save / load waiting for every rank
     TEST = "test"  # issued by a test
 
     def __str__(self) -> str:

@@ -18,6 +18,7 @@ step would.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -27,9 +28,10 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
 from . import _collectives as C
-from ._batch import MicroBatches, agree_on_micro_batches, count_tokens, objective, split, uneven_error
+from ._batch import MicroBatches, agree_on_micro_batches, count_tokens, objective, rows, split, uneven_error
 from ._buffers import StepBuffers
 from ._events import Purpose
+from ._guard import check_alive
 from ._layout import Layout
 from ._mesh import Mesh
 from ._psum import Gradients, sum_of_squares
@@ -97,6 +99,8 @@ class Grad:
         return out.loss, out.grads, out.metrics
 
     def check(self, sharded: Any) -> None:
+        if self.mesh.size > 1:
+            check_alive(f"{self.what}(sharded, ...)")
         if not isinstance(sharded, ShardedParams):
             raise TypeError(
                 f"{self.what}(sharded, ...): expected the ShardedParams from shardfn.shard(), got "
@@ -126,12 +130,17 @@ class Grad:
                 loss, count, grads, auxes = self._grads(rt, sharded, batch, scale)
                 # The loss, the gradients' sum of squares, Mean's count, the buffer-change flags
                 # (and the aux to average) share one all-reduce per mesh axis.
+                # With a plain loss every rank must have as many rows: the metrics all-reduce's
+                # header carries them (see [Note: the schedule guard]); Mean weighs them exactly.
                 reduced = self._reduce_metrics(layout, loss, count, sum_of_squares(grads),
-                                               buffers.flags(self.mesh.device), auxes, len(auxes))
+                                               buffers.flags(self.mesh.device), auxes, len(auxes),
+                                               rows=0 if count is not None else _rows(batch))
                 if reduced["rescale"] is not None:  # [Note: token-weighted losses]
                     torch._foreach_mul_(list(grads.values()), reduced["rescale"])
                 norm = reduced["norm"]
                 metrics: dict[str, Any] = {"loss": _scalar(reduced["loss"]), "grad_norm": _scalar(norm)}
+                if not all(math.isfinite(v) for v in (metrics["loss"], metrics["grad_norm"]) if v is not None):
+                    metrics["nonfinite"] = self._nonfinite_ranks(loss, grads)
                 if self.has_aux:
                     metrics["aux"] = reduced["aux"]
                 if self.sync_buffers:
@@ -187,8 +196,18 @@ class Grad:
             return torch.stack(values).mean(), None, out, auxes
         return torch.stack([v.float() for v in values]).sum(), torch.stack(counts).sum(), out, auxes
 
+    def _nonfinite_ranks(self, loss: torch.Tensor, grads: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+        """Which ranks saw a non-finite loss, and which hold non-finite gradient shards: one
+        small all-gather, only in a step whose global loss or norm is not finite (the same
+        decision on every rank: both came out of the metrics all-reduce)."""
+        bad = torch.tensor([not bool(torch.isfinite(loss.detach()).all()),
+                            not all(bool(torch.isfinite(g).all()) for g in grads.values())], dtype=torch.float32)
+        every = C.all_gather_mesh(bad.to(self.mesh.device), self.mesh, Purpose.METRICS).view(-1, 2).cpu()
+        return {"loss": [r for r in range(len(every)) if every[r, 0]],
+                "grads": [r for r in range(len(every)) if every[r, 1]]}
+
     def _reduce_metrics(self, layout: Layout, loss: torch.Tensor, count: torch.Tensor | None, sq: torch.Tensor,
-                        flags: torch.Tensor, auxes: list[Any], k: int) -> dict[str, Any]:
+                        flags: torch.Tensor, auxes: list[Any], k: int, rows: int = 0) -> dict[str, Any]:
         """Global loss and gradient norm, which buffers changed on any rank (and Mean's global
         count, the averaged aux): one all-reduce (sum) per mesh axis of
         ``[loss, sum of squares, (count), flags..., (aux...)]``.
@@ -204,7 +223,7 @@ class Grad:
         aux_flat, unflatten = _flat_aux(auxes) if self.has_aux and self.mean_aux else (torch.zeros(0), None)
         v = torch.cat([torch.stack([t.to(device) for t in head]), flags, aux_flat.to(device)])
         if self.mesh.size > 1:
-            C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM)
+            C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM, detail=rows)
         n = len(head)
         norm = (v[1] / layout.replicas).sqrt()
         out: dict[str, Any] = {"changed": v[n : n + flags.numel()], "rescale": None}
@@ -222,6 +241,14 @@ class Grad:
             out["aux"] = unflatten(v[n + flags.numel():] / self.mesh.size) if unflatten is not None else (
                 auxes[0] if len(auxes) == 1 else list(auxes))
         return out
+
+
+def _rows(batch: Any) -> int:
+    """Rows of the batch (MicroBatches: all of them), 0 when it has no batched tensor."""
+    try:
+        return sum(rows(b) for b in batch) if isinstance(batch, MicroBatches) else rows(batch)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _scalar(t: torch.Tensor) -> float | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ._guard import unit_id
 from ._plan import Plan, RematMode, Strategy
 from ._tree import TreeInfo
 
@@ -275,6 +276,8 @@ def build_layout(
     buffers = {
         n: BufferLayout(n, tuple(state[n].shape), state[n].dtype, n in info.persistent) for n in info.buffers
     }
+    for u in units:  # so that a divergence names units this rank did not run (shardfn._guard)
+        unit_id(u.name)
     return Layout(
         plan, mesh_shape, world, replicas, {n: leaves[n] for n in info.params}, tuple(units), buffers,
         dict(info.aliases), info.state_dict_keys,

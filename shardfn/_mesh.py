@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import _guard
+
 __all__ = ["Mesh"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -36,9 +38,9 @@ class Mesh:
         Mesh(replicate=2, shard=4, device=cpu, backend=gloo, rank=0)
     """
 
-    __slots__ = ("_dm", "_device")
+    __slots__ = ("_dm", "_device", "_step_timeout")
 
-    def __init__(self, device_mesh: DeviceMesh):
+    def __init__(self, device_mesh: DeviceMesh, step_timeout: float = _guard.DEFAULT_STEP_TIMEOUT):
         names = tuple(device_mesh.mesh_dim_names or ())
         if (device_mesh.ndim, names) not in ((1, ("shard",)), (1, ()), (2, ("replicate", "shard"))):
             raise ValueError(
@@ -51,11 +53,16 @@ class Mesh:
             self._device = torch.device("cuda", torch.cuda.current_device())
         else:
             self._device = torch.device(device_mesh.device_type)
+        if not (isinstance(step_timeout, (int, float)) and step_timeout > 0):
+            raise ValueError(f"Mesh: step_timeout must be a positive number of seconds, got {step_timeout!r}")
+        self._step_timeout = float(step_timeout)
+        _register_groups(device_mesh, self._step_timeout)
 
     # -- construction ------------------------------------------------------------------
 
     @classmethod
-    def from_env(cls, *, replicate: int | str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> "Mesh":
+    def from_env(cls, *, replicate: int | str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+                 step_timeout: float = _guard.DEFAULT_STEP_TIMEOUT) -> "Mesh":
         """A mesh over the whole world.
 
         Initialises the default process group from torchrun's variables (``RANK``,
@@ -68,7 +75,12 @@ class Mesh:
                 replicas of ``world / R`` shards (consecutive ranks share a replica);
                 ``"nodes"`` for one replica per node (``R`` = torchrun's ``--nnodes``,
                 read as ``WORLD_SIZE / LOCAL_WORLD_SIZE``), so ``shard`` runs within a node.
-            timeout: the process group's timeout, so a dead peer fails instead of hanging.
+            timeout: the process group's timeout (torch's own limit on any collective).
+            step_timeout: seconds a rank waits for the others at any shardfn collective
+                before every waiting rank raises :class:`shardfn.CommError` naming the
+                ranks that did not come (stopped, dead, or busy elsewhere); see
+                [Note: the schedule guard]. A rank that raises inside shardfn tells the
+                others at once; this bounds only the silent cases. Default 60 s.
         """
         if not dist.is_initialized():
             _init_from_env(timeout)
@@ -79,14 +91,15 @@ class Mesh:
                     "(--nnodes N --nproc-per-node P) or pass replicate=N."
                 )
             replicate = dist.get_world_size() // int(os.environ["LOCAL_WORLD_SIZE"])
-        return cls.from_group(None, replicate=replicate)
+        return cls.from_group(None, replicate=replicate, step_timeout=step_timeout)
 
     @classmethod
-    def from_group(cls, group: dist.ProcessGroup | None = None, *, replicate: int | None = None) -> "Mesh":
+    def from_group(cls, group: dist.ProcessGroup | None = None, *, replicate: int | None = None,
+                   step_timeout: float = _guard.DEFAULT_STEP_TIMEOUT) -> "Mesh":
         """A mesh over an existing process group (the default group when ``None``).
 
         With ``replicate=R`` (default group only) the mesh is 2-D: ``R`` replicas of
-        ``world / R`` shards.
+        ``world / R`` shards. ``step_timeout``: as for :meth:`from_env`.
         """
         if not dist.is_initialized():
             raise ValueError(_NO_ENV.format(missing="(any)"))
@@ -104,12 +117,13 @@ class Mesh:
                     f"Mesh: replicate={replicate!r} must be a positive divisor of the world size {world} "
                     f"(R replicas of world/R shards); for example replicate={_divisors(world)}."
                 )
-            return cls(init_device_mesh(device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")))
+            return cls(init_device_mesh(device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")),
+                       step_timeout)
         if group is dist.group.WORLD:
             dm = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard",))
         else:
             dm = DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
-        return cls(dm)
+        return cls(dm, step_timeout)
 
     # -- properties --------------------------------------------------------------------
 
@@ -121,6 +135,11 @@ class Mesh:
     def device(self) -> torch.device:
         """Where shards and gathered parameters live (``cuda:<local rank>`` or ``cpu``)."""
         return self._device
+
+    @property
+    def step_timeout(self) -> float:
+        """Seconds a rank waits for the others at a collective (see :meth:`from_env`)."""
+        return self._step_timeout
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -175,6 +194,21 @@ class Mesh:
 
     def __hash__(self) -> int:
         return hash(self._dm)
+
+
+def _register_groups(dm: DeviceMesh, step_timeout: float) -> None:
+    """Guards every axis group of ``dm`` (see [Note: the schedule guard]). The headers go
+    over the group itself on CPU, and over a gloo group of the same ranks beside each NCCL
+    group (a header read on the host must not wait for the GPU's stream)."""
+    names = dm.mesh_dim_names or ("shard",)
+    for i, axis in enumerate(names):
+        group = dm.get_group(axis if dm.mesh_dim_names else 0)
+        control = None
+        if dm.device_type == "cuda" and dist.get_world_size(group) > 1 and not _guard.has_control(group):
+            # Every rank creates every group of the axis (new_group is collective), in the same order.
+            rows = dm.mesh.movedim(i, -1).reshape(-1, dm.mesh.size(i)).tolist()
+            control, _ = dist.new_subgroups_by_enumeration(rows, backend="gloo")
+        _guard.register(group, control, step_timeout)
 
 
 def _init_from_env(timeout: datetime.timedelta) -> None:

@@ -99,6 +99,13 @@ class _ByModuleType(UnitPolicy):
         if module is None:
             raise ValueError(_NEEDS_MODULE.format(policy=self))
         paths = [p for p, m in module.named_modules() if p and isinstance(m, self.types)]
+        if not paths:
+            present = sorted({type(m).__name__ for p, m in module.named_modules() if p})
+            raise ValueError(
+                f"{self!r} matches no module of {type(module).__name__}: it has no "
+                f"{' or '.join(t.__name__ for t in self.types)}. Its module types are {present}; pass one of them "
+                f"(the class of the repeated block, usually)."
+            )
         return _outermost(paths)
 
     def __repr__(self) -> str:
@@ -126,6 +133,14 @@ class _ByParamCount(UnitPolicy):
             return free
 
         visit("", module)
+        if not units:
+            total = sum(p.numel() for p in module.parameters())
+            raise ValueError(
+                f"{self!r} matches no module of {type(module).__name__}: no module holds {self.min_params:,} "
+                f"parameters of its own ({total:,} in the whole model), so every parameter would be in the root unit. "
+                f"Pass a smaller min_params, or units=by_module_type(...) with one of its module types "
+                f"{sorted({type(m).__name__ for p, m in module.named_modules() if p})}."
+            )
         return units
 
     def __repr__(self) -> str:
@@ -153,7 +168,12 @@ class _ByPrefix(UnitPolicy):
 
 @dataclasses.dataclass(frozen=True)
 class _DefaultUnits(UnitPolicy):
-    """Each element of the longest list of repeated blocks (``blocks.0``, ``blocks.1``...)."""
+    """Each element of the outermost list of repeated blocks (``blocks.0``, ``blocks.1``...).
+
+    Outermost, not longest: every rank runs every element of the outermost list (the
+    blocks), while a list nested in them may be run in part, chosen by the data (the
+    experts of a mixture-of-experts block); units that only some ranks gather would not
+    meet in their collectives."""
 
     def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
         groups: dict[str, set[str]] = {}
@@ -164,10 +184,11 @@ class _DefaultUnits(UnitPolicy):
                     groups.setdefault(".".join(parts[:i]), set()).add(parts[i])
         if not groups:
             return []
-        # The longest list wins; ties go to the outermost (shortest path), then first seen.
-        best = max(groups, key=lambda g: (len(groups[g]), -g.count(".")))
-        if len(groups[best]) < 2:
+        # The outermost list of two or more wins; then the longest, then the first seen.
+        groups = {g: ids for g, ids in groups.items() if len(ids) >= 2}
+        if not groups:
             return []
+        best = max(groups, key=lambda g: (-g.count("."), len(groups[g])))
         return [f"{best}.{i}" for i in sorted(groups[best], key=int)]
 
     def __repr__(self) -> str:

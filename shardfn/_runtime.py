@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from . import _collectives as C
+from . import _guard
 from ._events import CollectiveLog, observe, observers
 from ._plan import parse_enum
 
@@ -224,10 +225,11 @@ def current() -> Runtime | None:
 
 @contextmanager
 def active(rt: Runtime) -> Iterator[Runtime]:
-    """Makes ``rt`` the step in progress for the block."""
+    """Makes ``rt`` the step in progress for the block; an error in it reaches every rank
+    (see [Note: the schedule guard])."""
     token = _CURRENT.set(rt)
     try:
-        with observe(rt.log):
+        with _guard.guarded(rt.mesh, _guard.Where.STEP if rt.in_step else _guard.Where.APPLY), observe(rt.log):
             yield rt
     finally:
         _CURRENT.reset(token)

@@ -25,6 +25,14 @@ _NOT_LOSS_SCALED = (
 )
 
 
+_NONFINITE = (
+    "[rank {rank}] step: the global loss ({loss}) or gradient norm ({norm}) is not finite; nothing was updated. "
+    "Ranks whose own loss was not finite: {loss_ranks}; ranks holding non-finite gradient shards: {grads}. Find the "
+    "cause (a bad batch on those ranks, a learning rate too high, fp16 overflow: jit_step(loss_scale=...)), or "
+    "pass jit_step(..., skip_nonfinite=True) to skip such steps on every rank (metrics['skipped'] says so)."
+)
+
+
 class Step:
     """``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``; see :func:`jit_step`.
 
@@ -33,8 +41,9 @@ class Step:
     same runtime."""
 
     def __init__(self, grad: Grad, optimizer: GradientTransformation, donate: bool,
-                 loss_scale: DynamicLossScale | None):
+                 loss_scale: DynamicLossScale | None, skip_nonfinite: bool = False):
         self.grad = grad
+        self.skip_nonfinite = skip_nonfinite
         self.mesh = grad.mesh
         self.optimizer = optimizer
         self.donate = donate
@@ -61,6 +70,15 @@ class Step:
                 skip = not is_fake(norm) and not bool(torch.isfinite(norm))
                 metrics.update(loss_scale=scale, skipped=skip)
                 opt_state = LossScaleState(inner, *self.loss_scale.next(opt_state, not skip))
+            elif "nonfinite" in metrics:  # the same on every rank (see Grad._nonfinite_ranks)
+                if not self.skip_nonfinite:
+                    bad = metrics["nonfinite"]
+                    raise FloatingPointError(_NONFINITE.format(
+                        rank=self.mesh.rank, loss=metrics["loss"], norm=metrics["grad_norm"], loss_ranks=bad["loss"],
+                        grads=bad["grads"]))
+                skip = True
+            if self.skip_nonfinite:
+                metrics["skipped"] = skip
             # Donation with an in-place optimizer (optim [Note: donation]): params and state
             # are updated in place and the gradients serve as scratch; else update + apply.
             in_place = self.donate and getattr(self.optimizer, "update_", None) is not None
@@ -128,6 +146,7 @@ def jit_step(
     prefetch: bool = True,
     has_aux: bool = False,
     mean_aux: bool = False,
+    skip_nonfinite: bool = False,
 ) -> Step:
     """Builds ``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``.
 
@@ -180,6 +199,13 @@ def jit_step(
         mean_aux: with ``has_aux``: ``metrics["aux"]`` is the aux averaged over micro-batches
             and ranks instead (fp32 tensors of the same tree), riding on the metrics
             all-reduce (4 bytes per element more, no extra collective).
+        skip_nonfinite: a step whose global loss or gradient norm is not finite (on any
+            rank) skips its update on every rank, leaving parameters and optimizer state as
+            they were, and reports ``metrics["skipped"] = True`` (``False`` otherwise). The
+            decision rides on the metrics all-reduce. Without it such a step raises
+            ``FloatingPointError`` on every rank, naming the ranks whose loss was not
+            finite, before anything changes. (With ``loss_scale``, overflowing steps are
+            skipped and the scale lowered, as always.)
 
     ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
     gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),
@@ -201,4 +227,4 @@ def jit_step(
         raise TypeError(f"jit_step: loss_scale must be a shardfn.DynamicLossScale, got {loss_scale!r}")
     grad = Grad(loss_fn, mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
                 overlap=overlap, prefetch=prefetch, has_aux=has_aux, mean_aux=mean_aux, what="step")
-    return Step(grad, optimizer, donate, loss_scale)
+    return Step(grad, optimizer, donate, loss_scale, bool(skip_nonfinite))

@@ -44,7 +44,7 @@ def test_shard_pack_unpack_round_trip(shapes, world):
     assert layout.shard_bytes() == expect
 
 
-def test_default_units_are_the_longest_block_list():
+def test_default_units_are_the_outermost_block_list():
     params, _ = sf.functionalize(GPT(GPTConfig(n_layers=3)))
     sharded_paths = sf.Plan().units.resolve(params.module, list(params))
     assert sharded_paths == ["blocks.0", "blocks.1", "blocks.2"]
@@ -63,7 +63,8 @@ def test_unit_policies_resolve():
     assert sf.by_prefix("blocks.1").resolve(None, list(params)) == ["blocks.1"]
     # by_param_count never picks a container (a ModuleList has no forward for hooks).
     mlp, _ = sf.functionalize(MLP([1, 3, 9]))
-    assert sf.by_param_count(40).resolve(mlp.module, list(mlp)) == []
+    with pytest.raises(ValueError, match=r"by_param_count\(40\) matches no module of MLP.*42 in the whole model"):
+        sf.by_param_count(40).resolve(mlp.module, list(mlp))
     assert sf.by_param_count(30).resolve(mlp.module, list(mlp)) == ["layers.1.linear"]
 
 

@@ -58,7 +58,9 @@ def reference_training(model_fn, loss_fn: LossFn, batches: Sequence[Any], optimi
     for batch in batches:
         trainable = [n for n, p in state.items() if p.requires_grad]
         loss = _plain_loss(loss_fn(apply, state, batch))  # buffers change in place (or are replaced) in ``state``
-        grads = dict(zip(trainable, torch.autograd.grad(loss, [state[n] for n in trainable])))
+        # A parameter the loss did not use (an expert no token chose) has a zero gradient.
+        raw = torch.autograd.grad(loss, [state[n] for n in trainable], allow_unused=True)
+        grads = {n: torch.zeros_like(state[n]) if g is None else g for n, g in zip(trainable, raw)}
         updates, opt_state = opt.update(grads, opt_state, state)
         state = {n: t.detach().requires_grad_(t.requires_grad) for n, t in apply_updates(state, updates).items()}
         losses.append(float(loss.detach()))

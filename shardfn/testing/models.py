@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-__all__ = ["MLP", "Layer", "GPTConfig", "GPT", "Block", "CausalSelfAttention", "ConvBlock", "ConvNet", "lm_loss"]
+__all__ = ["MLP", "Layer", "GPTConfig", "GPT", "Block", "CausalSelfAttention", "ConvBlock", "ConvNet", "MoE",
+           "MoEBlock", "lm_loss"]
 
 
 class Layer(nn.Module):
@@ -227,6 +228,47 @@ class ConvNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x.mean((2, 3)))
+
+
+class MoEBlock(nn.Module):
+    """A mixture-of-experts block: a router picks one expert MLP per token (top-1), and
+    only the experts some token chose run, so which experts a rank runs depends on its
+    data (as in real MoE layers)."""
+
+    def __init__(self, d: int, n_experts: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.router = nn.Linear(d, n_experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                     for _ in range(n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        gates = self.router(h).softmax(-1)
+        weight, choice = gates.max(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().squeeze(-1)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(h[rows]) * weight[rows, None])
+        return x + out
+
+
+class MoE(nn.Module):
+    """Tokens (rows of a ``[n, d_in]`` input) through ``n_blocks`` :class:`MoEBlock` s of
+    ``n_experts`` experts each, then a linear head to ``d_out``."""
+
+    def __init__(self, d_in: int = 8, d: int = 16, d_out: int = 4, n_blocks: int = 2, n_experts: int = 4):
+        super().__init__()
+        self.embed = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(MoEBlock(d, n_experts) for _ in range(n_blocks))
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,353 @@
+"""The schedule guard: ranks that are about to run different collectives find out together.
+
+[Note: the schedule guard]
+Collectives are matched by call order alone: when two ranks issue different ones, gloo
+either aborts the process (the sizes differ: "collective mismatch") or exchanges the
+wrong buffers without a word (the sizes agree: rank 0's shard of expert 0 meets rank 1's
+shard of expert 1), and NCCL hangs or does the same. So before shardfn issues any
+collective on a process group of more than one rank, the ranks exchange a *header*
+(:data:`HEADER` int64 words, the same size whatever the collective) on the group's
+control group (the group itself on CPU; a gloo group beside each NCCL group on CUDA):
+
+    [what (kind and purpose), unit (a hash of its name), bytes, detail, where, status]
+
+``where`` says whether the rank is in a step, in ``apply`` outside a step, or elsewhere
+(``shard()``, a checkpoint); ``detail`` is what else must agree (the rows of the batch
+for the step's metrics all-reduce). Only when every rank's header is the same does the
+collective run; otherwise no rank issues it and every rank raises the same
+:class:`DivergenceError`, built from the same headers, naming what each rank was about to
+do. Since each header is waited for before its collective, nothing a step changes (the
+optimizer update comes after its last collective) has changed when this raises.
+
+A rank whose step raises (the user's ``loss_fn``, a batch that does not split) tells the
+others through the same channel (:func:`fail`): it stores its error's text in the
+process group's store and sends a header with ``status = FAILED``; a peer waiting in a
+header exchange receives it at once and raises :class:`PeerError` naming the rank and
+the original exception, and passes it on along its own other groups (on a 2-D mesh). Every
+group thus sees exactly one failed exchange per incident, the ranks stay matched, and
+training can go on with the next batch.
+
+Every wait is bounded by the mesh's ``step_timeout`` (``Mesh.from_env(step_timeout=...)``).
+A peer that does not arrive in time (stopped, dead, or busy outside shardfn) or whose
+connection closes raises :class:`CommError` on the ranks that waited, naming the ranks
+that did not answer a roll call in the store. The group then holds a collective that
+will never finish, so the process group is unusable: later collectives raise the same
+error at once; restart the job and resume from the last checkpoint.
+
+Cost: one small all-gather (48 bytes per rank) per collective, waited before the
+collective starts.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import time
+import traceback
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._events import Collective, Purpose
+
+__all__ = ["CommError", "DivergenceError", "PeerError", "Where", "agree", "fail", "guarded", "register", "wait"]
+
+HEADER = 6
+WHAT, UNIT, NBYTES, DETAIL, WHERE, STATUS = range(HEADER)
+OK = 0  # a status >= FAILED is FAILED + the failing rank's incident number
+FAILED = 1
+DEFAULT_STEP_TIMEOUT = 60.0
+_ROLL_CALL_S = 3.0
+
+_KINDS = list(Collective)
+_PURPOSES = list(Purpose)
+
+
+class Where:
+    """What a rank is doing when it issues a collective (the header's ``where``)."""
+
+    OTHER, STEP, APPLY = 0, 1, 2
+    NAMES = {0: "outside a step (shard, gather, a checkpoint)", 1: "in a step", 2: "in apply outside a step"}
+
+
+class DivergenceError(RuntimeError):
+    """The ranks were about to issue different collectives; none was issued."""
+
+
+class PeerError(RuntimeError):
+    """Another rank raised inside shardfn; ``rank`` and ``original`` say which and what."""
+
+    def __init__(self, message: str, rank: int, original: str):
+        super().__init__(message)
+        self.rank = rank
+        self.original = original
+
+
+class CommError(RuntimeError):
+    """A peer did not answer within the step timeout, or its connection closed; the
+    process group is unusable from then on."""
+
+
+class _Group:
+    __slots__ = ("control", "timeout", "ranks", "position", "last_failed", "off")
+
+    def __init__(self, group: Any, control: Any, timeout: float):
+        self.control = control
+        self.timeout = timeout
+        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.position = 0  # header exchanges so far
+        self.last_failed = False  # whether the last exchange carried a failure or a divergence
+        # A world of one, or the fake process group of a planning run (no values to compare).
+        self.off = len(self.ranks) == 1 or dist.get_backend(group) == "fake"
+
+
+_GROUPS: dict[int, tuple[Any, _Group]] = {}  # id(group) -> (group, its state)
+_NAMES: dict[int, str] = {}  # unit hash -> unit name, for messages
+_BROKEN: list[str] = []  # the CommError that made the process group unusable
+_INCIDENTS = [0]  # this rank's failures so far
+_WHERE: contextvars.ContextVar[int] = contextvars.ContextVar("shardfn_where", default=Where.OTHER)
+_REGION: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_guarded", default=False)
+
+
+def register(group: Any, control: Any = None, timeout: float = DEFAULT_STEP_TIMEOUT) -> None:
+    """Guards ``group``: its headers go over ``control`` (default: the group itself)."""
+    state = _GROUPS.get(id(group))
+    if state is None or state[0] is not group:
+        _GROUPS[id(group)] = (group, _Group(group, control if control is not None else group, timeout))
+    else:
+        state[1].timeout = timeout
+        if control is not None:
+            state[1].control = control
+
+
+def has_control(group: Any) -> bool:
+    entry = _GROUPS.get(id(group))
+    return entry is not None and entry[0] is group and entry[1].control is not group
+
+
+def _state(group: Any) -> _Group:
+    entry = _GROUPS.get(id(group))
+    if entry is None or entry[0] is not group:
+        register(group)
+        entry = _GROUPS[id(group)]
+    return entry[1]
+
+
+def unit_id(name: str) -> int:
+    h = zlib.crc32(name.encode()) & 0x7FFFFFFF
+    _NAMES.setdefault(h, name)
+    return h
+
+
+def check_alive(what: str) -> None:
+    """Raises a clear error when the process group is gone or unusable."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"shardfn: {what} needs the process group, but it was destroyed (torch.distributed."
+            "destroy_process_group()) or never started. Shards are this rank's pieces of the model and can only be "
+            "used together with the other ranks: gather what you need (shardfn.gather, checkpoint.save) before "
+            "destroying the process group."
+        )
+    if _BROKEN:
+        raise CommError(f"[rank {dist.get_rank()}] shardfn: the process group is unusable since an earlier error; "
+                        f"restart the job and resume from the last checkpoint. The error was:\n{_BROKEN[0]}")
+
+
+def agree(group: Any, kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0) -> None:
+    """Exchanges this collective's header on ``group``; raises unless every rank's is the same."""
+    check_alive(f"{kind.value} ({purpose.value})")
+    state = _state(group)
+    if state.off:
+        return
+    mine = [_KINDS.index(kind) * 64 + _PURPOSES.index(purpose), unit_id(unit) if unit else 0, nbytes, detail,
+            _WHERE.get(), OK]
+    headers = _exchange(state, mine, f"{kind.value} ({label(purpose, unit)})")
+    if any(h != headers[0] for h in headers):
+        state.last_failed = True
+        raise DivergenceError(_diverged(state, headers))
+
+
+def label(purpose: Purpose, unit: str) -> str:
+    return f"{purpose.value} of {unit or 'the root'}" if purpose in (Purpose.GATHER, Purpose.REGATHER,
+                                                                      Purpose.REDUCE) else purpose.value
+
+
+def _exchange(state: _Group, mine: list[int], what: str) -> list[list[int]]:
+    """All ranks' headers (one all-gather on the control group); raises PeerError when a
+    peer's header says it failed."""
+    me = dist.get_rank()
+    out = torch.empty(len(state.ranks) * HEADER, dtype=torch.int64)
+    work = dist.all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=state.control, async_op=True)
+    _wait(work, state, what)
+    state.position += 1
+    headers = out.view(-1, HEADER).tolist()
+    failed = [(r, h[STATUS]) for r, h in zip(state.ranks, headers) if h[STATUS] >= FAILED]
+    state.last_failed = bool(failed)
+    if failed and mine[STATUS] < FAILED:
+        r, status = failed[0]
+        original = _read_failure(r, status - FAILED)
+        others = "" if len(failed) == 1 else f" (and on ranks {[f for f, _ in failed[1:]]})"
+        raise PeerError(
+            f"[rank {me}] shardfn: rank {r} raised{others}, so this rank stops too (nothing was updated):\n"
+            f"  {original}\nSee rank {r}'s traceback for where.", r, original)
+    return headers
+
+
+def _wait(work: Any, state: _Group, what: str) -> None:
+    if state.off:
+        work.wait()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=state.timeout))
+    except RuntimeError as e:
+        raise _lost(state, what, e) from None
+
+
+def wait(work: Any, group: Any, what: str) -> None:
+    """Waits for a collective's work handle, bounded by the step timeout."""
+    _wait(work, _state(group), what)
+
+
+class Pending:
+    """An asynchronous collective's handle whose ``wait()`` is bounded by the step timeout."""
+
+    __slots__ = ("work", "group", "what")
+
+    def __init__(self, work: Any, group: Any, what: str):
+        self.work, self.group, self.what = work, group, what
+
+    def wait(self) -> None:
+        if self.work is not None:
+            work, self.work = self.work, None
+            wait(work, self.group, self.what)
+
+
+def _lost(state: _Group, what: str, error: RuntimeError) -> CommError:
+    """The error for a wait that timed out or whose peer's connection closed, naming the
+    ranks of the group that do not answer a roll call in the store."""
+    me = dist.get_rank()
+    closed = "closed" in str(error).lower() or "reset" in str(error).lower()
+    silent = _roll_call(state)
+    who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}" if silent else "a peer"
+    cause = (f"{who} closed the connection (its process died or destroyed its process group)" if closed else
+             f"no answer from {who} within the step timeout ({state.timeout:g} s): stopped, dead, or busy outside "
+             f"shardfn (a rank that left the training loop early, or one that runs collectives of its own)")
+    message = (f"[rank {me}] shardfn: {what} on ranks {list(state.ranks)} did not complete: {cause}. "
+               f"The process group is unusable now; restart the job (torchrun --max-restarts) and resume from "
+               f"shardfn.checkpoint.latest(...). Raise the timeout with Mesh.from_env(step_timeout=...) if a rank "
+               f"legitimately spends longer between collectives. ({type(error).__name__}: {str(error)[:200]})")
+    _BROKEN.append(message)
+    return CommError(message)
+
+
+def _roll_call(state: _Group) -> list[int]:
+    """The ranks of ``state``'s group that do not write their name in the store within a
+    few seconds (every rank that ends up here writes its own)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        base = f"shardfn/rollcall/{'-'.join(map(str, state.ranks))}/{state.position}/"
+        store.set(base + str(dist.get_rank()), "1")
+        deadline = time.monotonic() + _ROLL_CALL_S
+        missing = [r for r in state.ranks if r != dist.get_rank()]
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([base + str(r)])]
+            time.sleep(0.1)
+        return missing
+    except Exception:  # the store lives on rank 0's host, which may be the lost one
+        return []
+
+
+# -- failures --------------------------------------------------------------------------
+
+
+def _read_failure(rank: int, incident: int) -> str:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return store.get(f"shardfn/failure/{rank}/{incident}").decode(errors="replace")
+    except Exception as e:  # pragma: no cover - the store is gone
+        return f"(its error could not be read from the store: {e})"
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an exception: its type, message and innermost frame."""
+    if isinstance(exc, PeerError):
+        return exc.original
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
+    first = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {first[0] if first else ''}{where}"
+
+
+def fail(mesh: Any, exc: BaseException) -> None:
+    """Tells every peer of ``mesh`` that this rank's guarded call raised ``exc``: one failed
+    header on each of its groups whose last exchange did not already carry a failure.
+    Never raises: the caller re-raises ``exc``."""
+    if _BROKEN or not dist.is_initialized() or isinstance(exc, CommError):
+        return
+    groups = [mesh.group(axis) for axis in mesh.axis_names if mesh.axis_size(axis) > 1]
+    todo = [_state(g) for g in groups]
+    todo = [s for s in todo if not s.last_failed]
+    if not todo:
+        return
+    incident = _INCIDENTS[0]
+    _INCIDENTS[0] += 1
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"shardfn/failure/{dist.get_rank()}/{incident}", describe(exc))
+        for state in todo:
+            _exchange(state, [0, 0, 0, 0, 0, FAILED + incident], "telling the other ranks of an error")
+    except Exception:  # a peer that is gone; the caller's error is the one to see
+        pass
+
+
+@contextmanager
+def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
+    """A region whose errors every peer learns (see :func:`fail`); ``where`` marks its
+    collectives' headers. Nested regions leave it to the outermost."""
+    outer = not _REGION.get()
+    token = _REGION.set(True)
+    wtoken = _WHERE.set(where) if where is not None else None
+    try:
+        yield
+    except Exception as e:
+        if outer and mesh is not None and mesh.size > 1:
+            fail(mesh, e)
+        raise
+    finally:
+        if wtoken is not None:
+            _WHERE.reset(wtoken)
+        _REGION.reset(token)
+
+
+# -- the divergence message ------------------------------------------------------------
+
+
+def _describe_header(h: list[int]) -> str:
+    kind, purpose = _KINDS[h[WHAT] // 64], _PURPOSES[h[WHAT] % 64]
+    unit = _NAMES.get(h[UNIT], f"unit #{h[UNIT]:x}") if h[UNIT] else ""
+    detail = f", batch of {h[DETAIL]} rows" if purpose is Purpose.METRICS and h[DETAIL] > 0 else ""
+    return f"{kind.value} ({label(purpose, unit)}), {h[NBYTES]:,} bytes{detail}, {Where.NAMES.get(h[WHERE], '?')}"
+
+
+def _diverged(state: _Group, headers: list[list[int]]) -> str:
+    lines = [f"  rank {r}: {_describe_header(h)}" for r, h in zip(state.ranks, headers)]
+    same_but_rows = all(h[:DETAIL] + h[DETAIL + 1:] == headers[0][:DETAIL] + headers[0][DETAIL + 1:] for h in headers)
+    if same_but_rows:
+        fix = ("A plain mean loss over batches of different sizes would weight every rank's mean equally, which is "
+               "not the mean over the global batch. Give every rank the same number of rows, or return "
+               "shardfn.Mean(total, count) from loss_fn to weight every element exactly.")
+    elif len({h[WHERE] for h in headers}) > 1:
+        fix = ("Every rank must make the same shardfn calls in the same order: a step, apply on shards, shard(), "
+               "checkpoint.save/load are collective. Evaluate (apply outside a step) on every rank, or on none.")
+    else:
+        fix = ("Every rank must gather and reduce the same units in the same order, the same number of times. A "
+               "module that only some ranks run (experts chosen by the data, LayerDrop, a branch taken for some "
+               "batches) must not be a unit of its own: make units of modules every rank runs (e.g. the blocks "
+               "that hold the experts: units=by_module_type(Block), as the default unit policy does).")
+    return (f"[rank {dist.get_rank()}] shardfn: the ranks diverged at their collective #{state.position} on ranks "
+            f"{list(state.ranks)}; none of them issued it, and nothing was updated:\n" + "\n".join(lines)
+            + "\n" + fix)

@@ -1,0 +1,115 @@
+"""Faults end cleanly: a stopped, busy or killed peer fails the others within the step
+timeout, naming it; the process group is then refused with the same error."""
+
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+from shardfn.optim import adamw
+from shardfn.testing import free_port
+from test_ranks_differ import Stack, _outcome
+
+STEP_TIMEOUT = 2.0
+
+
+def _training(mesh):
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(Stack())
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    opt = adamw(1e-2)
+    step = sf.jit_step(lambda p, b: apply(p, b).pow(2).mean(), mesh, optimizer=opt)
+    return sharded, opt.init(sharded), step
+
+
+def _worker(rank, world, port, scenario, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    mesh = sf.Mesh.from_group(step_timeout=STEP_TIMEOUT)
+    sharded, state, step = _training(mesh)
+    store = dist.distributed_c10d._get_default_store()
+    x = torch.randn(4, 8)
+    step(sharded, state, x)  # one good step first
+    result = {}
+    if rank == 1 and scenario == "stopped":
+        store.set("pid1", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 continues us once it has failed
+        result = {"error": None, "message": "continued"}
+    elif rank == 1 and scenario == "busy":
+        time.sleep(STEP_TIMEOUT + 4)  # away from shardfn longer than the step timeout
+        result = _outcome(lambda: step(sharded, state, x))  # it finds nobody either
+    elif rank == 1 and scenario == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        if scenario == "stopped":
+            pid = int(store.get("pid1"))
+            time.sleep(0.5)
+        result = _outcome(lambda: step(sharded, state, x))
+        # Afterwards the process group is refused at once, with the same story.
+        result["again"] = _outcome(lambda: step(sharded, state, x))
+        if scenario == "stopped":
+            os.kill(pid, signal.SIGCONT)
+    queue.put((rank, result))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def _run(scenario, world=2, timeout=40.0):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, scenario, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            if scenario == "killed" and len(results) == world - 1:
+                break
+            try:
+                rank, result = queue.get(timeout=0.5)
+                results[rank] = result
+            except Exception:  # noqa: BLE001 - queue.Empty: keep waiting
+                pass
+    finally:
+        for p in procs:
+            p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results
+
+
+def test_a_stopped_peer_fails_the_others_within_the_step_timeout():
+    results = _run("stopped")
+    out = results[0]
+    assert out["error"] == "CommError", out
+    assert "no answer from rank 1 within the step timeout (2 s)" in out["message"]
+    assert STEP_TIMEOUT <= out["seconds"] < STEP_TIMEOUT + 6
+    assert out["again"]["error"] == "CommError" and "unusable" in out["again"]["message"]
+    assert out["again"]["seconds"] < 0.5
+    assert results[1]["message"] == "continued"
+
+
+def test_a_peer_busy_elsewhere_fails_both_and_nobody_hangs():
+    results = _run("busy")
+    assert results[0]["error"] == "CommError" and "no answer from rank 1" in results[0]["message"]
+    # Rank 1 comes back to a rank that has given up: it times out too, naming rank 0.
+    assert results[1]["error"] == "CommError", results[1]
+    assert results[1]["seconds"] < STEP_TIMEOUT + 6
+
+
+def test_a_killed_peer_is_named_at_once():
+    results = _run("killed")
+    out = results[0]
+    assert out["error"] == "CommError", out
+    assert "rank 1 closed the connection" in out["message"]
+    assert out["seconds"] < 6

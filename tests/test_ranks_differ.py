@@ -1,0 +1,287 @@
+"""Ranks that differ: every rank raises the same clear error before anything changes, or the
+step is right. See shardfn._guard [Note: the schedule guard]."""
+
+import functools
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import shardfn as sf
+from shardfn.optim import adamw
+from shardfn.testing import check_equivalence
+from shardfn.testing.models import MoE
+
+ADAMW = functools.partial(adamw, 1e-2)
+EXPERTS = [f"blocks.{b}.experts.{e}" for b in range(2) for e in range(4)]
+
+
+def moe_model():
+    torch.manual_seed(0)
+    return MoE()
+
+
+def moe_batches(steps=3, rows=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(rows, 8, generator=g), "y": torch.randn(rows, 4, generator=g)} for _ in range(steps)]
+
+
+def mse(apply, params, batch):
+    return F.mse_loss(apply(params, batch["x"]), batch["y"])
+
+
+class Stack(nn.Module):
+    """Equal-sized layers; ``skip`` drops some of them (LayerDrop, or a branch not taken)."""
+
+    def __init__(self, d=8, n=3):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x, skip=()):
+        for i, layer in enumerate(self.layers):
+            if i not in skip:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def _snapshot(sharded, opt_state):
+    state = {k: v.clone() for k, v in sharded.items()}
+    flat, _ = torch.utils._pytree.tree_flatten(opt_state)
+    return state, [t.clone() if isinstance(t, torch.Tensor) else t for t in flat]
+
+
+def _unchanged(before, sharded, opt_state):
+    state, flat = before
+    now = torch.utils._pytree.tree_flatten(opt_state)[0]
+    return all(torch.equal(state[k], sharded[k]) for k in state) and all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(flat, now))
+
+
+def _outcome(fn):
+    """Runs ``fn``; returns what a test compares across ranks: the error's type and text, and the time."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        return {"error": None, "message": "", "seconds": time.monotonic() - t0}
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
+
+
+def _setup(model, strategy="FULL_SHARD", **plan):
+    mesh = sf.Mesh.from_group()
+    params, apply = sf.functionalize(model)
+    sharded = sf.shard(params, mesh, strategy, **plan)
+    return mesh, apply, sharded
+
+
+# -- workers (module level: the cluster imports them by reference) ----------------------
+
+
+def moe_experts_as_units():
+    mesh, apply, sharded = _setup(moe_model(), units=EXPERTS)
+    opt = adamw(1e-2)
+    step = sf.jit_step(functools.partial(mse, apply), mesh, optimizer=opt)
+    state = opt.init(sharded)
+    batch = moe_batches(1, rows=8, seed=10 + mesh.rank)[0]  # each rank's tokens choose their own experts
+    before = _snapshot(sharded, state)
+    out = _outcome(lambda: step(sharded, state, batch))
+    return {**out, "unchanged": _unchanged(before, sharded, state)}
+
+
+def skipped_block(skip_rank, at_step):
+    torch.manual_seed(0)
+    mesh, apply, sharded = _setup(Stack())
+    opt = adamw(1e-2)
+
+    def loss_fn(params, batch):
+        skip = (1,) if mesh.rank == skip_rank and batch["n"] == at_step else ()
+        return apply(params, batch["x"], skip=skip).pow(2).mean()
+
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    state = opt.init(sharded)
+    outs = []
+    for n in range(at_step + 1):
+        batch = {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(n)), "n": n}
+        before = _snapshot(sharded, state)
+        out = _outcome(lambda: step(sharded, state, batch))
+        outs.append({**out, "unchanged": _unchanged(before, sharded, state)})
+    return outs
+
+
+def raising_then_going_on(kind):
+    """Rank 1's step fails (``kind``); every rank catches its error and steps on."""
+    torch.manual_seed(0)
+    mesh, apply, sharded = _setup(Stack())
+    opt = adamw(1e-2)
+    micro = 2 if kind == "micro_batches" else 1
+
+    def loss_fn(params, batch):
+        out = apply(params, batch["x"]).pow(2)
+        if mesh.rank == 1 and batch["bad"]:
+            if kind == "raise":
+                raise ValueError("boom on rank 1")
+            if kind == "not_scalar":
+                return out.mean(0)
+        return out.mean()
+
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro)
+    state = opt.init(sharded)
+    rows = 5 if (kind == "micro_batches" and mesh.rank == 1) else 4
+    bad = {"x": torch.randn(rows, 8), "bad": True}
+    before = _snapshot(sharded, state)
+    out = _outcome(lambda: step(sharded, state, bad))
+    unchanged = _unchanged(before, sharded, state)
+    good = {"x": torch.ones(4, 8) * (mesh.rank + 1), "bad": False}
+    _, _, metrics = step(sharded, state, good)
+    return {**out, "unchanged": unchanged, "next_loss": metrics["loss"]}
+
+
+def uneven_rows(mean):
+    torch.manual_seed(0)
+    mesh, apply, sharded = _setup(Stack())
+    opt = adamw(1e-2)
+
+    def loss_fn(params, batch):
+        sq = apply(params, batch["x"]).pow(2).sum(-1)
+        return sf.Mean(sq.sum(), sq.numel()) if mean else sq.mean()
+
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    state = opt.init(sharded)
+    batch = {"x": torch.randn(4 + 2 * mesh.rank, 8, generator=torch.Generator().manual_seed(mesh.rank))}
+    before = _snapshot(sharded, state)
+    out = _outcome(lambda: step(sharded, state, batch))
+    return {**out, "unchanged": _unchanged(before, sharded, state)}
+
+
+def eval_on_one_rank():
+    torch.manual_seed(0)
+    mesh, apply, sharded = _setup(Stack())
+    opt = adamw(1e-2)
+    step = sf.jit_step(lambda p, b: apply(p, b).pow(2).mean(), mesh, optimizer=opt)
+    state = opt.init(sharded)
+    x = torch.randn(4, 8)
+    before = _snapshot(sharded, state)
+    if mesh.rank == 0:
+        out = _outcome(lambda: apply(sharded, x))
+    else:
+        out = _outcome(lambda: step(sharded, state, x))
+    return {**out, "unchanged": _unchanged(before, sharded, state)}
+
+
+# -- tests ----------------------------------------------------------------------------
+
+
+def test_moe_default_units_are_the_blocks_and_train_exactly(clusters):
+    params, _ = sf.functionalize(moe_model())
+    assert sf.Plan().units.resolve(params.module, list(params)) == ["blocks.0", "blocks.1"]
+    # Ranks choose different experts (their tokens differ); inside one unit, the unused
+    # experts' gradients are zero in the unit's one reduce-scatter.
+    report = check_equivalence(moe_model, mse, moe_batches(), optimizer=ADAMW,
+                               strategies=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], world_sizes=[2, 3],
+                               clusters=clusters)
+    assert report.failures() == []
+
+
+def test_experts_as_units_used_differently_raise_on_every_rank(clusters):
+    outs = clusters[2].run(moe_experts_as_units)
+    for r, out in enumerate(outs):
+        assert out["error"] == "DivergenceError", out
+        assert "experts" in out["message"] and "rank 0: all_gather (gather of blocks.0.experts" in out["message"]
+        assert out["unchanged"] and out["seconds"] < 10
+    # Every rank raises the same text (but for its own "[rank N]" prefix).
+    assert outs[0]["message"].split("] ", 1)[1] == outs[1]["message"].split("] ", 1)[1]
+
+
+@pytest.mark.parametrize("at_step", [0, 1])
+def test_a_block_skipped_on_one_rank_raises_on_every_rank(clusters, at_step):
+    outs = clusters[2].run(skipped_block, 1, at_step)
+    for per_rank in outs:
+        assert all(o["error"] is None for o in per_rank[:at_step])
+        last = per_rank[at_step]
+        assert last["error"] == "DivergenceError" and last["unchanged"], last
+        assert "layers.1" in last["message"] and "layers.2" in last["message"]
+
+
+@pytest.mark.parametrize("kind", ["raise", "not_scalar", "micro_batches"])
+def test_an_error_on_one_rank_reaches_every_rank_and_training_goes_on(clusters, kind):
+    outs = clusters[2].run(raising_then_going_on, kind)
+    original = {"raise": "boom on rank 1", "not_scalar": "scalar", "micro_batches": "micro"}[kind]
+    assert outs[1]["error"] in ("ValueError", "TypeError"), outs[1]
+    assert outs[0]["error"] == "PeerError" and "rank 1 raised" in outs[0]["message"], outs[0]
+    assert original in outs[0]["message"] and original in outs[1]["message"]
+    assert f"{outs[1]['error']}: " in outs[0]["message"]  # the original exception's type
+    for out in outs:
+        assert out["unchanged"] and out["seconds"] < 10
+    # Both went on in lockstep: the next step ran on both ranks and agrees.
+    assert outs[0]["next_loss"] == outs[1]["next_loss"]
+
+
+def test_batches_of_different_sizes(clusters):
+    outs = clusters[2].run(uneven_rows, False)
+    for out in outs:
+        assert out["error"] == "DivergenceError" and out["unchanged"], out
+        assert "batch of 4 rows" in out["message"] and "batch of 6 rows" in out["message"]
+        assert "shardfn.Mean" in out["message"]
+    outs = clusters[2].run(uneven_rows, True)  # Mean weighs every element: nothing to refuse
+    assert all(out["error"] is None for out in outs)
+
+
+def test_evaluating_on_one_rank_while_the_other_steps(clusters):
+    outs = clusters[2].run(eval_on_one_rank)
+    for out in outs:
+        assert out["error"] == "DivergenceError" and out["unchanged"], out
+        assert "in apply outside a step" in out["message"] and "in a step" in out["message"]
+
+
+def test_a_policy_that_matches_nothing_names_the_module_types():
+    params, _ = sf.functionalize(MoE())
+    module, names = params.module, list(params)
+    with pytest.raises(ValueError, match=r"by_module_type\(Conv2d\) matches no module of MoE.*'Linear', 'MoEBlock'"):
+        sf.Plan(units=sf.by_module_type(nn.Conv2d)).units.resolve(module, names)
+    with pytest.raises(ValueError, match=r"by_module_type\(Conv2d\) matches no module of MoE"):
+        sf.Remat(sf.by_module_type(nn.Conv2d)).select(module, names, ["blocks.0", "blocks.1"])
+
+
+def shards_after_destroy():
+    mesh, apply, sharded = _setup(Stack())
+    dist.destroy_process_group()
+    return _outcome(lambda: apply(sharded, torch.randn(2, 8)))
+
+
+def test_shards_after_destroy_process_group_is_a_clear_error():
+    with sf.testing.Cluster(2, timeout=60) as cluster:
+        outs = cluster.run(shards_after_destroy)
+    for out in outs:
+        assert out["error"] == "RuntimeError" and "destroy_process_group" in out["message"], out
+
+
+def nonfinite_on_one_rank(skip):
+    torch.manual_seed(0)
+    mesh, apply, sharded = _setup(Stack())
+    opt = adamw(1e-2)
+    step = sf.jit_step(lambda p, b: apply(p, b).pow(2).mean(), mesh, optimizer=opt, skip_nonfinite=skip)
+    state = opt.init(sharded)
+    x = torch.randn(4, 8)
+    if mesh.rank == 1:
+        x[2, 3] = float("nan")
+    before = _snapshot(sharded, state)
+    result = {}
+    out = _outcome(lambda: result.update(step(sharded, state, x)[2]))
+    after = {"unchanged": _unchanged(before, sharded, state), "skipped": result.get("skipped")}
+    good = step(sharded, state, torch.ones(4, 8))[2]
+    return {**out, **after, "next_skipped": good.get("skipped"), "changed_next": not _unchanged(before, sharded, state)}
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_nonfinite_loss_on_one_rank(clusters, skip):
+    outs = clusters[2].run(nonfinite_on_one_rank, skip)
+    for out in outs:
+        assert out["unchanged"] and out["changed_next"], out
+        if skip:
+            assert out["error"] is None and out["skipped"] is True and out["next_skipped"] is False
+        else:
+            assert out["error"] == "FloatingPointError", out
+            assert "Ranks whose own loss was not finite: [1]" in out["message"] and "skip_nonfinite=True" in out["message"]
