@@ -188,12 +188,12 @@ def _exchange(state: _Group, mine: list[int], what: str) -> list[list[int]]:
     failed = [(r, h[STATUS]) for r, h in zip(state.ranks, headers) if h[STATUS] >= FAILED]
     state.last_failed = bool(failed)
     if failed and mine[STATUS] < FAILED:
-        r, status = failed[0]
-        original = _read_failure(r, status - FAILED)
-        others = "" if len(failed) == 1 else f" (and on ranks {[f for f, _ in failed[1:]]})"
+        origin, original = _read_failure(*failed[0])
+        others = sorted({_read_failure(r, status)[0] for r, status in failed[1:]} - {origin})
+        also = f" (and ranks {others})" if others else ""
         raise PeerError(
-            f"[rank {me}] shardfn: rank {r} raised{others}, so this rank stops too (nothing was updated):\n"
-            f"  {original}\nSee rank {r}'s traceback for where.", r, original)
+            f"[rank {me}] shardfn: rank {origin} raised{also}, so this rank stops too (nothing was updated):\n"
+            f"  {original}\nSee rank {origin}'s traceback for where.", origin, original)
     return headers
 
 
@@ -264,12 +264,15 @@ def _roll_call(state: _Group) -> list[int]:
 # -- failures --------------------------------------------------------------------------
 
 
-def _read_failure(rank: int, incident: int) -> str:
+def _read_failure(rank: int, status: int) -> tuple[int, str]:
+    """(the rank where the error began, its text) for a failed header of ``rank``; a rank
+    that passes on an error it learned names the rank it learned it from."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        return store.get(f"shardfn/failure/{rank}/{incident}").decode(errors="replace")
-    except Exception as e:  # pragma: no cover - the store is gone
-        return f"(its error could not be read from the store: {e})"
+        origin, _, text = store.get(f"shardfn/failure/{rank}/{status - FAILED}").decode(errors="replace").partition("|")
+        return int(origin), text
+    except Exception as e:  # noqa: BLE001 - the store is gone with its host
+        return rank, f"(its error could not be read from the store: {e})"
 
 
 def describe(exc: BaseException) -> str:
@@ -290,14 +293,15 @@ def fail(mesh: Any, exc: BaseException) -> None:
         return
     groups = [mesh.group(axis) for axis in mesh.axis_names if mesh.axis_size(axis) > 1]
     todo = [_state(g) for g in groups]
-    todo = [s for s in todo if not s.last_failed]
+    todo = [s for s in todo if not s.last_failed and not s.off]
     if not todo:
         return
     incident = _INCIDENTS[0]
     _INCIDENTS[0] += 1
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"shardfn/failure/{dist.get_rank()}/{incident}", describe(exc))
+        origin = exc.rank if isinstance(exc, PeerError) else dist.get_rank()
+        store.set(f"shardfn/failure/{dist.get_rank()}/{incident}", f"{origin}|{describe(exc)}")
         for state in todo:
             _exchange(state, [0, 0, 0, 0, 0, FAILED + incident], "telling the other ranks of an error")
     except Exception:  # a peer that is gone; the caller's error is the one to see

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -165,6 +167,8 @@ def shard(
     verify_agreement(layout, mesh, salt=1 if meta else 0, hint=meta_error if meta else "")
     if meta:
         raise ValueError(meta_error)
+    if seed is None and src_rank is None:
+        verify_same_values(params, layout, mesh)
     rank = layout.shard_rank(mesh)
     with torch.no_grad():
         if seed is not None:
@@ -222,6 +226,41 @@ def verify_agreement(layout: Layout, mesh: Mesh, salt: int = 0, hint: str = "") 
     if len(set(allfp)) > 1:
         bad = [r for r, f in enumerate(allfp) if f != allfp[0]]
         raise ValueError(_DISAGREE.format(rank=mesh.rank, fps=allfp, bad=bad) + (f"\nOn this rank: {hint}" if hint else ""))
+
+
+_SAMPLE = 4096  # elements of each tensor that its value fingerprint reads
+
+
+def _value_digest(t: torch.Tensor) -> int:
+    """A fingerprint of a tensor's values: a hash of the bytes of up to 4096 elements spread
+    over it (exact bytes, so the same values give the same digest on any hardware)."""
+    flat = t.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE].contiguous().cpu()
+    data = sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+def verify_same_values(params: Mapping[str, torch.Tensor], layout: Layout, mesh: Mesh) -> None:
+    """Raises on every rank if ranks pass different values for some tensor (a model built
+    with a different seed on some rank): one all-gather of one int64 per tensor."""
+    if mesh.size == 1 or mesh.backend == "fake":
+        return
+    names = [*layout.leaves, *layout.buffers]
+    mine = torch.tensor([_value_digest(params[n]) for n in names], dtype=torch.int64, device=mesh.device)
+    every = C.all_gather_mesh(mine, mesh, Purpose.LAYOUT).view(mesh.size, -1).cpu()
+    differ = (every != every[0]).any(0).nonzero().flatten().tolist()
+    if differ:
+        first = names[differ[0]]
+        groups: dict[int, list[int]] = {}
+        for r in range(mesh.size):
+            groups.setdefault(int(every[r, differ[0]]), []).append(r)
+        raise ValueError(
+            f"[rank {mesh.rank}] shard(): the ranks hold different values for {len(differ)} of the {len(names)} "
+            f"tensors, first {first!r} (ranks {' vs '.join(str(g) for g in groups.values())} agree among "
+            f"themselves). Every rank must pass the same initial values, or the replicas differ forever: seed every "
+            f"rank the same before building the model (torch.manual_seed(0)), or pass shard(..., src_rank=0) to "
+            f"take rank 0's values everywhere."
+        )
 
 
 def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:

@@ -246,6 +246,7 @@ def test_a_policy_that_matches_nothing_names_the_module_types():
 
 
 def shards_after_destroy():
+    torch.manual_seed(0)
     mesh, apply, sharded = _setup(Stack())
     dist.destroy_process_group()
     return _outcome(lambda: apply(sharded, torch.randn(2, 8)))
@@ -285,3 +286,55 @@ def test_a_nonfinite_loss_on_one_rank(clusters, skip):
         else:
             assert out["error"] == "FloatingPointError", out
             assert "Ranks whose own loss was not finite: [1]" in out["message"] and "skip_nonfinite=True" in out["message"]
+
+
+def differently_seeded(src_rank):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(mesh.rank)  # a per-rank seed: each rank builds other weights
+    params, apply = sf.functionalize(Stack())
+    out = _outcome(lambda: sf.shard(params, mesh, "NO_SHARD", src_rank=src_rank))
+    if out["error"] is None:
+        sharded = sf.shard(params, mesh, "NO_SHARD", src_rank=src_rank)
+        out["weight"] = sharded["layers.0.weight"].clone()
+    return out
+
+
+def test_ranks_that_build_different_values_are_caught_at_shard(clusters):
+    outs = clusters[2].run(differently_seeded, None)
+    for out in outs:
+        assert out["error"] == "ValueError", out
+        assert "different values for 6 of the 6 tensors, first 'layers.0.weight'" in out["message"]
+        assert "src_rank=0" in out["message"]
+    outs = clusters[2].run(differently_seeded, 0)  # or rank 0's values are taken everywhere
+    assert outs[0]["error"] is None and (outs[0]["weight"] == outs[1]["weight"]).all()
+
+
+def hybrid_raise_on_one_rank(bad_rank):
+    torch.manual_seed(0)
+    mesh = sf.Mesh.from_group(replicate=2)
+    params, apply = sf.functionalize(Stack())
+    sharded = sf.shard(params, mesh, "HYBRID_SHARD")
+    opt = adamw(1e-2)
+
+    def loss_fn(params, batch):
+        if mesh.rank == bad_rank and batch["bad"]:
+            raise KeyError("no such column")
+        return apply(params, batch["x"]).pow(2).mean()
+
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    state = opt.init(sharded)
+    before = _snapshot(sharded, state)
+    out = _outcome(lambda: step(sharded, state, {"x": torch.randn(4, 8), "bad": True}))
+    unchanged = _unchanged(before, sharded, state)
+    _, _, metrics = step(sharded, state, {"x": torch.ones(4, 8), "bad": False})
+    return {**out, "unchanged": unchanged, "next_loss": metrics["loss"]}
+
+
+def test_an_error_on_one_rank_of_a_2d_mesh_reaches_all_four(clusters):
+    outs = clusters[4].run(hybrid_raise_on_one_rank, 3)
+    assert outs[3]["error"] == "KeyError"
+    for out in outs[:3]:
+        assert out["error"] == "PeerError" and "rank 3 raised" in out["message"], out
+        assert "KeyError: 'no such column'" in out["message"]
+    assert all(out["unchanged"] and out["seconds"] < 10 for out in outs)
+    assert len({out["next_loss"] for out in outs}) == 1
