@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardfn.optim import sgd
-from shardfn.testing import check_equivalence, split_batch
+from shardfn.testing import ClusterError, check_equivalence, split_batch
 from shardfn.testing.models import MLP
 
 
@@ -30,6 +30,12 @@ def loss_fn(apply, params, batch):
     return F.mse_loss(apply(params, batch["x"]), batch["y"])
 
 
+def rank_dependent_loss_fn(apply, params, batch):
+    """Another user bug: a loss weighted by rank (outside a step it would be the same)."""
+    scale = 1 + dist.get_rank() if dist.is_initialized() else 1
+    return scale * F.mse_loss(apply(params, batch["x"]), batch["y"])
+
+
 def batches():
     g = torch.Generator().manual_seed(3)
     return [{"x": torch.randn(6, 6, generator=g), "y": torch.randn(6, 3, generator=g)} for _ in range(2)]
@@ -49,10 +55,17 @@ def test_report_lists_every_leaf_of_every_configuration(clusters):
 
 def test_broken_training_is_reported_per_leaf(clusters):
     with pytest.raises(AssertionError) as info:
-        check_equivalence(rank_dependent_model_fn, loss_fn, batches(), optimizer=OPT, strategies=["FULL_SHARD"], world_sizes=[2], clusters=clusters)
+        check_equivalence(model_fn, rank_dependent_loss_fn, batches(), optimizer=OPT, strategies=["FULL_SHARD"],
+                          world_sizes=[2], clusters=clusters)
     msg = str(info.value)
     assert "FULL_SHARD world=2: layers.0.linear.weight: max |diff|" in msg
     assert "loss at step 1" in msg
+
+
+def test_ranks_that_initialise_differently_are_caught_at_shard(clusters):
+    with pytest.raises(ClusterError, match=r"the ranks hold different values for 4 of the 4 tensors"):
+        check_equivalence(rank_dependent_model_fn, loss_fn, batches(), optimizer=OPT, strategies=["FULL_SHARD"],
+                          world_sizes=[2], clusters=clusters)
 
 
 def test_split_batch_partitions_and_refuses_uneven():
