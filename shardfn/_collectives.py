@@ -27,8 +27,8 @@ from . import _guard as G
 from ._events import Collective, CollectiveCall, Purpose, emit, label, observers
 
 __all__ = [
-    "AVG", "MAX", "SUM", "all_gather", "all_gather_mesh", "all_reduce", "all_reduce_mesh", "barrier", "broadcast",
-    "broadcast_mesh", "reduce_scatter", "scatter",
+    "AVG", "MAX", "SUM", "all_gather", "all_gather_mesh", "all_reduce", "all_reduce_mesh", "barrier", "barrier_mesh",
+    "broadcast", "broadcast_mesh", "reduce_scatter", "scatter",
 ]
 
 AVG, SUM, MAX = ReduceOp.AVG, ReduceOp.SUM, ReduceOp.MAX
@@ -105,10 +105,12 @@ def scatter(out: torch.Tensor, inp: torch.Tensor | None, group_src: int, group: 
     _done(work, group, False, Collective.SCATTER, purpose, unit)
 
 
-def barrier(group: ProcessGroup | None) -> None:
-    """Waits for every rank of ``group`` (checkpoint publication; not counted as traffic)."""
+def barrier(group: ProcessGroup | None, detail: int = 0) -> None:
+    """Waits for every rank of ``group`` (checkpoint publication; not counted as traffic).
+
+    ``detail``: a number every rank must agree on (a checkpoint's digest)."""
     group = group if group is not None else dist.group.WORLD
-    G.agree(group, Collective.BARRIER, Purpose.CHECKPOINT, "", 0)
+    G.agree(group, Collective.BARRIER, Purpose.CHECKPOINT, "", 0, detail)
     with torch.profiler.record_function("shardfn::barrier[checkpoint]"):
         work = dist.barrier(group=group, async_op=True)
     _done(work, group, False, Collective.BARRIER, Purpose.CHECKPOINT, "")
@@ -137,6 +139,14 @@ def all_reduce_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose, op: ReduceOp =
     for axis in mesh.axis_names:
         if mesh.axis_size(axis) > 1:
             all_reduce(t, mesh.group(axis), purpose, op=op, to=to, detail=detail)
+
+
+def barrier_mesh(mesh: Any, detail: int = 0) -> None:
+    """A barrier over every axis of the mesh (see :func:`barrier`), so that an error on one
+    rank reaches the others through the same groups (see [Note: the schedule guard])."""
+    for axis in mesh.axis_names:
+        if mesh.axis_size(axis) > 1:
+            barrier(mesh.group(axis), detail)
 
 
 def all_gather_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose) -> torch.Tensor:

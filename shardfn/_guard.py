@@ -333,14 +333,19 @@ def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
 def _describe_header(h: list[int]) -> str:
     kind, purpose = _KINDS[h[WHAT] // 64], _PURPOSES[h[WHAT] % 64]
     unit = _NAMES.get(h[UNIT], f"unit #{h[UNIT]:x}") if h[UNIT] else ""
-    detail = f", batch of {h[DETAIL]} rows" if purpose is Purpose.METRICS and h[DETAIL] > 0 else ""
+    detail = (f", batch of {h[DETAIL]} rows" if purpose is Purpose.METRICS and h[DETAIL] > 0 else
+              f", checkpoint {h[DETAIL]:08x}" if purpose is Purpose.CHECKPOINT and h[DETAIL] else "")
     return f"{kind.value} ({label(purpose, unit)}), {h[NBYTES]:,} bytes{detail}, {Where.NAMES.get(h[WHERE], '?')}"
 
 
 def _diverged(state: _Group, headers: list[list[int]]) -> str:
     lines = [f"  rank {r}: {_describe_header(h)}" for r, h in zip(state.ranks, headers)]
     same_but_rows = all(h[:DETAIL] + h[DETAIL + 1:] == headers[0][:DETAIL] + headers[0][DETAIL + 1:] for h in headers)
-    if same_but_rows:
+    if same_but_rows and _PURPOSES[headers[0][WHAT] % 64] is Purpose.CHECKPOINT:
+        fix = ("The ranks were about to load different checkpoints (their shardfn.json differ: a hash of each is "
+               "shown). Pass the same path on every rank, in a directory every rank sees the same (a shared "
+               "filesystem), and do not write into it while loading.")
+    elif same_but_rows:
         fix = ("A plain mean loss over batches of different sizes would weight every rank's mean equally, which is "
                "not the mean over the global batch. Give every rank the same number of rows, or return "
                "shardfn.Mean(total, count) from loss_fn to weight every element exactly.")

@@ -31,3 +31,15 @@ def test_train_lm_under_torchrun_loss_falls(strategy):
     assert re.search(r"^final loss [0-9.]+ \(first [0-9.]+\)$", proc.stdout, re.M)
     assert proc.stdout.count("val loss") == 2
     assert "FULL_SHARD" in proc.stdout and "blocks.1" in proc.stdout  # the printed layout
+
+
+def test_train_lm_resumes_by_default():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
+    train_lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_lm)
+    assert train_lm.parse_args(["--ckpt-dir", "c"]).resume  # what a torchrun restart runs
+    assert not train_lm.parse_args(["--ckpt-dir", "c", "--no-resume"]).resume
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--save-every", "0"])
