@@ -35,15 +35,29 @@ class StepBuffers:
 
     def __init__(self, tree: Mapping[str, torch.Tensor], names: Sequence[str], *, donate: bool, track: bool):
         own = {n: tree[n] for n in names}
+        self.own, self.donate = dict(own), donate
         self.work: dict[str, torch.Tensor] = own if donate else {n: b.clone() for n, b in own.items()}
-        # Floating-point buffers are compared with their value before the step.
+        # Floating-point buffers are compared with their value before the step; with
+        # donation every buffer is kept, so that a step that fails (or runs again) can put
+        # them back (a forward updates running statistics in place).
         self.floating = [n for n in names if own[n].is_floating_point()] if track else []
-        self.before = {n: own[n].clone() if donate else own[n] for n in self.floating}
+        self.before = {n: b.clone() for n, b in own.items()} if donate else {n: own[n] for n in self.floating}
 
     def replaced(self, tree: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The working buffers that are not ``tree``'s own tensors (copies, or buffers the
         forward replaced): what the tree must take after the step."""
         return {n: b for n, b in self.work.items() if b is not tree[n]}
+
+    def restore(self) -> None:
+        """Every buffer back to its value before the step (a step that raised, or runs again)."""
+        with torch.no_grad():
+            for n, t in self.own.items():
+                if self.donate:
+                    if not is_fake(t):
+                        t.copy_(self.before[n])
+                    self.work[n] = t
+                else:
+                    self.work[n] = t.clone()
 
     def flags(self, device: torch.device) -> torch.Tensor:
         """1.0 for each floating-point buffer this rank's forward changed, else 0.0."""

@@ -35,10 +35,14 @@ AVG, SUM, MAX = ReduceOp.AVG, ReduceOp.SUM, ReduceOp.MAX
 
 
 def _record(kind: Collective, group: ProcessGroup, t: torch.Tensor, purpose: Purpose, unit: str, to: Any,
-            detail: int = 0) -> None:
-    """Agrees on the collective with the other ranks (see [Note: the schedule guard]), then
-    reports it."""
-    G.agree(group, kind, purpose, unit, t.numel() * t.element_size(), detail)
+            detail: int = 0, op: ReduceOp | None = None) -> None:
+    """Agrees on the collective with the other ranks (see [Note: the schedule guard]; in a
+    step, [Note: the pipelined guard]), then reports it."""
+    run = G.RUN.get()
+    if run is not None:
+        run.collective(group, kind, purpose, unit, t, op, detail)
+    else:
+        G.agree(group, kind, purpose, unit, t.numel() * t.element_size(), detail, t.dtype)
     to = observers() if to is None else to
     if to:
         call = CollectiveCall(kind, tuple(dist.get_process_group_ranks(group)), t.numel() * t.element_size(), t.dtype,
@@ -69,7 +73,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, pu
     With ``async_op`` it returns the work handle: ``out`` is valid after ``work.wait()``
     and ``inp`` must stay alive until then.
     """
-    _record(Collective.REDUCE_SCATTER, group, inp, purpose, unit, to)
+    _record(Collective.REDUCE_SCATTER, group, inp, purpose, unit, to, op=op)
     with _range(Collective.REDUCE_SCATTER, purpose, unit):
         work = dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
     return _done(work, group, async_op, Collective.REDUCE_SCATTER, purpose, unit)
@@ -81,7 +85,7 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str
 
     ``detail``: a number every rank must agree on, checked with the collective's header
     (the step's metrics all-reduce passes the batch's rows)."""
-    _record(Collective.ALL_REDUCE, group, t, purpose, unit, to, detail)
+    _record(Collective.ALL_REDUCE, group, t, purpose, unit, to, detail, op)
     with _range(Collective.ALL_REDUCE, purpose, unit):
         work = dist.all_reduce(t, op=op, group=group, async_op=True)
     return _done(work, group, async_op, Collective.ALL_REDUCE, purpose, unit)

@@ -63,6 +63,7 @@ class Purpose(str, enum.Enum):
     RESHARD = "reshard"  # reshard(): a unit's full values, to be cut the new way
     CHECKPOINT = "checkpoint"  # checkpoint.save / load waiting for every rank
     TEST = "test"  # issued by a test
+    STEP = "step"  # the header that opens a step (shardfn._schedule); no data
 
     def __str__(self) -> str:
         return self.value

@@ -31,11 +31,12 @@ from . import _collectives as C
 from ._batch import MicroBatches, agree_on_micro_batches, count_tokens, objective, rows, split, uneven_error
 from ._buffers import StepBuffers
 from ._events import Purpose
-from ._guard import check_alive
+from ._guard import Where, check_alive, guarded
 from ._layout import Layout
 from ._mesh import Mesh
 from ._psum import Gradients, sum_of_squares
 from ._runtime import Accumulate, Runtime, active
+from ._schedule import Deviated, Run, Schedule
 from ._sharded import ShardedParams
 
 __all__ = ["Grad", "GradOut", "jit_grad"]
@@ -87,9 +88,11 @@ class Grad:
         # each call for the next) and the layout of the first call (to catch other shards).
         self.order: list[tuple[int, int]] = []
         self.layout: Layout | None = None
+        self.schedule = Schedule()  # the collectives of the last verified call
 
     def __call__(self, sharded: ShardedParams, batch: Any) -> tuple[torch.Tensor, Gradients, dict[str, Any]]:
-        self.check(sharded)
+        with guarded(self.mesh, Where.STEP):  # a rank whose arguments are refused tells the others
+            self.check(sharded)
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=True, track=self.sync_buffers)
         with self.run(sharded, batch, buffers) as out:
             pass
@@ -125,9 +128,26 @@ class Grad:
             self.mesh, in_step=True, overlap=self.overlap, prefetch=self.prefetch, order=self.order,
             accumulate=self.accumulate, owner=sharded, buffers=buffers,
         )
+        run = Run(self.schedule, self.mesh) if self.mesh.size > 1 else None
+        rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None
+        done = False
         try:
-            with active(rt):
-                loss, count, grads, auxes = self._grads(rt, sharded, batch, scale)
+            with active(rt, run):
+                if run is not None:
+                    run.open()
+                while True:  # once, or twice when every rank's schedule changed alike
+                    try:
+                        loss, count, grads, auxes = self._grads(rt, sharded, batch, scale)
+                        if run is not None:
+                            run.end_of_backward()
+                    except Deviated:
+                        buffers.restore()
+                        run.report()  # raises, unless every rank deviated alike: then run again
+                        rt.restart()
+                        run.rerun()
+                        _set_rng_state(rng)
+                        continue
+                    break
                 # The loss, the gradients' sum of squares, Mean's count, the buffer-change flags
                 # (and the aux to average) share one all-reduce per mesh axis.
                 # With a plain loss every rank must have as many rows: the metrics all-reduce's
@@ -135,6 +155,8 @@ class Grad:
                 reduced = self._reduce_metrics(layout, loss, count, sum_of_squares(grads),
                                                buffers.flags(self.mesh.device), auxes, len(auxes),
                                                rows=0 if count is not None else _rows(batch))
+                if run is not None:
+                    self.schedule.learn(run.recorded, run.pipelined)
                 if reduced["rescale"] is not None:  # [Note: token-weighted losses]
                     torch._foreach_mul_(list(grads.values()), reduced["rescale"])
                 norm = reduced["norm"]
@@ -145,7 +167,12 @@ class Grad:
                     metrics["aux"] = reduced["aux"]
                 if self.sync_buffers:
                     buffers.sync(reduced["changed"], self.mesh)
+                done = True  # from here on the caller updates the state
                 yield GradOut(reduced["loss"], Gradients(grads, norm), metrics)
+        except BaseException:
+            if not done:
+                buffers.restore()  # nothing the step changed stays changed
+            raise
         finally:
             self.order = rt.finish()
         metrics["tokens"] = count_tokens(batch) * self.mesh.size
@@ -249,6 +276,18 @@ def _rows(batch: Any) -> int:
         return sum(rows(b) for b in batch) if isinstance(batch, MicroBatches) else rows(batch)
     except (TypeError, ValueError):
         return 0
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch's generators, for a step that may run twice (see [Note: the pipelined guard])."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None] | None) -> None:
+    if state is not None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
 
 
 def _scalar(t: torch.Tensor) -> float | None:

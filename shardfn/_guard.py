@@ -9,7 +9,7 @@ collective on a process group of more than one rank, the ranks exchange a *heade
 (:data:`HEADER` int64 words, the same size whatever the collective) on the group's
 control group (the group itself on CPU; a gloo group beside each NCCL group on CUDA):
 
-    [what (kind and purpose), unit (a hash of its name), bytes, detail, where, status]
+    [what (kind, purpose, dtype), unit (a hash of its name), bytes, detail, where, status, position]
 
 ``where`` says whether the rank is in a step, in ``apply`` outside a step, or elsewhere
 (``shard()``, a checkpoint); ``detail`` is what else must agree (the rows of the batch
@@ -34,8 +34,9 @@ that did not answer a roll call in the store. The group then holds a collective 
 will never finish, so the process group is unusable: later collectives raise the same
 error at once; restart the job and resume from the last checkpoint.
 
-Cost: one small all-gather (48 bytes per rank) per collective, waited before the
-collective starts.
+Cost: one small all-gather (56 bytes per rank) per collective, waited before the
+collective starts — except inside a step whose collectives repeat the previous steps',
+where the check is pipelined (see [Note: the pipelined guard] in shardfn._schedule).
 """
 
 from __future__ import annotations
@@ -54,17 +55,24 @@ import torch.distributed as dist
 
 from ._events import Collective, Purpose
 
-__all__ = ["CommError", "DivergenceError", "PeerError", "Where", "agree", "fail", "guarded", "register", "wait"]
+__all__ = [
+    "CommError", "DivergenceError", "PeerError", "Where", "agree", "agree_words", "exchange", "fail", "guarded",
+    "register", "wait", "words",
+]
 
-HEADER = 6
-WHAT, UNIT, NBYTES, DETAIL, WHERE, STATUS = range(HEADER)
+HEADER = 7
+WHAT, UNIT, NBYTES, DETAIL, WHERE, STATUS, POSITION = range(HEADER)
 OK = 0  # a status >= FAILED is FAILED + the failing rank's incident number
 FAILED = 1
+DIVERGED = -1  # a rank whose step left the schedule of the previous steps (shardfn._schedule)
 DEFAULT_STEP_TIMEOUT = 60.0
 _ROLL_CALL_S = 3.0
 
 _KINDS = list(Collective)
 _PURPOSES = list(Purpose)
+_DTYPES = [None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
+           torch.bool, torch.int8, torch.int16, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
+_UNITS: dict[str, int] = {}
 
 
 class Where:
@@ -109,8 +117,11 @@ _GROUPS: dict[int, tuple[Any, _Group]] = {}  # id(group) -> (group, its state)
 _NAMES: dict[int, str] = {}  # unit hash -> unit name, for messages
 _BROKEN: list[str] = []  # the CommError that made the process group unusable
 _INCIDENTS = [0]  # this rank's failures so far
+HEADERS = [0]  # header exchanges so far (tests count them)
 _WHERE: contextvars.ContextVar[int] = contextvars.ContextVar("shardfn_where", default=Where.OTHER)
 _REGION: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_guarded", default=False)
+# The step in progress, if it checks its schedule (a shardfn._schedule.Run).
+RUN: contextvars.ContextVar[Any] = contextvars.ContextVar("shardfn_run", default=None)
 
 
 def register(group: Any, control: Any = None, timeout: float = DEFAULT_STEP_TIMEOUT) -> None:
@@ -138,9 +149,19 @@ def _state(group: Any) -> _Group:
 
 
 def unit_id(name: str) -> int:
-    h = zlib.crc32(name.encode()) & 0x7FFFFFFF
-    _NAMES.setdefault(h, name)
+    h = _UNITS.get(name)
+    if h is None:
+        h = _UNITS[name] = zlib.crc32(name.encode()) & 0x7FFFFFFF
+        _NAMES.setdefault(h, name)
     return h
+
+
+def words(kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0,
+          dtype: torch.dtype | None = None) -> list[int]:
+    """The first five words of a header (what, unit, bytes, detail, where)."""
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    return [code * 4096 + _KINDS.index(kind) * 64 + _PURPOSES.index(purpose), unit_id(unit) if unit else 0, nbytes,
+            detail, _WHERE.get()]
 
 
 def check_alive(what: str) -> None:
@@ -157,18 +178,31 @@ def check_alive(what: str) -> None:
                         f"restart the job and resume from the last checkpoint. The error was:\n{_BROKEN[0]}")
 
 
-def agree(group: Any, kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0) -> None:
+def agree(group: Any, kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0,
+          dtype: torch.dtype | None = None) -> None:
     """Exchanges this collective's header on ``group``; raises unless every rank's is the same."""
     check_alive(f"{kind.value} ({purpose.value})")
     state = _state(group)
     if state.off:
         return
-    mine = [_KINDS.index(kind) * 64 + _PURPOSES.index(purpose), unit_id(unit) if unit else 0, nbytes, detail,
-            _WHERE.get(), OK]
-    headers = _exchange(state, mine, f"{kind.value} ({label(purpose, unit)})")
-    if any(h != headers[0] for h in headers):
+    agree_words(state, words(kind, purpose, unit, nbytes, detail, dtype), f"{kind.value} ({label(purpose, unit)})")
+
+
+def agree_words(state: "_Group", mine: list[int], what: str, position: int = 0) -> list[list[int]]:
+    """Exchanges the header ``mine`` (five words) on ``state``'s group; raises
+    DivergenceError unless every rank's is the same; returns them all."""
+    headers = exchange(state, [*mine, OK, position], what)
+    if any(h[:STATUS] != headers[0][:STATUS] or h[STATUS] != OK for h in headers):
         state.last_failed = True
+        run = RUN.get()
+        if run is not None and any(h[STATUS] == DIVERGED for h in headers):
+            raise DivergenceError(run.explain(state, headers))
         raise DivergenceError(_diverged(state, headers))
+    return headers
+
+
+def state_of(group: Any) -> "_Group":
+    return _state(group)
 
 
 def label(purpose: Purpose, unit: str) -> str:
@@ -176,11 +210,12 @@ def label(purpose: Purpose, unit: str) -> str:
                                                                       Purpose.REDUCE) else purpose.value
 
 
-def _exchange(state: _Group, mine: list[int], what: str) -> list[list[int]]:
+def exchange(state: "_Group", mine: list[int], what: str) -> list[list[int]]:
     """All ranks' headers (one all-gather on the control group); raises PeerError when a
     peer's header says it failed."""
     me = dist.get_rank()
     out = torch.empty(len(state.ranks) * HEADER, dtype=torch.int64)
+    HEADERS[0] += 1
     work = dist.all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=state.control, async_op=True)
     _wait(work, state, what)
     state.position += 1
@@ -291,6 +326,12 @@ def fail(mesh: Any, exc: BaseException) -> None:
     Never raises: the caller re-raises ``exc``."""
     if _BROKEN or not dist.is_initialized() or isinstance(exc, CommError):
         return
+    run = RUN.get()
+    if run is not None:  # a pipelined step first plays its collectives out, as the peers run them
+        try:
+            run.before_fail()
+        except Exception:  # noqa: BLE001 - a peer that is gone; the caller's error is the one to see
+            return
     groups = [mesh.group(axis) for axis in mesh.axis_names if mesh.axis_size(axis) > 1]
     todo = [_state(g) for g in groups]
     todo = [s for s in todo if not s.last_failed and not s.off]
@@ -303,7 +344,7 @@ def fail(mesh: Any, exc: BaseException) -> None:
         origin = exc.rank if isinstance(exc, PeerError) else dist.get_rank()
         store.set(f"shardfn/failure/{dist.get_rank()}/{incident}", f"{origin}|{describe(exc)}")
         for state in todo:
-            _exchange(state, [0, 0, 0, 0, 0, FAILED + incident], "telling the other ranks of an error")
+            exchange(state, [0, 0, 0, 0, 0, FAILED + incident, 0], "telling the other ranks of an error")
     except Exception:  # a peer that is gone; the caller's error is the one to see
         pass
 
@@ -330,17 +371,33 @@ def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
 # -- the divergence message ------------------------------------------------------------
 
 
-def _describe_header(h: list[int]) -> str:
-    kind, purpose = _KINDS[h[WHAT] // 64], _PURPOSES[h[WHAT] % 64]
+def describe_header(h: list[int]) -> str:
+    kind, purpose = _KINDS[h[WHAT] // 64 % 64], _PURPOSES[h[WHAT] % 64]
+    if purpose is Purpose.STEP:
+        plan = f"pipelined, schedule {h[UNIT]:08x} of {h[NBYTES]} collectives" if h[UNIT] else "checked"
+        return f"step start ({plan}), {Where.NAMES.get(h[WHERE], '?')}"
+    if purpose is Purpose.METRICS and h[NBYTES] < 0:
+        return "the end of its forward and backward (the metrics all-reduce next), in a step"
+    code = h[WHAT] // 4096
+    dtype = f" {str(_DTYPES[code]).removeprefix('torch.')}" if 0 < code < len(_DTYPES) else ""
     unit = _NAMES.get(h[UNIT], f"unit #{h[UNIT]:x}") if h[UNIT] else ""
     detail = (f", batch of {h[DETAIL]} rows" if purpose is Purpose.METRICS and h[DETAIL] > 0 else
               f", checkpoint {h[DETAIL]:08x}" if purpose is Purpose.CHECKPOINT and h[DETAIL] else "")
-    return f"{kind.value} ({label(purpose, unit)}), {h[NBYTES]:,} bytes{detail}, {Where.NAMES.get(h[WHERE], '?')}"
+    return (f"{kind.value} ({label(purpose, unit)}), {h[NBYTES]:,} bytes{dtype}{detail}, "
+            f"{Where.NAMES.get(h[WHERE], '?')}")
 
 
-def _diverged(state: _Group, headers: list[list[int]]) -> str:
-    lines = [f"  rank {r}: {_describe_header(h)}" for r, h in zip(state.ranks, headers)]
-    same_but_rows = all(h[:DETAIL] + h[DETAIL + 1:] == headers[0][:DETAIL] + headers[0][DETAIL + 1:] for h in headers)
+def _diverged(state: "_Group", headers: list[list[int]]) -> str:
+    lines = [f"  rank {r}: {describe_header(h)}" for r, h in zip(state.ranks, headers)]
+    return (f"[rank {dist.get_rank()}] shardfn: the ranks diverged at their collective #{state.position} on ranks "
+            f"{list(state.ranks)}; none of them issued it, and nothing was updated:\n" + "\n".join(lines)
+            + "\n" + fix(headers))
+
+
+def fix(headers: list[list[int]]) -> str:
+    """What to do about ranks whose headers are ``headers``."""
+    same_but_rows = all(h[:DETAIL] + h[DETAIL + 1:STATUS] == headers[0][:DETAIL] + headers[0][DETAIL + 1:STATUS]
+                        for h in headers)
     if same_but_rows and _PURPOSES[headers[0][WHAT] % 64] is Purpose.CHECKPOINT:
         fix = ("The ranks were about to load different checkpoints (their shardfn.json differ: a hash of each is "
                "shown). Pass the same path on every rank, in a directory every rank sees the same (a shared "
@@ -352,11 +409,12 @@ def _diverged(state: _Group, headers: list[list[int]]) -> str:
     elif len({h[WHERE] for h in headers}) > 1:
         fix = ("Every rank must make the same shardfn calls in the same order: a step, apply on shards, shard(), "
                "checkpoint.save/load are collective. Evaluate (apply outside a step) on every rank, or on none.")
+    elif any(_PURPOSES[h[WHAT] % 64] is Purpose.STEP for h in headers):
+        fix = ("The ranks started a step with different histories: a different step function (jit_step / jit_grad "
+               "object) on some ranks, or one that some ranks called more often. Call the same step on every rank.")
     else:
         fix = ("Every rank must gather and reduce the same units in the same order, the same number of times. A "
                "module that only some ranks run (experts chosen by the data, LayerDrop, a branch taken for some "
                "batches) must not be a unit of its own: make units of modules every rank runs (e.g. the blocks "
                "that hold the experts: units=by_module_type(Block), as the default unit policy does).")
-    return (f"[rank {dist.get_rank()}] shardfn: the ranks diverged at their collective #{state.position} on ranks "
-            f"{list(state.ranks)}; none of them issued it, and nothing was updated:\n" + "\n".join(lines)
-            + "\n" + fix)
+    return fix

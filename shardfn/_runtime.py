@@ -206,6 +206,13 @@ class Runtime:
         for unit in self.units():
             unit.cancel_prefetch()
 
+    def restart(self) -> None:
+        """Back to the start of the step (a step that runs again, see shardfn._schedule)."""
+        self.finish()
+        self._trees.clear()
+        self.reduced.clear()
+        self.seen.clear()
+
     def finish(self) -> list[tuple[int, int]]:
         """After the step: nothing in flight, nothing gathered; returns the order seen."""
         self.wait_pending()
@@ -224,13 +231,15 @@ def current() -> Runtime | None:
 
 
 @contextmanager
-def active(rt: Runtime) -> Iterator[Runtime]:
+def active(rt: Runtime, run: Any = None) -> Iterator[Runtime]:
     """Makes ``rt`` the step in progress for the block; an error in it reaches every rank
-    (see [Note: the schedule guard])."""
+    (see [Note: the schedule guard]). ``run``: the step's shardfn._schedule.Run."""
     token = _CURRENT.set(rt)
+    run_token = _guard.RUN.set(run)
     try:
         with _guard.guarded(rt.mesh, _guard.Where.STEP if rt.in_step else _guard.Where.APPLY), observe(rt.log):
             yield rt
     finally:
+        _guard.RUN.reset(run_token)
         _CURRENT.reset(token)
 

@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ._buffers import StepBuffers
 from ._grad import Grad, check_options
+from ._guard import Where, guarded
 from ._mesh import Mesh
 from ._precision import DynamicLossScale, LossScaleState
 from ._runtime import Accumulate, current
@@ -56,7 +57,8 @@ class Step:
         return self.loss_scale.init(state) if self.loss_scale is not None else state
 
     def __call__(self, sharded: ShardedParams, opt_state: Any, batch: Any) -> tuple[ShardedParams, Any, dict[str, Any]]:
-        self._check(sharded, opt_state)
+        with guarded(self.mesh, Where.STEP):  # a rank whose arguments are refused tells the others
+            self._check(sharded, opt_state)
         inner = opt_state.opt_state if self.loss_scale is not None else opt_state
         scale = float(opt_state.scale) if self.loss_scale is not None else 1.0
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=self.donate, track=self.grad.sync_buffers)
@@ -72,6 +74,7 @@ class Step:
                 opt_state = LossScaleState(inner, *self.loss_scale.next(opt_state, not skip))
             elif "nonfinite" in metrics:  # the same on every rank (see Grad._nonfinite_ranks)
                 if not self.skip_nonfinite:
+                    buffers.restore()
                     bad = metrics["nonfinite"]
                     raise FloatingPointError(_NONFINITE.format(
                         rank=self.mesh.rank, loss=metrics["loss"], norm=metrics["grad_norm"], loss_ranks=bad["loss"],

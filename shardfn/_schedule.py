@@ -1,0 +1,230 @@
+"""The pipelined guard: a step whose collectives repeat the previous steps' checks them once.
+
+[Note: the pipelined guard]
+The schedule guard (shardfn._guard) waits for a header exchange before every collective:
+a round trip per unit and direction. Inside a step that is mostly wasted, because a step
+usually issues exactly the collectives of the step before. So each step function keeps
+the *schedule* of its last verified step: for every collective until the metrics
+all-reduce, its group, header (kind, purpose, unit, bytes, dtype, detail) and size. Once
+two consecutive steps, both checked header by header, had the same schedule, the next
+steps run *pipelined*:
+
+* The step opens with one header exchange carrying a hash of the schedule (every rank
+  must be about to run the same one; it also carries an error a rank raised after the
+  last step's metrics, see below).
+* Until the metrics all-reduce, a collective that equals the next one of the schedule
+  runs at once, without a header: every rank compares against the same schedule, so
+  ranks that all match it issue matching collectives.
+* A rank whose next collective differs (another unit, a different size, one more or one
+  fewer) *deviates*. It issues none of its own: it plays out the rest of the schedule with
+  scratch buffers of the right sizes, so the other ranks' collectives complete, and then
+  reports the deviation (its own header and position, status DIVERGED) in the header of
+  the metrics all-reduce, which is always exchanged and waited for. A rank whose step
+  raises does the same and sends FAILED there (shardfn._guard.fail).
+* At the metrics header every rank sees every report. If any rank deviated, every rank
+  raises the same :class:`DivergenceError`, naming the first position where a rank left
+  the schedule and what each rank did there. Nothing was updated: the optimizer runs after
+  the metrics all-reduce, and the buffers the forward changed are restored.
+* If every rank deviated the same way at the same position (all ranks skipped the same
+  layer: LayerDrop drawn from a shared seed), the schedule changed on every rank alike:
+  nothing is wrong, but the data after that point was scratch. The step runs again,
+  checked header by header, from the same state (buffers and torch's generators restored),
+  and the schedule is learned anew; the steps needed before pipelining double after each
+  such re-run (up to 64), so a schedule that keeps changing stays checked. ``loss_fn`` must
+  give the same result when run twice, as remat already asks.
+
+Collectives after the metrics all-reduce (buffer averaging, an optimizer's psum) stay
+checked: they are few and their inputs are already the same on every rank. So a pipelined
+step costs two waited header exchanges (the opening one and the metrics one) per mesh axis,
+whatever the number of units.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import _guard as G
+from ._events import Collective, Purpose
+
+__all__ = ["Deviated", "Run", "Schedule"]
+
+_REPLAYABLE = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE)
+_MAX_NEED = 64
+
+
+class Deviated(BaseException):
+    """Raised on a rank whose pipelined step left the schedule (a BaseException, so that a
+    loss_fn's ``except Exception`` does not swallow it); the step reports it."""
+
+
+class Entry(NamedTuple):
+    group: Any
+    axis: str  # the mesh axis of the group, the same name on every rank
+    header: tuple[int, ...]  # the five words of shardfn._guard.words
+    kind: Collective
+    dtype: torch.dtype
+    device: torch.device
+    numel: int  # of the tensor the header counts: an all-gather's output, a reduce-scatter's input
+    op: Any
+
+
+class Schedule:
+    """What one step function knows of its collectives, the same on every rank."""
+
+    def __init__(self) -> None:
+        self.verified: list[Entry] | None = None
+        self.repeats = 0  # steps since, checked or pipelined, with the same schedule
+        self.need = 1  # repeats before steps run pipelined
+        self.reruns = 0
+
+    @property
+    def pipelined(self) -> bool:
+        return (self.verified is not None and self.repeats >= self.need
+                and all(e.kind in _REPLAYABLE for e in self.verified))
+
+    def fingerprint(self) -> int:
+        if not self.pipelined:
+            return 0
+        text = repr([(e.axis, e.header, e.numel, str(e.dtype)) for e in self.verified])
+        return zlib.crc32(text.encode()) & 0x7FFFFFFF or 1
+
+    def learn(self, recorded: list[Entry], pipelined: bool) -> None:
+        """After a step whose metrics header every rank agreed on."""
+        if pipelined or recorded == self.verified:
+            self.repeats += 1
+        else:
+            self.verified, self.repeats = recorded, 0
+
+    def forget(self) -> None:
+        """After a re-run: learn again, and wait longer before pipelining."""
+        self.verified, self.repeats = None, 0
+        self.need = min(2 * self.need, _MAX_NEED)
+        self.reruns += 1
+
+
+class Run:
+    """One step's walk through its collectives; see [Note: the pipelined guard]."""
+
+    def __init__(self, schedule: Schedule, mesh: Any):
+        self.schedule = schedule
+        self.mesh = mesh
+        self.pipelined = schedule.pipelined
+        self.opening = True  # before the collectives of the forward and backward
+        self.phase1 = True  # until the metrics all-reduce
+        self.position = 0
+        self.recorded: list[Entry] = []
+        self.deviation: tuple[int, list[int]] | None = None
+        self.played = False
+        self.axes = {id(mesh.group(a)): a for a in mesh.axis_names}
+
+    def _groups(self) -> list[Any]:
+        groups = [self.mesh.group(a) for a in self.mesh.axis_names if self.mesh.axis_size(a) > 1]
+        return [g for g in groups if not G.state_of(g).off]
+
+    def open(self) -> None:
+        """The step's opening header, on every axis: the schedule every rank is about to run."""
+        fp = self.schedule.fingerprint()
+        n = len(self.schedule.verified) if fp else 0
+        for group in self._groups():
+            G.agree_words(G.state_of(group), [*G.words(Collective.BARRIER, Purpose.STEP, "", n)[:1], fp, n, 0,
+                                             G.Where.STEP], "the start of a step")
+        self.opening = False
+
+    def rerun(self) -> None:
+        """Every rank deviated alike: the step runs again, checked."""
+        self.schedule.forget()
+        self.pipelined, self.phase1, self.position = False, True, 0
+        self.recorded, self.deviation, self.played = [], None, False
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def collective(self, group: Any, kind: Collective, purpose: Purpose, unit: str, t: torch.Tensor, op: Any,
+                   detail: int) -> None:
+        """Called before each collective of the step (shardfn._collectives)."""
+        state = G.state_of(group)
+        if state.off:
+            return
+        nbytes = t.numel() * t.element_size()
+        words = G.words(kind, purpose, unit, nbytes, detail, t.dtype)
+        if not self.phase1:
+            G.agree_words(state, words, f"{kind.value} ({G.label(purpose, unit)})", self.position)
+            return
+        entry = Entry(group, self.axes.get(id(group), "?"), tuple(words), kind, t.dtype, t.device, t.numel(), op)
+        if not self.pipelined:
+            G.agree_words(state, words, f"{kind.value} ({G.label(purpose, unit)})", self.position)
+            self.recorded.append(entry)
+            self.position += 1
+            return
+        if self.deviation is not None:
+            raise Deviated()
+        expected = self.schedule.verified
+        if self.position < len(expected) and expected[self.position] == entry:
+            self.position += 1
+            return
+        self._deviate(words)
+
+    def end_of_backward(self) -> None:
+        """Before the metrics all-reduce: the end of the pipelined part."""
+        if self.pipelined and self.phase1 and self.deviation is None and self.position != len(self.schedule.verified):
+            self._deviate(G.words(Collective.ALL_REDUCE, Purpose.METRICS, "", -1))
+        self.phase1 = False
+
+    def _deviate(self, words: list[int]) -> None:
+        self.deviation = (self.position, words)
+        self.play_out()
+        raise Deviated()
+
+    def play_out(self) -> None:
+        """Issues the rest of the schedule with scratch buffers, as the other ranks run it."""
+        if self.played or not self.pipelined or not self.phase1 or self.opening:
+            return
+        self.played = True
+        scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        for e in self.schedule.verified[self.position:]:
+            n = dist.get_world_size(e.group)
+            key = (e.dtype, e.device)
+            if key not in scratch or scratch[key].numel() < e.numel + e.numel // n:
+                scratch[key] = torch.zeros(e.numel + e.numel // n, dtype=e.dtype, device=e.device)
+            full, part = scratch[key][: e.numel], scratch[key][e.numel : e.numel + e.numel // n]
+            if e.kind is Collective.ALL_GATHER:
+                work = dist.all_gather_single(full, part, group=e.group, async_op=True)
+            elif e.kind is Collective.REDUCE_SCATTER:
+                work = dist.reduce_scatter_single(part, full, op=e.op, group=e.group, async_op=True)
+            else:
+                work = dist.all_reduce(full, op=e.op, group=e.group, async_op=True)
+            G.wait(work, e.group, f"{e.kind.value} (playing out the schedule after a deviation)")
+
+    def before_fail(self) -> None:
+        """A rank whose step raises: play out the schedule, so that its failed header meets
+        the others' metrics header."""
+        self.play_out()
+        self.phase1 = False
+
+    # -- the verdict -----------------------------------------------------------------------
+
+    def report(self) -> None:
+        """On a rank that deviated: its report in the metrics header of every axis. Returns
+        when every rank deviated alike (the step is to run again), else raises."""
+        position, words = self.deviation
+        for group in self._groups():
+            state = G.state_of(group)
+            headers = G.exchange(state, [*words, G.DIVERGED, position], "the metrics all-reduce (a deviation)")
+            if any(h[G.STATUS] != G.DIVERGED or h[G.POSITION] != position or h[:G.STATUS] != words for h in headers):
+                state.last_failed = True
+                raise G.DivergenceError(self.explain(state, headers))
+
+    def explain(self, state: Any, headers: list[list[int]]) -> str:
+        """The same message on every rank, from the headers and the shared schedule."""
+        reports = [h[G.POSITION] for h in headers if h[G.STATUS] == G.DIVERGED]
+        first = min(reports)
+        expected = self.schedule.verified or []
+        did = [h if h[G.POSITION] == first else list(expected[first].header) for h in headers]
+        lines = [f"  rank {r}: {G.describe_header(h)}" for r, h in zip(state.ranks, did)]
+        return (f"[rank {dist.get_rank()}] shardfn: the ranks diverged at collective #{first} of the step on ranks "
+                f"{list(state.ranks)}: until then every rank ran the collectives of the previous steps (checked at "
+                f"the metrics all-reduce, before anything was updated). There:\n" + "\n".join(lines) + "\n"
+                + G.fix(did))
