@@ -197,11 +197,15 @@ def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:
     store = rt.in_step and sharded is rt.owner
 
     def build(index: int) -> dict[int, Unit]:
-        return {
+        units = {
             u.index: Unit(layout, u, (index, u.index), [sharded[n] for n in u.leaves], sharded.mesh, slots[u.index],
                           rt, store)
             for u in layout.units
         }
+        for unit in units.values():  # every rank gathers them here, in layout order, run or not
+            if unit.unit.optional:
+                unit.pin()
+        return units
 
     by_path: dict[str, list[Unit]] = {}
     for unit in rt.units_of(sharded, build).values():

@@ -74,7 +74,7 @@ class Unit:
 
     __slots__ = (
         "layout", "unit", "key", "shards", "group", "rank", "replicate_group", "slots", "runtime", "full", "storages",
-        "inflight", "use", "outputs", "originals", "hooks", "range", "handles", "calls", "grads",
+        "inflight", "use", "outputs", "originals", "hooks", "range", "handles", "calls", "grads", "pinned",
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, key: tuple[int, int], shards: list[torch.Tensor], mesh: Any,
@@ -101,6 +101,7 @@ class Unit:
         self.handles = 0  # saved-tensor handles of all uses not yet unpacked
         self.calls = 0  # forward gathers in this micro-batch (remat units prefetch a regather only if > 0)
         self.grads = UnitGrads(self, store)
+        self.pinned = False  # an optional unit: gathered for the whole runtime (see pin)
 
     @property
     def name(self) -> str:
@@ -113,6 +114,8 @@ class Unit:
     @property
     def reshards(self) -> bool:
         """Whether the unit lets go of its gathered parameters after its forward."""
+        if self.pinned:
+            return False
         rule = self.runtime.reshard_after_forward
         return self.layout.strategy.reshard_after_forward if rule is None else rule
 
@@ -193,6 +196,13 @@ class Unit:
         self._note(UnitEvent.GATHER if purpose is Purpose.GATHER else UnitEvent.REGATHER)
         return full
 
+    def pin(self) -> None:
+        """An optional unit (``Plan(optional=...)``): gathered now, when the runtime builds
+        its units, and kept until the runtime ends, so that every rank gathers it once at
+        the same point whether its forward runs it or not."""
+        self.all_gather(Purpose.GATHER)
+        self.pinned = True
+
     def release(self) -> None:
         """Drops this unit's reference to its gathered parameters (freed once unreferenced)."""
         if self.full is not None:
@@ -203,7 +213,7 @@ class Unit:
     def release_if_unused(self) -> None:
         """Releases the gathered parameters when nothing will read them again: no module
         call is running, no saved handle is left and no graph node awaits its backward."""
-        if not self.entered and self.handles == 0 and self.grads.nodes == 0:
+        if not self.entered and self.handles == 0 and self.grads.nodes == 0 and not self.pinned:
             self.release()
 
     # -- one forward of the unit's module ----------------------------------------------

@@ -79,6 +79,7 @@ class UnitLayout:
     reduce_dtype: torch.dtype  # what its gradients are reduced in
     remat: RematMode | None = None  # see shardfn.Remat
     split: bool = False  # the module's parameters have several dtypes: this is the group of ``dtype``
+    optional: bool = False  # some ranks may skip it: gathered at the start, reduced at the end (Plan(optional=))
 
     @property
     def name(self) -> str:
@@ -228,6 +229,7 @@ def build_layout(
     info: TreeInfo,
     unit_modules: Mapping[str, Any] | None = None,
     remat: Mapping[str, RematMode] | None = None,
+    optional: frozenset[str] = frozenset(),
 ) -> Layout:
     """Assigns each parameter of ``state`` to a unit and computes chunks and offsets.
 
@@ -271,7 +273,7 @@ def build_layout(
             param_dtype, reduce_dtype = plan.precision.unit_dtypes(path, unit_modules.get(path), master)
             units.append(UnitLayout(
                 len(units), path, tuple(group), offset, master, grad_offset, param_dtype, reduce_dtype,
-                (remat or {}).get(path), len(groups) > 1,
+                (remat or {}).get(path), len(groups) > 1, path in optional,
             ))
     buffers = {
         n: BufferLayout(n, tuple(state[n].shape), state[n].dtype, n in info.persistent) for n in info.buffers

@@ -391,6 +391,7 @@ class Plan:
     units: UnitPolicy = dataclasses.field(default_factory=_DefaultUnits)
     precision: Precision = dataclasses.field(default_factory=Precision)
     remat: Remat | None = None
+    optional: UnitPolicy | None = None
 
     def __init__(
         self,
@@ -399,6 +400,7 @@ class Plan:
         units: UnitsArg = None,
         precision: Precision | None = None,
         remat: Remat | UnitPolicy | bool | None = None,
+        optional: UnitsArg = None,
     ):
         object.__setattr__(self, "strategy", Strategy.parse(strategy))
         object.__setattr__(self, "units", _as_policy(units))
@@ -406,10 +408,15 @@ class Plan:
             raise TypeError(f"precision={precision!r}: pass a shardfn.Precision(param=..., reduce=...).")
         object.__setattr__(self, "precision", precision or Precision())
         object.__setattr__(self, "remat", _as_remat(remat))
+        # Modules some ranks may skip in a step (a branch taken for some batches, experts
+        # chosen by the data): units of their own that every rank gathers at the start of
+        # the step and reduces at the end, whether it ran them or not.
+        object.__setattr__(self, "optional", _as_policy(optional) if optional is not None else None)
 
     def __repr__(self) -> str:
         extra = f", precision={self.precision!r}" if self.precision != Precision() else ""
         extra += f", remat={self.remat!r}" if self.remat is not None else ""
+        extra += f", optional={self.optional!r}" if self.optional is not None else ""
         return f"Plan({self.strategy.value}, units={self.units!r}{extra})"
 
 
@@ -438,7 +445,7 @@ def HybridShardZero2(**fields: Any) -> Plan:
     return Plan(Strategy.HYBRID_SHARD_ZERO2, **fields)
 
 
-_FIELDS = ("units", "precision", "remat")
+_FIELDS = ("units", "precision", "remat", "optional")
 
 
 def make_plan(strategy: Plan | Strategy | str, **fields: Any) -> Plan:

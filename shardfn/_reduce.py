@@ -19,6 +19,11 @@ A node whose backward never runs (its output did not reach the loss) leaves the 
 above zero: after the backward the runtime reduces such a unit anyway, with zero
 gradients, so every rank issues the same reductions in the same order.
 
+An optional unit (``Plan(optional=...)``: a module some ranks may skip) is reduced only
+then, after the backward, on every rank in unit order, with zeros where this rank did not
+run it: a reduction during backward would come at a point that depends on the rank's data.
+Its gradient buffer lives until then.
+
 Outside a step (``apply`` under the user's own autograd) each node reduces its own use's
 gradients at once, averaging, and hands them to autograd: the sum of the reduced uses is
 the reduction of their sum.
@@ -97,14 +102,15 @@ class UnitGrads:
                 self._accumulate(grads)
                 return self.shard_grads_list(self._issue(asynchronous=False))
             self._accumulate(grads)
-            if self.nodes == 0 and unit.runtime.reduces_now():
+            # an optional unit reduces at the end of backward, on every rank (see flush)
+            if self.nodes == 0 and unit.runtime.reduces_now() and not unit.unit.optional:
                 self.reduce()
         return [None] * len(unit.unit.leaves)
 
     def flush(self, now: bool) -> None:
         """After a backward: reduce what the last use's backward did not (see the note)."""
         self.nodes = 0
-        if now and (self.graphed or self.acc is not None):
+        if now and (self.graphed or self.acc is not None or self.unit.unit.optional):
             if self.acc is None:
                 self._accumulate(tuple(None for _ in self.unit.unit.leaves))
             self.reduce()

@@ -97,6 +97,7 @@ def shard(
     units: Any = None,
     precision: Precision | None = None,
     remat: Any = None,
+    optional: Any = None,
     seed: int | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     src_rank: int | None = None,
@@ -113,11 +114,17 @@ def shard(
             :class:`shardfn.Strategy`, or a :class:`shardfn.Plan` bundling the fields below.
         units: which parameters travel together (one collective per unit and direction):
             a unit policy (``by_module_type(Block)``, ``by_param_count(n)``, ``by_prefix(...)``),
-            module classes, or module paths. Default: each block of the model's longest
+            module classes, or module paths. Default: each block of the model's outermost
             list of repeated blocks (``blocks.0``, ``blocks.1``, ...); the rest is the root unit.
         precision: a :class:`shardfn.Precision` (mixed precision); default: none.
         remat: a :class:`shardfn.Remat` (activation rematerialisation of units), or a
             unit policy as a shorthand for full remat of those units; default: none.
+        optional: modules that some ranks may skip in a step (a vision encoder run only for
+            batches with an image, experts chosen by the data), as a unit policy: each
+            becomes a unit that every rank gathers when the step first calls ``apply``
+            and keeps for the step, and reduces after the backward, with zero gradients
+            where it did not run, so training is exact however the ranks use them. Costs
+            their full parameters (and gradients) for the whole step.
         seed: deferred init: ``params`` may be meta tensors (a model built under
             ``torch.device("meta")``); each unit is materialised in turn on every rank,
             initialised by ``reset_parameters()`` (and ``init_fn(module)``) from a seed
@@ -151,7 +158,7 @@ def shard(
     bad = [k for k, v in params.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise TypeError(f"shard(): params[{bad[0]!r}] is a {type(params[bad[0]]).__name__}, not a tensor.")
-    plan = make_plan(strategy, units=units, precision=precision, remat=remat)
+    plan = make_plan(strategy, units=units, precision=precision, remat=remat, optional=optional)
     module: nn.Module | None = getattr(params, "module", None)
     layout = layout_for(params, module, mesh, plan)
     if seed is not None and src_rank is not None:
@@ -190,6 +197,8 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
     if module is not None:
         check_names(state.keys(), info.names, what="shard(params, ...)")
     unit_paths = plan.units.resolve(module, list(info.params))
+    optional = plan.optional.resolve(module, list(info.params)) if plan.optional is not None else []
+    unit_paths += [p for p in optional if p not in unit_paths]
     check_unit_modules(module, unit_paths)
     _check_mesh(plan.strategy, mesh)
     world = mesh.axis_size("shard") if plan.strategy.sharded else 1
@@ -197,7 +206,8 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
     if module is not None:
         unit_modules[""] = module
     remat_units = plan.remat.select(module, list(info.params), unit_paths) if plan.remat is not None else {}
-    return build_layout(plan, mesh.shape, world, mesh.size // world, state, unit_paths, info, unit_modules, remat_units)
+    return build_layout(plan, mesh.shape, world, mesh.size // world, state, unit_paths, info, unit_modules, remat_units,
+                        frozenset(optional))
 
 
 def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:

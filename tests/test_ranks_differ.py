@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardfn as sf
+import shardfn.testing
+from shardfn import _guard
 from shardfn.optim import adamw
 from shardfn.testing import check_equivalence
 from shardfn.testing.models import MoE
@@ -91,24 +93,51 @@ def moe_experts_as_units():
     return {**out, "unchanged": _unchanged(before, sharded, state)}
 
 
-def skipped_block(skip_rank, at_step):
+def skipped_block(skip_ranks, at_step, steps=None):
+    """Ranks ``skip_ranks`` skip layer 1 in step ``at_step``; returns each step's outcome, the
+    header exchanges of each step, the full parameters at the end and the step's re-runs."""
     torch.manual_seed(0)
     mesh, apply, sharded = _setup(Stack())
     opt = adamw(1e-2)
 
     def loss_fn(params, batch):
-        skip = (1,) if mesh.rank == skip_rank and batch["n"] == at_step else ()
+        skip = (1,) if mesh.rank in skip_ranks and batch["n"] == at_step else ()
         return apply(params, batch["x"], skip=skip).pow(2).mean()
 
     step = sf.jit_step(loss_fn, mesh, optimizer=opt)
     state = opt.init(sharded)
     outs = []
-    for n in range(at_step + 1):
-        batch = {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(n)), "n": n}
+    for n in range(steps or at_step + 1):
+        batch = {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * n + mesh.rank)), "n": n}
         before = _snapshot(sharded, state)
-        out = _outcome(lambda: step(sharded, state, batch))
-        outs.append({**out, "unchanged": _unchanged(before, sharded, state)})
-    return outs
+        headers = _guard.HEADERS[0]
+        with sf.record_collectives() as log:
+            out = _outcome(lambda: step(sharded, state, batch))
+        outs.append({**out, "unchanged": _unchanged(before, sharded, state), "headers": _guard.HEADERS[0] - headers,
+                     "collectives": len(log.calls)})
+    return outs, sf.gather(sharded), step.grad.schedule.reruns
+
+
+def stack_reference(at_step, steps, world=2):
+    """The same training on one device on the global batch, every rank's slice skipping layer 1
+    in step ``at_step``."""
+    torch.manual_seed(0)
+    model = Stack()
+    params, apply = sf.functionalize(model)
+    mesh = sf.Mesh.from_group()
+    sharded = sf.shard(params, mesh, "NO_SHARD")
+    opt = adamw(1e-2)
+    state = opt.init(sharded)
+
+    def loss_fn(params, batch):
+        skip = (1,) if batch["n"] == at_step else ()
+        return apply(params, batch["x"], skip=skip).pow(2).mean()
+
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    for n in range(steps):
+        x = torch.cat([torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * n + r)) for r in range(world)])
+        sharded, state, _ = step(sharded, state, {"x": x, "n": n})
+    return sf.gather(sharded)
 
 
 def raising_then_going_on(kind):
@@ -195,14 +224,38 @@ def test_experts_as_units_used_differently_raise_on_every_rank(clusters):
     assert outs[0]["message"].split("] ", 1)[1] == outs[1]["message"].split("] ", 1)[1]
 
 
-@pytest.mark.parametrize("at_step", [0, 1])
+@pytest.mark.parametrize("at_step", [0, 1, 6])  # steps 0-2 are checked collective by collective; 6 pipelined
 def test_a_block_skipped_on_one_rank_raises_on_every_rank(clusters, at_step):
-    outs = clusters[2].run(skipped_block, 1, at_step)
-    for per_rank in outs:
+    outs = clusters[2].run(skipped_block, (1,), at_step)
+    for per_rank, _, _ in outs:
         assert all(o["error"] is None for o in per_rank[:at_step])
         last = per_rank[at_step]
         assert last["error"] == "DivergenceError" and last["unchanged"], last
         assert "layers.1" in last["message"] and "layers.2" in last["message"]
+    assert outs[0][0][at_step]["message"].split("] ", 1)[1] == outs[1][0][at_step]["message"].split("] ", 1)[1]
+    if at_step == 6:
+        assert "diverged at collective #" in outs[0][0][at_step]["message"]
+
+
+def test_steady_steps_check_their_schedule_with_two_headers(clusters):
+    outs = clusters[2].run(skipped_block, (), -1, 8)
+    for per_rank, _, reruns in outs:
+        assert all(o["error"] is None for o in per_rank) and reruns == 0
+        headers = [o["headers"] for o in per_rank]
+        # checked steps (0-2: until two have the same schedule): the opening header and one per collective
+        assert headers[:3] == [1 + o["collectives"] for o in per_rank[:3]], headers
+        assert per_rank[0]["collectives"] > 5
+        assert headers[3:] == [2] * 5, headers  # pipelined from step 3 on: the opening and the metrics header
+
+
+def test_a_block_skipped_on_every_rank_alike_runs_the_step_again_and_trains_exactly(clusters):
+    outs = clusters[2].run(skipped_block, (0, 1), 5, 8)
+    expected = clusters[1].run(stack_reference, 5, 8)[0]
+    for per_rank, full, reruns in outs:
+        assert all(o["error"] is None for o in per_rank), per_rank
+        assert reruns == 1
+        for name in expected:
+            torch.testing.assert_close(full[name], expected[name], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["raise", "not_scalar", "micro_batches"])
@@ -338,3 +391,38 @@ def test_an_error_on_one_rank_of_a_2d_mesh_reaches_all_four(clusters):
         assert "KeyError: 'no such column'" in out["message"]
     assert all(out["unchanged"] and out["seconds"] < 10 for out in outs)
     assert len({out["next_loss"] for out in outs}) == 1
+
+
+def moe_optional_training(strategy, steps):
+    """MoE trained with the experts as optional units; each rank's tokens choose their own.
+    Returns the full state at the end and, per step, the experts this rank ran."""
+    mesh = sf.Mesh.from_group()
+    model = moe_model()
+    ran = []
+    for name in EXPERTS:
+        model.get_submodule(name).register_forward_pre_hook(lambda m, a, name=name: ran[-1].add(name))
+    params, apply = sf.functionalize(model)
+    sharded = sf.shard(params, mesh, strategy, optional=EXPERTS)
+    assert [u.path for u in sharded.layout.units if u.optional] == EXPERTS
+    opt = ADAMW()
+    state = opt.init(sharded)
+    step = sf.jit_step(functools.partial(mse, apply), mesh, optimizer=opt)
+    for batch in moe_batches(steps, rows=6):
+        ran.append(set())
+        sharded, state, _ = step(sharded, state, sf.testing.split_batch(batch, mesh.rank, mesh.size))
+    return sf.testing.full_state(sharded), [sorted(r) for r in ran]
+
+
+def test_optional_units_train_exactly_when_ranks_skip_them(clusters):
+    from shardfn.testing import reference_training
+
+    _, expected = reference_training(moe_model, mse, moe_batches(6, rows=6), ADAMW)
+    for world in (2, 3):
+        for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+            outs = clusters[world].run(moe_optional_training, strategy, 6)
+            # the ranks ran different experts in some steps (else this tests nothing)
+            assert any(len({tuple(ran[n]) for _, ran in outs}) > 1 for n in range(6))
+            for state, _ in outs:
+                for name, value in expected.items():
+                    torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6,
+                                               msg=f"{name} at {world} ranks, {strategy}")
