@@ -18,12 +18,20 @@ from test_ranks_differ import Stack, _outcome
 STEP_TIMEOUT = 2.0
 
 
-def _training(mesh):
+def _training(mesh, stop_in_loss=False):
     torch.manual_seed(0)
     params, apply = sf.functionalize(Stack())
     sharded = sf.shard(params, mesh, "FULL_SHARD")
     opt = adamw(1e-2)
-    step = sf.jit_step(lambda p, b: apply(p, b).pow(2).mean(), mesh, optimizer=opt)
+
+    def loss_fn(p, b):
+        h = apply(p, b)
+        if stop_in_loss and b.shape[0] == 5:  # the faulty step: rank 1 stops halfway through it
+            dist.distributed_c10d._get_default_store().set("pid1", str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return h.pow(2).mean()
+
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
     return sharded, opt.init(sharded), step
 
 
@@ -32,10 +40,11 @@ def _worker(rank, world, port, scenario, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     mesh = sf.Mesh.from_group(step_timeout=STEP_TIMEOUT)
-    sharded, state, step = _training(mesh)
+    sharded, state, step = _training(mesh, stop_in_loss=rank == 1 and scenario == "stopped_mid_step")
     store = dist.distributed_c10d._get_default_store()
     x = torch.randn(4, 8)
-    step(sharded, state, x)  # one good step first
+    for _ in range(4 if scenario == "stopped_mid_step" else 1):  # good steps first (from the 4th: pipelined)
+        step(sharded, state, x)
     result = {}
     if rank == 1 and scenario == "stopped":
         store.set("pid1", str(os.getpid()))
@@ -46,6 +55,12 @@ def _worker(rank, world, port, scenario, queue):
         result = _outcome(lambda: step(sharded, state, x))  # it finds nobody either
     elif rank == 1 and scenario == "killed":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif rank == 1 and scenario == "stopped_mid_step":
+        # stops in loss_fn; continued after rank 0 has given up, it finds nobody
+        result = _outcome(lambda: step(sharded, state, torch.randn(5, 8)))
+    elif scenario == "stopped_mid_step":
+        result = _outcome(lambda: step(sharded, state, torch.randn(5, 8)))
+        os.kill(int(store.get("pid1")), signal.SIGCONT)
     else:
         if scenario == "stopped":
             pid = int(store.get("pid1"))
@@ -97,6 +112,16 @@ def test_a_stopped_peer_fails_the_others_within_the_step_timeout():
     assert out["again"]["error"] == "CommError" and "unusable" in out["again"]["message"]
     assert out["again"]["seconds"] < 0.5
     assert results[1]["message"] == "continued"
+
+
+def test_a_peer_stopped_in_the_middle_of_a_pipelined_step_is_named():
+    results = _run("stopped_mid_step")
+    out = results[0]
+    # rank 0 waits in a collective of the step's forward, not in a header
+    assert out["error"] == "CommError" and "no answer from rank 1 within the step timeout (2 s)" in out["message"], out
+    assert "header" not in out["message"] and "start of a step" not in out["message"]
+    assert STEP_TIMEOUT <= out["seconds"] < STEP_TIMEOUT + 6
+    assert results[1]["error"] == "CommError", results[1]
 
 
 def test_a_peer_busy_elsewhere_fails_both_and_nobody_hangs():
