@@ -48,8 +48,9 @@ _DETACHED = (
     "loss_fn receives (the sharded tree), not on a captured copy."
 )
 _UNEVEN = (
-    "step(..., MicroBatches(...)): micro-batches of different sizes ({sizes} rows, over all ranks) with a plain "
-    "scalar loss would each weigh the same, whatever their size. Return shardfn.Mean(total, count) from loss_fn "
+    "step(..., MicroBatches(...)): micro-batches of different sizes ({sizes} rows, over all ranks: {per_rank}) "
+    "with a plain scalar loss would each weigh the same, whatever their size. Return shardfn.Mean(total, count) "
+    "from loss_fn "
     "(e.g. the sum of per-token losses and the number of tokens) to weigh every element alike, or give "
     "micro-batches of one size."
 )
@@ -143,16 +144,16 @@ def split(batch: Any, micro_batches: int) -> list[Any]:
     return [pytree.tree_map(lambda t: take(t, i), batch) for i in range(micro_batches)]
 
 
-def agree_on_micro_batches(batches: MicroBatches, mesh: Any) -> tuple[int, int]:
+def agree_on_micro_batches(batches: MicroBatches, mesh: Any) -> list[tuple[int, int]]:
     """Every rank's number and sizes of micro-batches; raises on every rank if the numbers
-    differ. Returns the smallest and largest micro-batch (rows) over all ranks."""
+    differ. Returns each rank's smallest and largest micro-batch (rows)."""
     sizes = [rows(b) for b in batches]
     mine = torch.tensor([len(sizes), min(sizes), max(sizes)], dtype=torch.int64, device=mesh.device)
     everyone = C.all_gather_mesh(mine, mesh, Purpose.MICRO_BATCHES).view(-1, 3) if mesh.size > 1 else mine.view(1, 3)
     counts = everyone[:, 0].tolist()
     if len(set(counts)) > 1:
         raise ValueError(_COUNTS_DIFFER.format(rank=mesh.rank, counts=counts))
-    return int(everyone[:, 1].min()), int(everyone[:, 2].max())
+    return [(int(lo), int(hi)) for lo, hi in everyone[:, 1:].tolist()]
 
 
 def objective(out: Any, has_aux: bool, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
@@ -193,5 +194,8 @@ def count_tokens(batch: Any) -> int:
     return rows(batch)
 
 
-def uneven_error(sizes: tuple[int, int]) -> ValueError:
-    return ValueError(_UNEVEN.format(sizes=f"{sizes[0]} to {sizes[1]}"))
+def uneven_error(sizes: list[tuple[int, int]]) -> ValueError:
+    """The error for micro-batches of different sizes; ``sizes``: each rank's (smallest, largest)."""
+    lo, hi = min(s[0] for s in sizes), max(s[1] for s in sizes)
+    per_rank = ", ".join(f"rank {r} {a}" + (f" to {b}" if b != a else "") for r, (a, b) in enumerate(sizes))
+    return ValueError(_UNEVEN.format(sizes=f"{lo} to {hi}", per_rank=per_rank))

@@ -150,11 +150,11 @@ class Grad:
                     break
                 # The loss, the gradients' sum of squares, Mean's count, the buffer-change flags
                 # (and the aux to average) share one all-reduce per mesh axis.
-                # With a plain loss every rank must have as many rows: the metrics all-reduce's
+                # With a plain loss every rank must have as many rows (and tokens): the metrics all-reduce's
                 # header carries them (see [Note: the schedule guard]); Mean weighs them exactly.
                 reduced = self._reduce_metrics(layout, loss, count, sum_of_squares(grads),
                                                buffers.flags(self.mesh.device), auxes, len(auxes),
-                                               rows=0 if count is not None else _rows(batch))
+                                               rows=0 if count is not None else _size(batch))
                 if run is not None:
                     self.schedule.learn(run.recorded, run.pipelined)
                 if reduced["rescale"] is not None:  # [Note: token-weighted losses]
@@ -199,7 +199,7 @@ class Grad:
             if counts and (count is None) != (counts[0] is None):
                 raise TypeError("loss_fn returned shardfn.Mean for some micro-batches and a plain loss for others; "
                                 "return one kind in a step.")
-            if count is None and sizes is not None and sizes[0] != sizes[1]:
+            if count is None and sizes is not None and len({s for pair in sizes for s in pair}) > 1:
                 raise uneven_error(sizes)
             values.append(loss.detach())
             counts.append(count)
@@ -268,6 +268,13 @@ class Grad:
             out["aux"] = unflatten(v[n + flags.numel():] / self.mesh.size) if unflatten is not None else (
                 auxes[0] if len(auxes) == 1 else list(auxes))
         return out
+
+
+def _size(batch: Any) -> int:
+    """What must agree across ranks for a plain mean loss: the batch's rows, and in the high
+    32 bits the elements of its first integer tensor (tokens) when they are not the rows."""
+    n, tokens = _rows(batch), count_tokens(batch)
+    return n + (tokens << 32) if tokens != n else n
 
 
 def _rows(batch: Any) -> int:

@@ -381,7 +381,8 @@ def describe_header(h: list[int]) -> str:
     code = h[WHAT] // 4096
     dtype = f" {str(_DTYPES[code]).removeprefix('torch.')}" if 0 < code < len(_DTYPES) else ""
     unit = _NAMES.get(h[UNIT], f"unit #{h[UNIT]:x}") if h[UNIT] else ""
-    detail = (f", batch of {h[DETAIL]} rows" if purpose is Purpose.METRICS and h[DETAIL] > 0 else
+    tokens = f", {h[DETAIL] >> 32} tokens" if h[DETAIL] >> 32 else ""
+    detail = (f", batch of {h[DETAIL] & 0xFFFFFFFF} rows{tokens}" if purpose is Purpose.METRICS and h[DETAIL] > 0 else
               f", checkpoint {h[DETAIL]:08x}" if purpose is Purpose.CHECKPOINT and h[DETAIL] else "")
     return (f"{kind.value} ({label(purpose, unit)}), {h[NBYTES]:,} bytes{dtype}{detail}, "
             f"{Where.NAMES.get(h[WHERE], '?')}")

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 
 from . import _collectives as C
 from ._events import Purpose
+from ._guard import guarded
 from ._layout import Layout, build_layout, local_shard, unpack_leaf
 from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
@@ -150,6 +151,13 @@ def shard(
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"shard(): mesh must be a shardfn.Mesh (Mesh.from_env()), got {type(mesh).__name__}")
+    with guarded(mesh):  # an argument refused on one rank reaches the others (at the layout agreement)
+        return _shard(params, mesh, strategy, units, precision, remat, optional, seed, init_fn, src_rank)
+
+
+def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Strategy | str, units: Any,
+           precision: Precision | None, remat: Any, optional: Any, seed: int | None,
+           init_fn: Callable[[nn.Module], None] | None, src_rank: int | None) -> ShardedParams:
     if not isinstance(params, Mapping) or isinstance(params, ShardedParams):
         raise TypeError(
             "shard(): params must be the mapping name -> tensor returned by functionalize(model)"

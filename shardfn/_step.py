@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
 from ._buffers import StepBuffers
@@ -49,6 +50,7 @@ class Step:
         self.optimizer = optimizer
         self.donate = donate
         self.loss_scale = loss_scale
+        self._expected: tuple[Any, dict[str, Any] | None] | None = None  # (layout, what init builds)
 
     def init(self, sharded: ShardedParams) -> Any:
         """The optimizer state this step takes: ``optimizer.init(sharded)``, and with
@@ -104,11 +106,49 @@ class Step:
 
     def _check(self, sharded: Any, opt_state: Any) -> None:
         self.grad.check(sharded)
+        full = opt_state
         if self.loss_scale is not None:
             if not isinstance(opt_state, LossScaleState):
                 raise TypeError(_NOT_LOSS_SCALED.format(got=type(opt_state).__name__))
             opt_state = opt_state.opt_state
         check_opt_state(opt_state, sharded)
+        self._check_structure(full, sharded)
+
+    def _check_structure(self, opt_state: Any, sharded: ShardedParams) -> None:
+        """The optimizer state must be what ``step.init`` builds for these shards (keys,
+        tensor shapes and dtypes), checked before the step: a state the optimizer would
+        refuse only in its update, after the step's collectives, would fail on one rank
+        while the others update."""
+        if self._expected is None or self._expected[0] is not sharded.layout:
+            try:  # the same optimizer on meta tensors of the shards' shapes: no memory, no values
+                meta = sharded.replace({n: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+                                        for n, t in sharded.items()})
+                expected = _signature(self.init(meta))
+            except Exception:  # noqa: BLE001 - an optimizer that cannot build on meta tensors: unchecked
+                expected = None
+            self._expected = (sharded.layout, expected)
+        expected = self._expected[1]
+        if expected is None:
+            return
+        got = _signature(opt_state)
+        problems = [f"  opt_state{p}: missing" for p in expected if p not in got]
+        problems += [f"  opt_state{p}: not in the state {type(self.optimizer).__name__} builds" for p in got
+                     if p not in expected]
+        problems += [f"  opt_state{p}: {got[p]}, expected {expected[p]}" for p in expected
+                     if p in got and got[p] != expected[p]]
+        if problems:
+            raise ValueError(
+                "step(sharded, opt_state, ...): the optimizer state is not the one this step's optimizer builds for "
+                "these shards:\n" + "\n".join(problems[:10]) + ("\n  ..." if len(problems) > 10 else "")
+                + "\nInitialise it from these shards with this step's optimizer: opt_state = step.init(sharded) "
+                "(or load it from a checkpoint into step.init(sharded)).")
+
+
+def _signature(tree: Any) -> dict[str, str]:
+    """Path -> what is there (a tensor's shape and dtype, else the type), for comparing states."""
+    leaves, _ = pytree.tree_flatten_with_path(tree)
+    return {pytree.keystr(path): (f"tensor {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+                                  if isinstance(x, torch.Tensor) else type(x).__name__) for path, x in leaves}
 
 
 def check_opt_state(opt_state: Any, sharded: ShardedParams) -> None:
