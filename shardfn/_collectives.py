@@ -27,11 +27,11 @@ from . import _guard as G
 from ._events import Collective, CollectiveCall, Purpose, emit, label, observers
 
 __all__ = [
-    "AVG", "MAX", "SUM", "all_gather", "all_gather_mesh", "all_reduce", "all_reduce_mesh", "barrier", "barrier_mesh",
-    "broadcast", "broadcast_mesh", "reduce_scatter", "scatter",
+    "AVG", "MAX", "MIN", "SUM", "all_gather", "all_gather_mesh", "all_reduce", "all_reduce_mesh", "barrier",
+    "barrier_mesh", "broadcast", "broadcast_mesh", "reduce_scatter", "scatter",
 ]
 
-AVG, SUM, MAX = ReduceOp.AVG, ReduceOp.SUM, ReduceOp.MAX
+AVG, SUM, MAX, MIN = ReduceOp.AVG, ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN
 
 
 def _record(kind: Collective, group: ProcessGroup, t: torch.Tensor, purpose: Purpose, unit: str, to: Any,
@@ -55,12 +55,13 @@ def _range(kind: Collective, purpose: Purpose, unit: str):
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str = "",
-               async_op: bool = False, to: Any = None) -> Any:
+               async_op: bool = False, to: Any = None, detail: int = 0) -> Any:
     """``out`` (``group size * inp.numel()`` elements) receives every rank's ``inp``, rank-major.
 
     ``to``: the observers to report to (default: those active here; a step passes its own).
+    ``detail``: a number every rank must agree on (a hash of the shape of ``inp``).
     """
-    _record(Collective.ALL_GATHER, group, out, purpose, unit, to)
+    _record(Collective.ALL_GATHER, group, out, purpose, unit, to, detail)
     with _range(Collective.ALL_GATHER, purpose, unit):
         work = dist.all_gather_single(out, inp, group=group, async_op=True)
     return _done(work, group, async_op, Collective.ALL_GATHER, purpose, unit)
@@ -153,7 +154,7 @@ def barrier_mesh(mesh: Any, detail: int = 0) -> None:
             barrier(mesh.group(axis), detail)
 
 
-def all_gather_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose) -> torch.Tensor:
+def all_gather_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose, detail: int = 0) -> torch.Tensor:
     """Every rank's ``t`` (flat), in mesh-rank order: one all-gather per axis of size > 1.
 
     First over ``shard``, then over ``replicate`` of the whole gathered ``shard`` row, so
@@ -164,7 +165,7 @@ def all_gather_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose) -> torch.Tenso
         n = mesh.axis_size(axis)
         if n > 1:
             gathered = torch.empty(n * out.numel(), dtype=out.dtype, device=out.device)
-            all_gather(gathered, out, mesh.group(axis), purpose)
+            all_gather(gathered, out, mesh.group(axis), purpose, detail=detail)
             out = gathered
     return out
 

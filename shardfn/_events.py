@@ -64,6 +64,7 @@ class Purpose(str, enum.Enum):
     CHECKPOINT = "checkpoint"  # checkpoint.save / load waiting for every rank
     TEST = "test"  # issued by a test
     STEP = "step"  # the header that opens a step (shardfn._schedule); no data
+    USER = "user"  # Mesh.barrier / broadcast / reduce / all_gather, called by the training loop
 
     def __str__(self) -> str:
         return self.value

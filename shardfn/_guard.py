@@ -399,7 +399,10 @@ def fix(headers: list[list[int]]) -> str:
     """What to do about ranks whose headers are ``headers``."""
     same_but_rows = all(h[:DETAIL] + h[DETAIL + 1:STATUS] == headers[0][:DETAIL] + headers[0][DETAIL + 1:STATUS]
                         for h in headers)
-    if same_but_rows and _PURPOSES[headers[0][WHAT] % 64] is Purpose.CHECKPOINT:
+    if any(_PURPOSES[h[WHAT] % 64] is Purpose.USER for h in headers):
+        fix = ("mesh.barrier, broadcast, reduce and all_gather are collective: every rank must call them, in the "
+               "same order, with tensors of the same shape and dtype (all_gather: pad to one shape first).")
+    elif same_but_rows and _PURPOSES[headers[0][WHAT] % 64] is Purpose.CHECKPOINT:
         fix = ("The ranks were about to load different checkpoints (their shardfn.json differ: a hash of each is "
                "shown). Pass the same path on every rank, in a directory every rank sees the same (a shared "
                "filesystem), and do not write into it while loading.")

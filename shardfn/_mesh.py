@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
+import zlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import _collectives as C
 from . import _guard
+from ._events import Purpose
 
 __all__ = ["Mesh"]
 
@@ -184,6 +189,69 @@ class Mesh:
         if axis not in self.axis_names:
             return 0
         return int(self._dm.get_local_rank(axis if self._dm.mesh_dim_names else 0))
+
+    # -- collectives for the training loop -------------------------------------------------
+    # What Lightning's strategy.barrier / broadcast / reduce / all_gather do, over the whole
+    # mesh, through shardfn._collectives: recorded (purpose "user") and guarded like every
+    # other collective, so a rank that is elsewhere is named instead of waited for.
+
+    def barrier(self) -> None:
+        """Returns once every rank of the mesh has called it."""
+        C.barrier_mesh(self)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Mesh rank ``src``'s ``obj`` (any picklable value: a config, a list of file names,
+        a tensor) on every rank; ``src`` returns its own ``obj``.
+
+        Example:
+            >>> files = mesh.broadcast(sorted(os.listdir(data_dir)) if mesh.rank == 0 else None)
+        """
+        if not (isinstance(src, int) and 0 <= src < self.size):
+            raise ValueError(f"mesh.broadcast(obj, src={src!r}): src must be a mesh rank, 0 to {self.size - 1}.")
+        if self.size == 1:
+            return obj
+        data = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
+        C.broadcast_mesh(size, self, src, Purpose.USER)
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8))
+        buf = buf.to(self._device)
+        C.broadcast_mesh(buf, self, src, Purpose.USER)
+        return obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """A new tensor: ``tensor`` reduced over every rank of the mesh (``"mean"``,
+        ``"sum"``, ``"max"`` or ``"min"``), the same on every rank, on ``tensor``'s device.
+        A mean of integers is a float tensor.
+
+        Example:
+            >>> val_loss = mesh.reduce(torch.tensor(local_loss))     # the mean over ranks
+        """
+        ops = {"mean": C.SUM, "sum": C.SUM, "max": C.MAX, "min": C.MIN}
+        if op not in ops:
+            raise ValueError(f"mesh.reduce(tensor, op={op!r}): op must be one of {sorted(ops)}.")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"mesh.reduce(tensor, ...): expected a tensor, got {type(tensor).__name__}; "
+                            "wrap numbers with torch.tensor(x).")
+        out = tensor.detach().to(self._device, copy=True)
+        if op == "mean" and not out.is_floating_point():
+            out = out.double()
+        if self.size > 1:
+            C.all_reduce_mesh(out, self, Purpose.USER, op=ops[op])
+        if op == "mean":
+            out = out / self.size
+        return out.to(tensor.device)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor``, stacked in mesh-rank order: ``[mesh.size, *tensor.shape]``,
+        on ``tensor``'s device. Every rank must pass the same shape and dtype (else every
+        rank raises, naming each rank's bytes)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"mesh.all_gather(tensor): expected a tensor, got {type(tensor).__name__}.")
+        t = tensor.detach().contiguous().to(self._device)
+        if self.size == 1:
+            return t.unsqueeze(0).to(tensor.device, copy=True)
+        shape = zlib.crc32(repr(tuple(tensor.shape)).encode()) & 0x7FFFFFFF  # same bytes, other shape: refused
+        return C.all_gather_mesh(t, self, Purpose.USER, detail=shape).view(self.size, *tensor.shape).to(tensor.device)
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
