@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import resource
 import sys
 import time
 
@@ -117,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "that torchrun --max-restarts restarts runs this same command line); --no-resume starts at step 1 and "
         "refuses a --ckpt-dir that already holds checkpoints, which a later resume could mistake for this run's",
     )
+    p.add_argument("--progress", choices=("bar", "plain"), default="bar",
+                   help="bar: a progress bar (tqdm) with loss, tokens/s, peak memory and traffic; plain: one line "
+                   "per step (for logs)")
+    p.add_argument("--sample-tokens", type=int, default=200, help="tokens of text generated at the end (0: none)")
     p.add_argument("--final-state", default=None, help=argparse.SUPPRESS)  # tests: rank 0 torch.saves the full state
     args = p.parse_args(argv)
     if args.replicate not in (None, "nodes"):
@@ -126,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "global_batch", "seq_len", "log_every", "threads", "save_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.sample_tokens < 0:
+        p.error(f"--sample-tokens must be at least 0, got {args.sample_tokens}")
     return args
 
 
@@ -136,6 +143,62 @@ def warn_if_restarts_share_the_store() -> None:
         print(f"warning: --max-restarts {restarts} with torchrun's shared store: a restarted worker may read the "
               "addresses of the dead ones and fail to connect. Launch with --standalone (or --rdzv-backend c10d) "
               "and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.", file=sys.stderr, flush=True)
+
+
+def peak_mib(device: torch.device) -> float:
+    """This process's peak memory: allocated on the GPU, else the peak resident set (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class Progress:
+    """Rank 0's report: a tqdm bar (``--progress bar``) or one line per step (``--progress plain``)."""
+
+    def __init__(self, mode: str, rank: int, steps: int, start: int):
+        self.on, self.bar = rank == 0, None
+        if self.on and mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, initial=start - 1, desc="train", unit="step", dynamic_ncols=True)
+
+    def step(self, n: int, loss: float, tokens_per_s: float, peak: float, comm: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  peak {peak:.0f} MiB/rank  "
+                                     f"comm {comm:.1f} MiB/step", refresh=False)
+            self.bar.update(1)
+        elif self.on:
+            print(f"step {n} loss {loss:.4f}  tokens/s {tokens_per_s:.0f}", flush=True)
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        elif self.on:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def sample(apply, sharded, prompt: bytes, n: int, seq_len: int, device: torch.device, seed: int,
+           top_k: int = 10, temperature: float = 0.8) -> bytes:
+    """``n`` bytes after ``prompt``, drawn from the ``top_k`` most likely at ``temperature``,
+    on the shards. Every rank calls it (each forward gathers the units) and draws from a
+    generator seeded alike, so every rank feeds the model the same text."""
+    x = torch.tensor(list(prompt), dtype=torch.long, device=device)[None]
+    gen = torch.Generator().manual_seed(seed)
+    apply.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(n):
+                logits = apply(sharded, x[:, -seq_len:])[0, -1].float().cpu() / temperature
+                top = logits.topk(top_k)
+                choice = top.indices[torch.multinomial(top.values.softmax(-1), 1, generator=gen)]
+                x = torch.cat([x, choice.view(1, 1).to(device)], dim=1)
+    finally:
+        apply.train()
+    return bytes(x[0, len(prompt):].tolist())
 
 
 def die_if_told(n: int, mesh: sf.Mesh) -> None:
@@ -204,6 +267,7 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
 
     log(f"world size {mesh.size}  strategy {args.strategy}  parameters {n_params:,}  device {mesh.device}")
     log(sharded.layout)
+    t_start, trained_tokens, comm = time.perf_counter(), 0, float("nan")
 
     gen = torch.Generator().manual_seed(args.seed)
     tokens_per_step = args.global_batch * args.seq_len
@@ -219,6 +283,8 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
         torch.set_rng_state(extra["torch_rng"])
         start, first, loss = extra["step"] + 1, extra["first_loss"], extra["loss"]
         log(f"resumed from {resume_from} at step {extra['step']}")
+    progress = Progress(args.progress, mesh.rank, args.steps, start)
+    v = float("nan")
     for n in range(start, args.steps + 1):
         die_if_told(n, mesh)
         global_batch = get_batch(train_data, args.global_batch, args.seq_len, gen)
@@ -229,16 +295,30 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
         dt = time.perf_counter() - t0
         if n == 1:
             first = loss
-        log(f"step {n} loss {loss:.4f}  tokens/s {tokens_per_step / dt:.0f}")
+        trained_tokens += tokens_per_step
+        comm = sum(metrics["comm_bytes"].values()) / 2**20
+        progress.step(n, loss, tokens_per_step / dt, peak_mib(mesh.device), comm)
         if n % args.log_every == 0 or n == args.steps:
             v = val_loss()
-            log(f"val loss {v:.4f} at step {n}")
+            progress.write(f"val loss {v:.4f} at step {n}")
         if args.ckpt_dir and (n % args.save_every == 0 or n == args.steps):
             # Everything the loop needs to go on exactly: the step, the data generator (and
             # torch's global generator, for a model with dropout), the losses it reports.
             extra = {"step": n, "first_loss": first, "loss": loss, "data_rng": gen.get_state(),
                      "torch_rng": torch.get_rng_state()}
             sf.checkpoint.save(os.path.join(args.ckpt_dir, f"step-{n:06d}"), sharded, opt_state, extra=extra)
+    progress.close()
+    seconds = time.perf_counter() - t_start
+    peak = mesh.reduce(torch.tensor(peak_mib(mesh.device)), "max").item()  # the largest rank's
+    if args.sample_tokens:
+        prompt = b"The "
+        text = sample(apply, sharded, prompt, args.sample_tokens, args.seq_len, mesh.device, args.seed)
+        log("sample: " + (prompt + text).decode("utf-8", errors="replace"))
+    checkpoint = sf.checkpoint.latest(args.ckpt_dir) if args.ckpt_dir else None
+    log(f"summary: {args.steps - start + 1} steps in {seconds:.1f} s ({trained_tokens / seconds:,.0f} tokens/s), "
+        f"train loss {loss:.4f}, val loss {v:.4f}, peak {peak:.0f} MiB per rank "
+        f"({'allocated on the GPU' if mesh.device.type == 'cuda' else 'resident set'}), "
+        f"{comm:.2f} MiB communicated per rank and step, checkpoint {checkpoint or 'none (--ckpt-dir)'}")
     log(f"final loss {loss:.4f} (first {first:.4f})")
     if args.report_all_ranks:
         print(f"rank {dist.get_rank()} final loss {loss!r}", flush=True)

@@ -21,6 +21,7 @@ def test_train_lm_under_torchrun_loss_falls(strategy):
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
         "--master-port", str(free_port()), str(ROOT / "examples" / "train_lm.py"),
         "--steps", str(steps), "--strategy", strategy, "--d-model", "64", "--layers", "2", "--log-every", "6",
+        "--progress", "plain", "--sample-tokens", "20",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
@@ -29,8 +30,29 @@ def test_train_lm_under_torchrun_loss_falls(strategy):
     assert len(losses) == steps, proc.stdout
     assert losses[-1] < losses[0] - 0.5, losses
     assert re.search(r"^final loss [0-9.]+ \(first [0-9.]+\)$", proc.stdout, re.M)
-    assert proc.stdout.count("val loss") == 2
+    assert len(re.findall(r"^val loss [0-9.]+ at step \d+$", proc.stdout, re.M)) == 2
     assert "FULL_SHARD" in proc.stdout and "blocks.1" in proc.stdout  # the printed layout
+    sample = re.search(r"^sample: The (.*)$", proc.stdout, re.M | re.S)
+    assert sample and len(sample.group(1)) >= 5, proc.stdout[-2000:]  # 20 bytes (some may not be UTF-8)
+    summary = re.search(r"^summary: 12 steps in [0-9.]+ s \(([0-9,]+) tokens/s\), train loss ([0-9.]+), val loss "
+                        r"([0-9.]+), peak (\d+) MiB per rank \(resident set\), ([0-9.]+) MiB communicated per rank and step, "
+                        r"checkpoint none", proc.stdout, re.M)
+    assert summary, proc.stdout[-2000:]
+    assert float(summary.group(2)) == losses[-1] and int(summary.group(4)) > 50 and float(summary.group(5)) > 0
+
+
+@pytest.mark.slow
+def test_train_lm_progress_bar():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(ROOT / "examples" / "train_lm.py"), "--steps", "4", "--d-model",
+           "32", "--layers", "2", "--log-every", "4", "--sample-tokens", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "train: 100%" in proc.stderr and "4/4" in proc.stderr and "tok/s" in proc.stderr, proc.stderr[-2000:]
+    assert "MiB/rank" in proc.stderr and "MiB/step" in proc.stderr
+    assert not re.search(r"^step \d+ loss", proc.stdout, re.M)  # no line per step
+    assert re.search(r"^val loss [0-9.]+ at step 4$", proc.stdout, re.M) and "summary: 4 steps" in proc.stdout
 
 
 def test_train_lm_resumes_by_default():

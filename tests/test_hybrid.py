@@ -93,7 +93,7 @@ def test_degenerate_axes_issue_only_what_they_need(clusters):
 
 def _train_lm_args(steps):
     return [str(ROOT / "examples" / "train_lm.py"), "--steps", str(steps), "--d-model", "32", "--layers", "2",
-            "--log-every", str(steps), "--report-all-ranks"]
+            "--log-every", str(steps), "--report-all-ranks", "--progress", "plain", "--sample-tokens", "0"]
 
 
 @pytest.mark.slow

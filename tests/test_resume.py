@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny model; a global batch of 6 splits over 2 and over 3 ranks
 CONFIG = ["--steps", "16", "--global-batch", "6", "--seq-len", "32", "--d-model", "32", "--layers", "2",
-          "--heads", "2", "--save-every", "4", "--log-every", "100"]
+          "--heads", "2", "--save-every", "4", "--log-every", "100", "--progress", "plain", "--sample-tokens", "0"]
 STEP_LINE = re.compile(r"^step (\d+) loss ([0-9.]+)  tokens/s \d+$", re.M)
 
 
