@@ -50,7 +50,7 @@ class Step:
         self.optimizer = optimizer
         self.donate = donate
         self.loss_scale = loss_scale
-        self._expected: tuple[Any, dict[str, Any] | None] | None = None  # (layout, what init builds)
+        self._expected: tuple[Any, Any] | None = None  # (layout, what init builds: see _check_structure)
 
     def init(self, sharded: ShardedParams) -> Any:
         """The optimizer state this step takes: ``optimizer.init(sharded)``, and with
@@ -123,25 +123,34 @@ class Step:
             try:  # the same optimizer on meta tensors of the shards' shapes: no memory, no values
                 meta = sharded.replace({n: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
                                         for n, t in sharded.items()})
-                expected = _signature(self.init(meta))
+                built = self.init(meta)
+                expected = (_quick(built), built)
             except Exception:  # noqa: BLE001 - an optimizer that cannot build on meta tensors: unchecked
                 expected = None
             self._expected = (sharded.layout, expected)
-        expected = self._expected[1]
-        if expected is None:
+        if self._expected[1] is None or _quick(opt_state) == self._expected[1][0]:
             return
-        got = _signature(opt_state)
+        expected, got = _signature(self._expected[1][1]), _signature(opt_state)
         problems = [f"  opt_state{p}: missing" for p in expected if p not in got]
         problems += [f"  opt_state{p}: not in the state {type(self.optimizer).__name__} builds" for p in got
                      if p not in expected]
         problems += [f"  opt_state{p}: {got[p]}, expected {expected[p]}" for p in expected
                      if p in got and got[p] != expected[p]]
+        if not problems:  # the same paths and leaves in other containers (another state class)
+            problems = [f"  opt_state: its containers differ: {pytree.tree_structure(opt_state)} where the optimizer "
+                        f"builds {pytree.tree_structure(self._expected[1][1])}"]
         if problems:
             raise ValueError(
                 "step(sharded, opt_state, ...): the optimizer state is not the one this step's optimizer builds for "
                 "these shards:\n" + "\n".join(problems[:10]) + ("\n  ..." if len(problems) > 10 else "")
                 + "\nInitialise it from these shards with this step's optimizer: opt_state = step.init(sharded) "
                 "(or load it from a checkpoint into step.init(sharded)).")
+
+
+def _quick(tree: Any) -> tuple[Any, list[Any]]:
+    """The structure, and each leaf's shape and dtype (a tensor) or type: cheap to compare."""
+    leaves, spec = pytree.tree_flatten(tree)
+    return spec, [(x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves]
 
 
 def _signature(tree: Any) -> dict[str, str]:
