@@ -51,6 +51,7 @@ class Step:
         self.donate = donate
         self.loss_scale = loss_scale
         self._expected: tuple[Any, Any] | None = None  # (layout, what init builds: see _check_structure)
+        self._accepted: Any = None  # a state structure found equal to it in another order
 
     def init(self, sharded: ShardedParams) -> Any:
         """The optimizer state this step takes: ``optimizer.init(sharded)``, and with
@@ -128,7 +129,8 @@ class Step:
             except Exception:  # noqa: BLE001 - an optimizer that cannot build on meta tensors: unchecked
                 expected = None
             self._expected = (sharded.layout, expected)
-        if self._expected[1] is None or _quick(opt_state) == self._expected[1][0]:
+        quick = _quick(opt_state)
+        if self._expected[1] is None or quick == self._expected[1][0] or quick == self._accepted:
             return
         expected, got = _signature(self._expected[1][1]), _signature(opt_state)
         problems = [f"  opt_state{p}: missing" for p in expected if p not in got]
@@ -136,15 +138,18 @@ class Step:
                      if p not in expected]
         problems += [f"  opt_state{p}: {got[p]}, expected {expected[p]}" for p in expected
                      if p in got and got[p] != expected[p]]
-        if not problems:  # the same paths and leaves in other containers (another state class)
-            problems = [f"  opt_state: its containers differ: {pytree.tree_structure(opt_state)} where the optimizer "
-                        f"builds {pytree.tree_structure(self._expected[1][1])}"]
-        if problems:
-            raise ValueError(
-                "step(sharded, opt_state, ...): the optimizer state is not the one this step's optimizer builds for "
-                "these shards:\n" + "\n".join(problems[:10]) + ("\n  ..." if len(problems) > 10 else "")
-                + "\nInitialise it from these shards with this step's optimizer: opt_state = step.init(sharded) "
-                "(or load it from a checkpoint into step.init(sharded)).")
+        built = self._expected[1][1]
+        if not problems and type(opt_state) is not type(built):  # the same paths in another state class
+            problems = [f"  opt_state: a {type(opt_state).__name__}, where the optimizer builds a "
+                        f"{type(built).__name__}"]
+        if not problems:  # the same state, its dicts in another order (a resharded state): fine
+            self._accepted = quick
+            return
+        raise ValueError(
+            "step(sharded, opt_state, ...): the optimizer state is not the one this step's optimizer builds for "
+            "these shards:\n" + "\n".join(problems[:10]) + ("\n  ..." if len(problems) > 10 else "")
+            + "\nInitialise it from these shards with this step's optimizer: opt_state = step.init(sharded) "
+            "(or load it from a checkpoint into step.init(sharded)).")
 
 
 def _quick(tree: Any) -> tuple[Any, list[Any]]:
