@@ -141,8 +141,8 @@ class Grad:
                         if run is not None:
                             run.end_of_backward()
                     except Deviated:
-                        buffers.restore()
-                        run.report()  # raises, unless every rank deviated alike: then run again
+                        run.report()  # raises (the buffers are restored below), unless every rank deviated alike
+                        buffers.restore()  # then the step runs again from the same state
                         rt.restart()
                         run.rerun()
                         _set_rng_state(rng)

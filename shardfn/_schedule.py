@@ -80,6 +80,7 @@ class Schedule:
         self.repeats = 0  # steps since, checked or pipelined, with the same schedule
         self.need = 1  # repeats before steps run pipelined
         self.reruns = 0
+        self._hash = 0  # of ``verified``, computed when it is learned
 
     @property
     def pipelined(self) -> bool:
@@ -87,10 +88,7 @@ class Schedule:
                 and all(e.kind in _REPLAYABLE for e in self.verified))
 
     def fingerprint(self) -> int:
-        if not self.pipelined:
-            return 0
-        text = repr([(e.axis, e.header, e.numel, str(e.dtype)) for e in self.verified])
-        return zlib.crc32(text.encode()) & 0x7FFFFFFF or 1
+        return self._hash if self.pipelined else 0
 
     def learn(self, recorded: list[Entry], pipelined: bool) -> None:
         """After a step whose metrics header every rank agreed on."""
@@ -98,6 +96,8 @@ class Schedule:
             self.repeats += 1
         else:
             self.verified, self.repeats = recorded, 0
+            text = repr([(e.axis, e.header, e.numel, str(e.dtype)) for e in recorded])
+            self._hash = zlib.crc32(text.encode()) & 0x7FFFFFFF or 1
 
     def forget(self) -> None:
         """After a re-run: learn again, and wait longer before pipelining."""
@@ -148,16 +148,13 @@ class Run:
         state = G.state_of(group)
         if state.off:
             return
-        nbytes = t.numel() * t.element_size()
-        words = G.words(kind, purpose, unit, nbytes, detail, t.dtype)
-        if not self.phase1:
-            G.agree_words(state, words, f"{kind.value} ({G.label(purpose, unit)})", self.position)
-            return
+        words = G.words(kind, purpose, unit, t.numel() * t.element_size(), detail, t.dtype)
         entry = Entry(group, self.axes.get(id(group), "?"), tuple(words), kind, t.dtype, t.device, t.numel(), op)
-        if not self.pipelined:
+        if not (self.phase1 and self.pipelined):  # checked: a waited header (recorded until the metrics)
             G.agree_words(state, words, f"{kind.value} ({G.label(purpose, unit)})", self.position)
-            self.recorded.append(entry)
-            self.position += 1
+            if self.phase1:
+                self.recorded.append(entry)
+                self.position += 1
             return
         if self.deviation is not None:
             raise Deviated()
