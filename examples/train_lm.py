@@ -145,6 +145,13 @@ def warn_if_restarts_share_the_store() -> None:
               "and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.", file=sys.stderr, flush=True)
 
 
+def say(text: object) -> None:
+    """One line in one write: lines of ranks sharing a pipe (torchrun's workers) never interleave,
+    even unbuffered (``PYTHONUNBUFFERED``), where print writes the text and its newline apart."""
+    sys.stdout.write(f"{text}\n")
+    sys.stdout.flush()
+
+
 def peak_mib(device: torch.device) -> float:
     """This process's peak memory: allocated on the GPU, else the peak resident set (MiB)."""
     if device.type == "cuda":
@@ -168,13 +175,13 @@ class Progress:
                                      f"comm {comm:.1f} MiB/step", refresh=False)
             self.bar.update(1)
         elif self.on:
-            print(f"step {n} loss {loss:.4f}  tokens/s {tokens_per_s:.0f}", flush=True)
+            say(f"step {n} loss {loss:.4f}  tokens/s {tokens_per_s:.0f}")
 
     def write(self, text: str) -> None:
         if self.bar is not None:
             self.bar.write(text)
         elif self.on:
-            print(text, flush=True)
+            say(text)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -228,7 +235,7 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
             f"--global-batch {args.global_batch} is not divisible by world size {mesh.size}; "
             f"use a multiple of {mesh.size}"
         )
-    log = print if mesh.rank == 0 else (lambda *a, **k: None)
+    log = say if mesh.rank == 0 else (lambda text: None)
 
     train_data, val_data = split_corpus(load_corpus())
     cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
@@ -321,7 +328,7 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
         f"{comm:.2f} MiB communicated per rank and step, checkpoint {checkpoint or 'none (--ckpt-dir)'}")
     log(f"final loss {loss:.4f} (first {first:.4f})")
     if args.report_all_ranks:
-        print(f"rank {dist.get_rank()} final loss {loss!r}", flush=True)
+        say(f"rank {dist.get_rank()} final loss {loss!r}")
     if args.final_state:
         full = sf.gather(sharded, rank0_only=True, device="cpu")
         if mesh.rank == 0:

@@ -119,7 +119,7 @@ def test_two_node_torchrun_launch_hybrid_matches_single_process():
                 p.wait()
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     finals = {int(r): float(x) for o in outputs for r, x in re.findall(r"^rank (\d+) final loss (\S+)$", o, re.M)}
-    assert sorted(finals) == [0, 1, 2, 3]
+    assert sorted(finals) == [0, 1, 2, 3], "\n=====\n".join(o[-3000:] for o in outputs)
     reference = subprocess.run([sys.executable] + _train_lm_args(steps), capture_output=True, text=True, timeout=240,
                                env=env, cwd=ROOT)
     assert reference.returncode == 0, reference.stderr[-2000:]
