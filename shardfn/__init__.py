@@ -13,6 +13,7 @@ from ._events import track_residency as track_residency
 from ._explain import Explanation as Explanation
 from ._explain import UnitCost as UnitCost
 from ._explain import explain as explain
+from ._export import save_pretrained as save_pretrained
 from ._functionalize import Apply as Apply
 from ._functionalize import Params as Params
 from ._functionalize import functionalize as functionalize
@@ -107,6 +108,7 @@ __all__ = [
     "optim",
     "record_collectives",
     "reshard",
+    "save_pretrained",
     "shard",
     "track_live_bytes",
     "track_residency",

@@ -1,4 +1,4 @@
-"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), and exports.
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP).
 
 [Note: checkpoint format]
 A checkpoint is a directory written by DCP plus ``shardfn.json``. Each parameter is saved
@@ -53,10 +53,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _collectives as C
 from . import _guard as G
-from ._sharded import ShardedParams, gather
+from ._export import write_config
+from ._sharded import ShardedParams
 from .optim._protocol import param_leaves
 
-__all__ = ["export_safetensors", "latest", "load", "save"]
+__all__ = ["latest", "load", "save"]
 
 _FORMAT = "shardfn-checkpoint-3"
 _READABLE = ("shardfn-checkpoint-1", "shardfn-checkpoint-2", _FORMAT)
@@ -247,6 +248,7 @@ def _save(path: str, sharded: ShardedParams, opt_state: Any, values: dict[str, A
             "digests": {name: _digest(os.path.join(partial, name)) for name in files},
         }
         meta[_SELF] = _meta_digest(meta)
+        write_config(sharded.module, partial)  # a Hugging Face model's config: convert writes it out
         with open(os.path.join(partial, _META), "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
@@ -351,13 +353,17 @@ def _load(path: str, sharded: ShardedParams, opt_state: Any) -> tuple[ShardedPar
     meta = _read_meta(path)
     saved = {n: tuple(s) for n, s in meta["params"].items()}
     target = {n: leaf.shape for n, leaf in sharded.layout.leaves.items()}
+    saved_buffers = {n: tuple(s) for n, s in meta.get("buffers", {}).items()}
+    persistent = _persistent(sharded)
+    # A checkpoint converted from safetensors (shardfn.convert) cannot tell buffers from
+    # parameters and lists its tensors as parameters: a buffer of the model is read from there.
+    moved = [n for n in persistent if n in saved and n not in saved_buffers and n not in target]
+    saved_buffers.update({n: saved.pop(n) for n in moved})
     problems = [f"  {n}: missing from the checkpoint" for n in target if n not in saved]
     problems += [f"  {n}: in the checkpoint but not in these params" for n in saved if n not in target]
     problems += [
         f"  {n}: checkpoint shape {saved[n]}, these params {target[n]}" for n in target if n in saved and saved[n] != target[n]
     ]
-    saved_buffers = {n: tuple(s) for n, s in meta.get("buffers", {}).items()}
-    persistent = _persistent(sharded)
     target_buffers = {n: sharded.layout.buffers[n].shape for n in persistent}
     problems += [f"  {n}: buffer in the checkpoint but not in these params" for n in saved_buffers
                  if n not in target_buffers]
@@ -383,6 +389,7 @@ def _load(path: str, sharded: ShardedParams, opt_state: Any) -> tuple[ShardedPar
     state = _state_dict(sharded, opt_state, extra_tensors, [n for n in persistent if n in saved_buffers])
     for k in extra_tensors:  # their sizes come from the checkpoint's own metadata
         state.pop(f"extra/{k}")
+    state.update({f"params/{n}": state.pop(f"buffers/{n}") for n in moved})
     # every rank must be about to load the same checkpoint (a directory all ranks share)
     C.barrier_mesh(sharded.mesh, detail=zlib.crc32(json.dumps(meta, sort_keys=True).encode()) & 0x7FFFFFFF)
     _dcp_load(path, state, sharded, check=mine)
@@ -463,25 +470,3 @@ def _dcp_load(path: str, state: dict[str, Any], sharded: ShardedParams, check: M
         if damaged:
             raise _corrupted(path, damaged) from None
         raise ValueError(f"checkpoint.load({path!r}) failed: {e}") from None
-
-
-def export_safetensors(path: str | os.PathLike, sharded: ShardedParams) -> None:
-    """Writes the full state dict to one safetensors file (rank 0 writes; all ranks call).
-
-    Full parameters and persistent buffers, gathered unit by unit to CPU on rank 0
-    (:func:`shardfn.gather`), so no accelerator holds more than one unit of full
-    parameters. A tensor with several names (tied weights) is written once, under its
-    first name, as ``safetensors.torch.save_model`` does (safetensors refuses shared
-    tensors); load it with ``load_state_dict(..., strict=False)`` or re-tie after
-    loading. Needs ``pip install safetensors``.
-    """
-    full = gather(sharded, rank0_only=True, device="cpu")
-    if sharded.mesh.rank == 0:
-        from safetensors.torch import save_file
-
-        once: dict[str, str] = {}  # each tensor under its first state-dict key
-        for key, name in sharded.layout.state_dict_keys:
-            once.setdefault(name, key)
-        save_file({key: full[key].contiguous() for key in once.values() if key in full}, os.fspath(path))
-    C.barrier_mesh(sharded.mesh)
-

@@ -354,6 +354,9 @@ def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
     """A region whose errors every peer learns (see :func:`fail`); ``where`` marks its
     collectives' headers. Nested regions leave it to the outermost."""
     outer = not _REGION.get()
+    if outer:  # a failure the last exchange carried ended an earlier region: this one's is news
+        for entry in _GROUPS.values():
+            entry[1].last_failed = False
     token = _REGION.set(True)
     wtoken = _WHERE.set(where) if where is not None else None
     try:

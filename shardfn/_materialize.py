@@ -53,10 +53,11 @@ def _unit_seed(seed: int, path: str) -> int:
 
 def unit_values(
     module: nn.Module, units: list[UnitLayout], seed: int, init_fn: InitFn | None, device: torch.device,
-    what: str = "shard(seed=...)",
+    what: str = "shard(seed=...)", only: set[str] | None = None,
 ) -> Iterator[tuple[UnitLayout, dict[str, torch.Tensor]]]:
     """Yields each unit's freshly initialised tensors, one unit at a time: its parameters
-    (full) and the buffers of its modules, by name (every alias of a tied tensor)."""
+    (full) and the buffers of its modules, by name (every alias of a tied tensor).
+    ``only``: the names that must have been initialised (default: all)."""
     work = copy.deepcopy(module)  # meta: costs nothing; the caller's tree stays untouched
     present = [u.path for u in units if u.path]  # units that kept no parameter belong to the root
     for unit in units:
@@ -79,7 +80,8 @@ def unit_values(
             for kind in (m.named_parameters(recurse=False), m.named_buffers(recurse=False)):
                 for attr, t in kind:
                     values[f"{prefix}.{attr}" if prefix else attr] = t
-        blank = [n for n, t in values.items() if t.is_floating_point() and t.numel() and bool(t.isnan().all())]
+        blank = [n for n, t in values.items() if (only is None or n in only) and t.is_floating_point() and t.numel()
+                 and bool(t.isnan().all())]
         if blank:
             owners = sorted({type(m).__name__ for p, m in mods if any(n.rpartition(".")[0] == p for n in blank)})
             raise ValueError(_NOT_INITIALISED.format(what=what, unit=unit.name, names=", ".join(blank[:6]),
@@ -90,7 +92,7 @@ def unit_values(
             m.to_empty(device="meta", recurse=False)
 
 
-def _units_with_buffers(layout: Layout) -> list[UnitLayout]:
+def units_with_buffers(layout: Layout) -> list[UnitLayout]:
     """One unit per module path (a module split by dtype is initialised once, see [Note:
     mixed dtypes in a unit]), plus an empty root unit when only buffers live outside the units."""
     first: dict[str, UnitLayout] = {}
@@ -121,7 +123,7 @@ def deferred_state(
             "shard(seed=...): deferred init needs the module tree; pass the params that functionalize(model) returned."
         )
     out: dict[str, torch.Tensor] = {}
-    for _, values in unit_values(module, _units_with_buffers(layout), seed, init_fn, device):
+    for _, values in unit_values(module, units_with_buffers(layout), seed, init_fn, device):
         _take(values, layout, out, rank, device)
         del values  # no reference may outlive the unit: the generator frees it before the next
     return out
@@ -202,7 +204,7 @@ def materialize(model: nn.Module, seed: int, *, units=None, init_fn: InitFn | No
     unit_paths = plan.units.resolve(model, list(info.params))
     layout = build_layout(plan, (1,), 1, 1, state, unit_paths, info)
     values: dict[str, torch.Tensor] = {}
-    for _, full in unit_values(model, _units_with_buffers(layout), seed, init_fn, torch.device(device),
+    for _, full in unit_values(model, units_with_buffers(layout), seed, init_fn, torch.device(device),
                                what="materialize"):
         values.update({n: t.detach().clone() for n, t in full.items()})
         del full

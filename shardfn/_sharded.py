@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -19,6 +20,8 @@ from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
 from ._plan import Plan, Strategy, check_unit_modules, make_plan
 from ._precision import Precision
+from ._pretrained import read_weights
+from ._safetensors import Source
 from ._tree import TensorTree, check_names, tree_info
 
 __all__ = ["ShardedParams", "gather", "shard"]
@@ -102,6 +105,7 @@ def shard(
     seed: int | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     src_rank: int | None = None,
+    weights: str | os.PathLike | None = None,
 ) -> ShardedParams:
     """This rank's shards of ``params`` under ``strategy`` on ``mesh``.
 
@@ -138,6 +142,15 @@ def shard(
         src_rank: the real values live on this rank only (e.g. pretrained weights loaded
             there; other ranks may pass meta tensors): each unit is scattered from it and
             the buffers are broadcast from it.
+        weights: a Hugging Face safetensors checkpoint (a directory written by
+            ``save_pretrained``, with ``model.safetensors`` or a sharded set and its
+            ``model.safetensors.index.json``, or one ``.safetensors`` file): each rank reads
+            only the rows of its own shards, unit by unit, cast to the params' dtypes;
+            ``params`` may be meta tensors. Keys are matched by the model's ``state_dict()``
+            names (every missing, unexpected or mis-shaped key is named in one error);
+            non-persistent buffers missing from the file keep their values, or, when meta,
+            are initialised by ``reset_parameters()`` and ``init_fn`` (for a Hugging Face
+            model ``init_fn=model._init_weights``). Needs ``safetensors``.
 
     Returns:
         A :class:`ShardedParams` (the shards and the buffers); ``print(sharded.layout)``
@@ -152,12 +165,12 @@ def shard(
     if not isinstance(mesh, Mesh):
         raise TypeError(f"shard(): mesh must be a shardfn.Mesh (Mesh.from_env()), got {type(mesh).__name__}")
     with guarded(mesh):  # an argument refused on one rank reaches the others (at the layout agreement)
-        return _shard(params, mesh, strategy, units, precision, remat, optional, seed, init_fn, src_rank)
+        return _shard(params, mesh, strategy, units, precision, remat, optional, seed, init_fn, src_rank, weights)
 
 
 def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Strategy | str, units: Any,
            precision: Precision | None, remat: Any, optional: Any, seed: int | None,
-           init_fn: Callable[[nn.Module], None] | None, src_rank: int | None) -> ShardedParams:
+           init_fn: Callable[[nn.Module], None] | None, src_rank: int | None, weights: Any) -> ShardedParams:
     if not isinstance(params, Mapping) or isinstance(params, ShardedParams):
         raise TypeError(
             "shard(): params must be the mapping name -> tensor returned by functionalize(model)"
@@ -169,9 +182,12 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Stra
     plan = make_plan(strategy, units=units, precision=precision, remat=remat, optional=optional)
     module: nn.Module | None = getattr(params, "module", None)
     layout = layout_for(params, module, mesh, plan)
-    if seed is not None and src_rank is not None:
-        raise ValueError("shard(): pass seed= (deferred init) or src_rank= (load from one rank), not both.")
-    meta = [n for n, t in params.items() if t.is_meta] if seed is None and src_rank is None else []
+    given = [k for k, v in (("seed", seed), ("src_rank", src_rank), ("weights", weights)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"shard(): pass one of seed= (deferred init), src_rank= (load from one rank) or weights= "
+                         f"(a safetensors checkpoint), not {' and '.join(given)}.")
+    source = Source(weights, "shard(weights=...)") if weights is not None else None
+    meta = [n for n, t in params.items() if t.is_meta] if not given else []
     # Whether a rank passed meta tensors is part of what ranks must agree on, so that a
     # rank missing its weights makes every rank fail here instead of hanging later.
     meta_error = (
@@ -179,10 +195,16 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Stra
         f"{' ...' if len(meta) > 4 else ''}) on {mesh!r}. Pass seed=... to initialise them unit by unit "
         "(deferred init), or load real values on one rank and pass src_rank=that rank."
     )
-    verify_agreement(layout, mesh, salt=1 if meta else 0, hint=meta_error if meta else "")
+    salt, hint = (1, meta_error) if meta else (0, "")
+    if source is not None:  # every rank must read the same weights: their headers join the layout's fingerprint
+        salt, hint = source.fingerprint() << 1, (
+            f"shard(weights={source.path!r}) read {len(source.entries)} tensors here (names, shapes and dtypes hash "
+            f"{source.fingerprint():08x}); the weights count as part of the layout: ranks whose files list other "
+            "tensors read other weights. Point every rank at the same checkpoint.")
+    verify_agreement(layout, mesh, salt=salt, hint=hint)
     if meta:
         raise ValueError(meta_error)
-    if seed is None and src_rank is None:
+    if not given:
         verify_same_values(params, layout, mesh)
     rank = layout.shard_rank(mesh)
     with torch.no_grad():
@@ -190,6 +212,11 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Stra
             data = deferred_state(module, layout, rank, mesh.device, seed, init_fn)
         elif src_rank is not None:
             data = scattered_state(params, layout, mesh, src_rank)
+        elif source is not None:
+            try:
+                data = read_weights(source, layout, mesh, params, module, init_fn)
+            finally:
+                source.close()
         else:
             data = {n: local_shard(params[n], leaf, rank, mesh.device) for n, leaf in layout.leaves.items()}
             data.update({n: params[n].detach().to(mesh.device, copy=True) for n in layout.buffers})
@@ -317,6 +344,12 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
     it lacks travels as zeros. One all-gather of the flat buffer per unit; ``unpack=False``
     takes part without unpacking (and yields nothing).
     """
+    # One send and one receive buffer per dtype, sized for the largest unit and reused: each
+    # rank holds one gathered unit at most, whenever the backend lets go of the last one's.
+    largest: dict[torch.dtype, int] = {}
+    for unit in layout.units:
+        largest[unit.dtype] = max(largest.get(unit.dtype, 0), unit.numel)
+    buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
     for unit in layout.units:
         names = [n for n in unit.leaves if n in values]
         if not names:
@@ -326,17 +359,19 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
                 yield unit, {n: values[n].detach().reshape(layout.leaves[n].shape).clone() for n in names}
             continue
         ref = values[names[0]]
-        flat = torch.cat([
+        if ref.dtype not in buffers:
+            n_max = largest[unit.dtype]
+            buffers[ref.dtype] = (torch.empty(n_max, dtype=ref.dtype, device=ref.device),
+                                  torch.empty(layout.world * n_max, dtype=ref.dtype, device=ref.device))
+        send, receive = buffers[ref.dtype]
+        flat, got = send[: unit.numel], receive[: layout.world * unit.numel]
+        torch.cat([
             (values[n].detach() if n in values else torch.zeros(layout.leaves[n].shard_shape, dtype=ref.dtype,
                                                                  device=ref.device)).reshape(-1)
             for n in unit.leaves
-        ])
-        got = torch.empty(layout.world * unit.numel, dtype=flat.dtype, device=flat.device)
+        ], out=flat)
         C.all_gather(got, flat, mesh.group("shard"), purpose, unit.name)
-        del flat
-        got2d = got.view(layout.world, unit.numel)
-        # Ranks that return nothing do not unpack: they hold one gathered unit at most.
-        full = {n: unpack_leaf(got2d, layout.leaves[n], layout.world) for n in names} if unpack else {}
-        del got, got2d
-        if unpack:
+        if unpack:  # ranks that return nothing do not unpack
+            full = {n: unpack_leaf(got.view(layout.world, unit.numel), layout.leaves[n], layout.world) for n in names}
             yield unit, full
+            del full  # not kept alive by this frame while the next unit is gathered

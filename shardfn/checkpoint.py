@@ -1,4 +1,4 @@
-"""Sharded checkpoints (``torch.distributed.checkpoint``) and exports.
+"""Sharded checkpoints (``torch.distributed.checkpoint``); :func:`shardfn.save_pretrained` exports.
 
 Example:
     >>> shardfn.checkpoint.save("ckpt/step-100", sharded, opt_state, extra={"step": 100})
@@ -7,9 +7,8 @@ Example:
     'ckpt/step-100'
 """
 
-from ._checkpoint import export_safetensors as export_safetensors
 from ._checkpoint import latest as latest
 from ._checkpoint import load as load
 from ._checkpoint import save as save
 
-__all__ = ["export_safetensors", "latest", "load", "save"]
+__all__ = ["latest", "load", "save"]

@@ -162,7 +162,7 @@ def test_mismatched_load_names_the_leaves(clusters, tmp_path):
 def full_state_dict_and_safetensors(path):
     mesh, sharded, _, _, apply = _train("FULL_SHARD", steps=1)
     full = sf.gather(sharded, rank0_only=True, device="cpu")
-    sf.checkpoint.export_safetensors(path, sharded)
+    sf.save_pretrained(sharded, path)
     x = gpt_batches(1)[0]["x"][:2]
     with torch.no_grad():
         sharded_out = apply(sharded, x)
@@ -172,7 +172,7 @@ def full_state_dict_and_safetensors(path):
 
     model = gpt_model()
     model.load_state_dict(full)
-    exported = load_file(path)
+    exported = load_file(os.path.join(path, "model.safetensors"))
     with torch.no_grad():
         plain_out = model(x)
     same_export = exported.keys() == full.keys() and all(torch.equal(exported[n], full[n]) for n in full)
@@ -180,7 +180,7 @@ def full_state_dict_and_safetensors(path):
 
 
 def test_full_state_dict_loads_into_the_plain_module(clusters, tmp_path):
-    results = clusters[3].run(full_state_dict_and_safetensors, str(tmp_path / "model.safetensors"))
+    results = clusters[3].run(full_state_dict_and_safetensors, str(tmp_path / "exported"))
     assert results[1][0] == 0 and results[2][0] == 0  # rank0_only
     n, (same_output, same_export) = results[0]
     assert n > 0 and same_output and same_export

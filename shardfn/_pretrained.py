@@ -1,0 +1,123 @@
+"""Hugging Face weights in: safetensors straight into this rank's shards.
+
+[Note: loading pretrained weights]
+``shard(params, mesh, strategy, weights=path)`` builds the layout from ``params`` (real or
+meta tensors: only names, shapes and dtypes are used), then each rank reads from the
+safetensors files only the rows of each parameter it owns (``get_slice(key)[lo:hi]`` on the
+memory-mapped file), unit by unit, casting to the parameter's dtype; persistent buffers are
+read whole. No rank holds more than its shards plus one parameter's rows in flight.
+
+Names are matched as ``model.load_state_dict`` would: a parameter or persistent buffer is
+found under any of its ``state_dict()`` keys (a tied ``lm_head.weight`` under
+``transformer.wte.weight``, which is how ``save_pretrained`` stores it). Every missing,
+unexpected and mis-shaped key is listed in one error, raised on every rank (every rank
+reads the same file headers, which the layout agreement checks), before any tensor is read.
+Non-persistent buffers (rotary ``inv_freq``) are not in such files: they keep their values
+when ``params`` holds real ones; meta ones are initialised as ``shard(seed=...)`` would
+(``reset_parameters()``, then ``init_fn``: for a Hugging Face model pass
+``init_fn=model._init_weights``), a unit at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._layout import Layout, LeafLayout, unit_owner
+from ._materialize import unit_values, units_with_buffers
+from ._safetensors import Source
+
+__all__ = ["keys_of", "read_weights", "shape_of"]
+
+
+def keys_of(layout: Layout) -> dict[str, list[str]]:
+    """Tensor name -> the keys it may be found under: its state_dict() keys, itself first."""
+    keys: dict[str, list[str]] = {n: [n] for n in (*layout.leaves, *layout.buffers)}
+    for key, name in layout.state_dict_keys:
+        if key not in keys[name]:
+            keys[name].append(key)
+    for name, aliases in layout.aliases.items():
+        keys[name] += [a for a in aliases if a not in keys[name]]
+    return keys
+
+
+def shape_of(layout: Layout, name: str) -> tuple[int, ...]:
+    return layout.leaves[name].shape if name in layout.leaves else layout.buffers[name].shape
+
+
+def match(source: Source, layout: Layout, mesh: Any) -> dict[str, str]:
+    """Tensor name -> its key in ``source``; raises naming every key that does not fit."""
+    found, missing, bad_shape = {}, [], []
+    for name, keys in keys_of(layout).items():
+        key = next((k for k in keys if k in source.entries), None)
+        if key is not None:
+            found[name] = key
+            if source.entries[key][1] != tuple(shape_of(layout, name)):
+                bad_shape.append(f"{key}: file {list(source.entries[key][1])}, model {list(shape_of(layout, name))}")
+        elif name in layout.leaves or layout.buffers[name].persistent:
+            missing.append(name)
+    used = set(found.values())
+    unexpected = sorted(k for k in source.entries if k not in used)
+    if missing or unexpected or bad_shape:
+        parts = [f"{title} ({len(items)}):\n" + "\n".join(f"    {x}" for x in items)
+                 for title, items in (("missing from the file", missing), ("in the file but not in the model",
+                                      unexpected), ("shapes differ", bad_shape)) if items]
+        raise ValueError(
+            f"shard(weights={source.path!r}) on {mesh!r}: the weights do not fit the model:\n  "
+            + "\n  ".join(parts) + "\nBuild the model from the same config the weights were saved with "
+            "(config.json next to them), and pass the params functionalize(model) returns for it."
+        )
+    return found
+
+
+def read_weights(source: Source, layout: Layout, mesh: Any, params: Mapping[str, torch.Tensor],
+                 module: nn.Module | None, init_fn: Any) -> dict[str, torch.Tensor]:
+    """This rank's shards and buffers, read from ``source`` (see [Note: loading pretrained weights])."""
+    found = match(source, layout, mesh)
+    rank, device = layout.shard_rank(mesh), mesh.device
+    out: dict[str, torch.Tensor] = {}
+    for unit in layout.units:
+        for name in unit.leaves:
+            out[name] = _read_shard(source, found[name], layout.leaves[name], rank, device)
+    rest = []
+    for name, b in layout.buffers.items():
+        if name in found:
+            out[name] = source.rows(found[name], 0, b.shape[0] if b.shape else 1).to(device, b.dtype, copy=True)
+        elif not params[name].is_meta:
+            out[name] = params[name].detach().to(device, copy=True)
+        else:
+            rest.append(name)
+    if rest:
+        out.update(_init_buffers(rest, layout, module, init_fn, device))
+    return out
+
+
+def _read_shard(source: Source, key: str, leaf: LeafLayout, rank: int, device: torch.device) -> torch.Tensor:
+    shard = torch.zeros(leaf.shard_shape, dtype=leaf.dtype, device=device)
+    k = leaf.local_rows(rank)
+    if k:
+        rows = source.rows(key, rank * leaf.chunk, rank * leaf.chunk + k)
+        shard[:k].copy_(rows.reshape(k, *leaf.shape[1:]))
+    return shard
+
+
+def _init_buffers(names: list[str], layout: Layout, module: nn.Module | None, init_fn: Any,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """Meta non-persistent buffers, initialised as deferred init does, one unit at a time."""
+    if module is None:
+        raise ValueError(
+            f"shard(weights=...): the non-persistent buffers {names[:4]} are on the meta device and are not in the "
+            "file; pass the params functionalize(model) returned (its module tree initialises them)."
+        )
+    present = [u.path for u in layout.units if u.path]
+    owners = {unit_owner(n, present) for n in names}
+    units = [u for u in units_with_buffers(layout) if u.path in owners]
+    out = {}
+    for _, values in unit_values(module, units, 0, init_fn, device, what="shard(weights=...)", only=set(names)):
+        out.update({n: values[n].detach().clone() for n in names if n in values})
+    return out
