@@ -25,6 +25,7 @@ fail to connect; see docs/checkpoints.md.)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import resource
@@ -100,6 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="2-D mesh for the hybrid strategies: 'nodes' (one replica per torchrun node) or a number of replicas",
     )
+    p.add_argument("--model", choices=("gpt", "gpt2"), default="gpt",
+                   help="gpt: shardfn.testing.models.GPT; gpt2: a Hugging Face GPT-2 of the same size (needs "
+                   "transformers), trained through the same code path")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="at the end, write the weights where from_pretrained reads them (shardfn.save_pretrained)")
     p.add_argument("--report-all-ranks", action="store_true", help="every rank prints its final loss")
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
@@ -131,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "global_batch", "seq_len", "log_every", "threads", "save_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.model == "gpt2" and importlib.util.find_spec("transformers") is None:
+        p.error("--model gpt2 needs transformers: pip install transformers (or pip install -e '.[test]')")
     if args.sample_tokens < 0:
         p.error(f"--sample-tokens must be at least 0, got {args.sample_tokens}")
     return args
@@ -188,7 +196,7 @@ class Progress:
             self.bar.close()
 
 
-def sample(apply, sharded, prompt: bytes, n: int, seq_len: int, device: torch.device, seed: int,
+def sample(apply, logits_of, sharded, prompt: bytes, n: int, seq_len: int, device: torch.device, seed: int,
            top_k: int = 10, temperature: float = 0.8) -> bytes:
     """``n`` bytes after ``prompt``, drawn from the ``top_k`` most likely at ``temperature``,
     on the shards. Every rank calls it (each forward gathers the units) and draws from a
@@ -199,13 +207,26 @@ def sample(apply, sharded, prompt: bytes, n: int, seq_len: int, device: torch.de
     try:
         with torch.no_grad():
             for _ in range(n):
-                logits = apply(sharded, x[:, -seq_len:])[0, -1].float().cpu() / temperature
+                logits = logits_of(sharded, x[:, -seq_len:])[0, -1].float().cpu() / temperature
                 top = logits.topk(top_k)
                 choice = top.indices[torch.multinomial(top.values.softmax(-1), 1, generator=gen)]
                 x = torch.cat([x, choice.view(1, 1).to(device)], dim=1)
     finally:
         apply.train()
     return bytes(x[0, len(prompt):].tolist())
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The model to train: a byte-level LM of ``--d-model`` x ``--layers``, shardfn's GPT or
+    a Hugging Face GPT-2 of the same shape (no dropout), seeded by the caller."""
+    if args.model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=args.d_model, n_layer=args.layers,
+                            n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                            eos_token_id=0, use_cache=False)
+        return GPT2LMHeadModel(config)
+    return GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
 
 
 def die_if_told(n: int, mesh: sf.Mesh) -> None:
@@ -238,9 +259,8 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
     log = say if mesh.rank == 0 else (lambda text: None)
 
     train_data, val_data = split_corpus(load_corpus())
-    cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    model = GPT(cfg)
+    model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
 
     params, apply = sf.functionalize(model)
@@ -248,8 +268,12 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
     opt = sf.optim.adamw(args.lr, weight_decay=0.1)
     opt_state = opt.init(sharded)
 
+    def logits(params, x):
+        out = apply(params, x)
+        return out.logits if args.model == "gpt2" else out
+
     def loss_fn(params, batch):
-        return lm_loss(apply(params, batch["x"]), batch["y"])
+        return lm_loss(logits(params, batch["x"]), batch["y"])
 
     step = sf.jit_step(loss_fn, mesh, optimizer=opt)
 
@@ -268,7 +292,7 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
         apply.eval()
         try:
             with torch.no_grad():
-                return lm_loss(apply(sharded, val_batch["x"]), val_batch["y"]).item()
+                return lm_loss(logits(sharded, val_batch["x"]), val_batch["y"]).item()
         finally:
             apply.train()
 
@@ -319,7 +343,7 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
     peak = mesh.reduce(torch.tensor(peak_mib(mesh.device)), "max").item()  # the largest rank's
     if args.sample_tokens:
         prompt = b"The "
-        text = sample(apply, sharded, prompt, args.sample_tokens, args.seq_len, mesh.device, args.seed)
+        text = sample(apply, logits, sharded, prompt, args.sample_tokens, args.seq_len, mesh.device, args.seed)
         log("sample: " + (prompt + text).decode("utf-8", errors="replace"))
     checkpoint = sf.checkpoint.latest(args.ckpt_dir) if args.ckpt_dir else None
     log(f"summary: {args.steps - start + 1} steps in {seconds:.1f} s ({trained_tokens / seconds:,.0f} tokens/s), "
@@ -329,6 +353,9 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
     log(f"final loss {loss:.4f} (first {first:.4f})")
     if args.report_all_ranks:
         say(f"rank {dist.get_rank()} final loss {loss!r}")
+    if args.export:
+        files = sf.save_pretrained(sharded, args.export)
+        log(f"exported to {args.export} ({', '.join(files)})")
     if args.final_state:
         full = sf.gather(sharded, rank0_only=True, device="cpu")
         if mesh.rank == 0:

@@ -65,3 +65,28 @@ def test_train_lm_resumes_by_default():
     assert not train_lm.parse_args(["--ckpt-dir", "c", "--no-resume"]).resume
     with pytest.raises(SystemExit):
         train_lm.parse_args(["--save-every", "0"])
+
+
+@pytest.mark.slow
+def test_train_lm_trains_hugging_face_gpt2_and_exports_it(tmp_path):
+    """--model gpt2: the same bytes and loop on a transformers GPT-2; --export writes what from_pretrained reads."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), str(ROOT / "examples" / "train_lm.py"), "--model", "gpt2",
+        "--steps", "8", "--d-model", "32", "--layers", "2", "--heads", "2", "--log-every", "8", "--progress", "plain",
+        "--sample-tokens", "0", "--export", str(tmp_path / "hf"), "--final-state", str(tmp_path / "final.pt"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = [float(m) for m in re.findall(r"^step \d+ loss ([0-9.]+)  tokens/s \d+$", proc.stdout, re.M)]
+    assert len(losses) == 8 and losses[-1] < losses[0], proc.stdout
+    assert f"exported to {tmp_path / 'hf'} (model.safetensors)" in proc.stdout
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    final = torch.load(tmp_path / "final.pt")
+    assert model.state_dict().keys() == final.keys()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, final[k]), k
