@@ -100,9 +100,14 @@ class Source:
         return self._handles[file]
 
     def fingerprint(self) -> int:
-        """A hash of every key, shape and dtype (ranks must read the same weights)."""
-        text = json.dumps(sorted((k, list(s), str(d)) for k, (_, s, d) in self.entries.items()))
-        return zlib.crc32(text.encode()) & 0x7FFFFFFF
+        """A hash of every key, shape and dtype and of each tensor's first row (ranks must read
+        the same weights: a node with a stale copy of other values differs here; how the
+        tensors are split into files does not count)."""
+        h = zlib.crc32(json.dumps(sorted((k, list(s), str(d)) for k, (_, s, d) in self.entries.items())).encode())
+        for key in sorted(self.entries):
+            row = self.rows(key, 0, 1).contiguous().reshape(-1)
+            h = zlib.crc32(row.view(torch.uint8).numpy().tobytes() if row.numel() else b"", h)
+        return h & 0x7FFFFFFF
 
     def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo:hi`` of ``key`` (the whole tensor if it is 0-d), read from the file alone."""

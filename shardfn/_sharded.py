@@ -198,9 +198,9 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Stra
     salt, hint = (1, meta_error) if meta else (0, "")
     if source is not None:  # every rank must read the same weights: their headers join the layout's fingerprint
         salt, hint = source.fingerprint() << 1, (
-            f"shard(weights={source.path!r}) read {len(source.entries)} tensors here (names, shapes and dtypes hash "
-            f"{source.fingerprint():08x}); the weights count as part of the layout: ranks whose files list other "
-            "tensors read other weights. Point every rank at the same checkpoint.")
+            f"shard(weights={source.path!r}) read {len(source.entries)} tensors here (names, shapes, dtypes and "
+            f"first rows hash {salt >> 1:08x}); the weights count as part of the layout: ranks whose hash differs "
+            "read other weights (another checkpoint, or a stale copy). Point every rank at the same checkpoint.")
     verify_agreement(layout, mesh, salt=salt, hint=hint)
     if meta:
         raise ValueError(meta_error)

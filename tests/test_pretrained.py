@@ -143,9 +143,13 @@ def test_ranks_reading_different_or_missing_weights_all_raise(clusters, tmp_path
     assert all(r != "no error" for r in results), results
     assert all(r[0] == "ValueError" and "read 28 tensors here" in r[1] and "same checkpoint" in r[1]
                for r in results), results
+    state = load_file(str(tmp_path / "a" / "model.safetensors"))
+    state["transformer.h.1.ln_2.bias"] += 1e-3  # a stale copy: the same tensors, other values
+    save_file(state, str(tmp_path / "d.safetensors"), metadata={"format": "pt"})
+    results = clusters[2].run(load_per_rank, [str(tmp_path / "a"), str(tmp_path / "d.safetensors")])
+    assert all(r[0] == "ValueError" and "stale copy" in r[1] for r in results), results
     results = clusters[2].run(load_per_rank, [str(tmp_path / "a"), str(tmp_path / "nowhere")])
     assert results[1][0] == "FileNotFoundError" and "nowhere" in results[1][1]
-    print(results)
     assert results[0] != "no error" and "rank 1" in results[0][1], results
 
 
