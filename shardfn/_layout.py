@@ -148,7 +148,8 @@ class Layout:
         FULL_SHARD gathers every unit twice (forward, backward) except the root unit,
         which stays gathered from its forward into its backward (as FSDP2's root does).
         (A unit whose parameters backward never reads, such as a first layer whose input
-        needs no gradient, is not gathered again: the count is then one lower.)
+        needs no gradient, is not gathered again: a step then issues one all-gather fewer
+        than this predicts, which counts two for every non-root unit.)
         SHARD_GRAD_OP gathers once; all reduce-scatter once. NO_SHARD all-reduces once
         per unit. The hybrid strategies do what FULL_SHARD / SHARD_GRAD_OP do over the
         ``shard`` axis, then all-reduce each unit's shard-sized gradient over
