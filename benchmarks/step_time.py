@@ -21,37 +21,50 @@ shardfn (``shardfn.shard`` with default units: one per Block, plus the root;
 ``shardfn.optim.adamw``; ``shardfn.jit_step``, which prefetches by default):
 
 * ``shardfn_full`` / ``shardfn_grad_op`` / ``shardfn_no_shard``: FULL_SHARD /
-  SHARD_GRAD_OP / NO_SHARD; peers ``fsdp2`` / ``fsdp2_noreshard`` / ``ddp``;
+  SHARD_GRAD_OP / NO_SHARD; peers ``fsdp2`` (and ``ddp``) / ``fsdp2_noreshard`` / ``ddp``;
 * ``shardfn_full_noprefetch``: ``shardfn_full`` with ``jit_step(prefetch=False)``
-  (peer ``fsdp2``; shows what prefetching buys);
+  (peer ``shardfn_full``; shows what prefetching buys);
 * ``shardfn_bf16``: FULL_SHARD with ``shardfn.Precision(param=bfloat16, reduce=float32)``;
   peer ``fsdp2_bf16``;
 * ``shardfn_w1``: FULL_SHARD at world size 1 (nothing to shard) on the global batch;
-  peer ``single`` (target: within 1.05x of plain single-process training).
+  peer ``single``;
+* ``shardfn_full_compiled``: ``shardfn_full`` with ``jit_step(compile=True)`` (each
+  block's forward and the AdamW update compiled by inductor); peers ``shardfn_full`` and
+  ``fsdp2_compiled`` (``fsdp2`` with each block's forward compiled the same way,
+  ``torch.compile(block.forward)``, as torchtitan compiles per block).
 
-Method: the configurations fall in two groups, world size 1 (``single``, ``shardfn_w1``)
-and the rest. Each repeat runs each group in one fresh set of processes (a new
-``shardfn.testing.Cluster``), one torch thread per rank (on 2 cores, two threads per rank
-oversubscribe them: DDP ran 2.4x slower at world size 2), which builds every configuration
-of the group (each its own model, from the same seed). After 2 warm-up steps each, the
-``--steps`` timed steps interleave the configurations step by step (the order rotates every
-step), each step between two barriers: wall time on rank 0 and ``time.process_time()`` on
-every rank. Interleaving matters on a shared machine: the speed of one set of processes
-against another varies by 10-20% here, which separate processes per configuration turned
-into ratios off by as much; interleaved, a configuration and its peer share the processes,
-the load and the moment. What it does not remove: every configuration of the group lives in
-the same processes, and that slows some more than others. Measured on a 2-core machine (GPT
-d_model 512, 8 layers, world 2): with all the configurations built, FSDP2 ran at 1,907
-ms/step and ``shardfn_full`` at 1,552; with only the pair built, 1,371 and 1,273. So
-FULL_SHARD/FSDP2 read 0.81 with all of them, 0.93 as a pair, and 0.96 in separate fresh
-processes; ``--configs fsdp2,shardfn_full`` measures a pair alone. Then, one configuration at
-a time, three untimed steps, so that no counter perturbs the timing:
+Method: a ratio is only as good as the pair's isolation. With every configuration built in
+the same processes, each ran slower (FSDP2 at 1,907 ms/step instead of 1,371) and some more
+than others, so that FULL_SHARD/FSDP2 read 0.81 where the pair alone read 0.93. So every
+compared pair (``--pairs``, configuration:peer) is measured two ways, ``--repeats`` times:
+
+* interleaved: the pair alone in one fresh set of processes (a new
+  ``shardfn.testing.Cluster``, one torch thread per rank: two threads per rank
+  oversubscribe 2 cores, DDP ran 2.4x slower); after 2 warm-up steps each, the ``--steps``
+  timed steps alternate between the two (which goes first alternates with the repeat),
+  each step between two barriers: wall time on rank 0, ``time.process_time()`` on every
+  rank. The ratio within each repeat: both ran in the same processes at the same moment.
+* separate: each configuration alone in its own fresh set of processes, timed the same
+  way; the ratio of the runs of the same repeat (run one after the other), and the ratio
+  of the medians over repeats.
+
+Both are reported with their spread (min and max over repeats); a target counts as met
+when the interleaved median and the ratio of medians both meet it. At world sizes above
+the core count the ranks are time-sliced: ratios are then of CPU time per rank (mean over
+ranks), not wall time. The first (untimed) step of every run is timed too: for a compiled
+configuration it holds the compile (cold in the first run of a process-free cache; later
+runs find inductor's on-disk cache).
+
+In the interleaved runs, after the timed steps, one configuration at a time, three
+untimed steps, so that no counter perturbs the timing:
 
 1. Communication: a ``TorchDispatchMode`` over the ``c10d`` and ``_c10d_functional`` ops,
    which sees collectives issued from Python and from C++ (DDP's reducer included), counts
    textbook bytes per rank: all-gather output, reduce-scatter input, all-reduce tensor,
-   broadcast tensor. For shardfn it is cross-checked against ``shardfn.record_collectives``
-   (and includes the small all-reduce ``jit_step`` does for its metrics).
+   broadcast tensor (on gloo shardfn's reduce-scatter is sends and receives: its bytes are
+   the bytes sent x world / (world - 1)). For shardfn it is cross-checked against
+   ``shardfn.record_collectives`` (and includes the small all-reduce ``jit_step`` does for
+   its metrics; the schedule guard's header all-gather, under 1 KiB, is not data).
 2. Memory: ``shardfn._memory.track_live_bytes`` (bytes of live tensor storages), over two
    steps. It starts from the state: parameters (FSDP2: the local shards of its DTensors) +
    optimizer state (+ DDP's gradient buckets, the tensors its reducer all-reduces, captured
@@ -64,12 +77,12 @@ a time, three untimed steps, so that no counter perturbs the timing:
    not (the counter missed a free, or something was left out), the figures are shown as
    ``?`` with a warning, and the raw numbers are kept in the JSON.
 
-The table shows medians over repeats: ms/step (rank 0 wall time), cpu ms/step (mean over
-ranks), peak and persistent MiB per rank (the largest rank), comm MiB/step (rank 0), the
-peer and the ratios to the peer and to ``ddp``: the median over repeats of the ratio within
-each repeat (both ran in the same processes; ``shardfn_w1`` to ``ddp``: ratio of medians). At world sizes above
-the core count compare CPU time, not wall time. The targets of the issue are checked at
-the end (time ratios to the peer; peak live bytes at most the FSDP2 peer's).
+Two tables. Per configuration: ms/step (rank 0 wall time) of its separate runs, median and
+min-max; cpu ms/step (mean over ranks); the slowest first step (the compile, for a compiled
+one); peak and persistent MiB per rank (the largest rank) and comm MiB/step (rank 0), from
+its interleaved runs. Per pair: the interleaved ratio and the separate ratio (median,
+min-max over repeats), the ratio of the separate medians, the issue's target and whether
+both methods meet it, and peak live bytes against the peer's.
 
 Sanity checks: the loss after the timed steps must be finite; first-step losses (global
 means, before any update) of the fp32 configurations must agree within 1e-4; the bf16
@@ -83,8 +96,8 @@ Run::
 
     pip install -e ".[bench]"
     python benchmarks/step_time.py    # the issue's measurement: world 2, d_model 512, 8 layers, seq 128
+    python benchmarks/step_time.py --world 4 --pairs shardfn_full:fsdp2 --out benchmarks/results/step_time_w4.json
     python benchmarks/step_time.py --d-model 64 --layers 2 --seq 32 --repeats 1 --steps 2 --out /tmp/smoke.json
-    python benchmarks/step_time.py --configs ddp,fsdp2,shardfn_full
 """
 
 from __future__ import annotations
@@ -98,6 +111,7 @@ import math
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -118,16 +132,16 @@ from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """One configuration: who trains (``torch`` or ``shardfn``), how, and its peer."""
+    """One configuration: who trains (``torch`` or ``shardfn``) and how."""
 
     kind: str  # "torch" (wrap: "none", "ddp" or "fsdp2") or "shardfn"
     wrap: str = "none"
-    peer: str | None = None  # the configuration its time and memory are compared with
     world1: bool = False  # a 1-rank process on the global batch
     strategy: str = "FULL_SHARD"  # shardfn
     prefetch: bool = True  # shardfn
     reshard: bool = True  # fsdp2
     bf16: bool = False  # parameters gathered and computed in bfloat16, gradients reduced in fp32
+    compiled: bool = False  # shardfn: jit_step(compile=True); fsdp2: each Block's forward compiled (regional)
 
 
 SPECS = {
@@ -136,17 +150,29 @@ SPECS = {
     "fsdp2": Spec("torch", "fsdp2"),
     "fsdp2_noreshard": Spec("torch", "fsdp2", reshard=False),
     "fsdp2_bf16": Spec("torch", "fsdp2", bf16=True),
-    "shardfn_full": Spec("shardfn", peer="fsdp2"),
-    "shardfn_full_noprefetch": Spec("shardfn", peer="fsdp2", prefetch=False),
-    "shardfn_grad_op": Spec("shardfn", peer="fsdp2_noreshard", strategy="SHARD_GRAD_OP"),
-    "shardfn_bf16": Spec("shardfn", peer="fsdp2_bf16", bf16=True),
-    "shardfn_no_shard": Spec("shardfn", peer="ddp", strategy="NO_SHARD"),
-    "shardfn_w1": Spec("shardfn", peer="single", world1=True),
+    "fsdp2_compiled": Spec("torch", "fsdp2", compiled=True),
+    "shardfn_full": Spec("shardfn"),
+    "shardfn_full_noprefetch": Spec("shardfn", prefetch=False),
+    "shardfn_grad_op": Spec("shardfn", strategy="SHARD_GRAD_OP"),
+    "shardfn_bf16": Spec("shardfn", bf16=True),
+    "shardfn_no_shard": Spec("shardfn", strategy="NO_SHARD"),
+    "shardfn_w1": Spec("shardfn", world1=True),
+    "shardfn_full_compiled": Spec("shardfn", compiled=True),
 }
 CONFIGS = tuple(SPECS)
-# The issue's targets: (configuration, largest ratio of wall-time medians to its peer).
-TIME_TARGETS = {"shardfn_full": 0.9, "shardfn_grad_op": 0.9, "shardfn_bf16": 0.9, "shardfn_no_shard": 1.1,
-                "shardfn_w1": 1.05}
+# The compared pairs (configuration, peer) and the issue's target for each: the largest
+# ratio of step times (CPU time per rank where the ranks outnumber the cores); None: no target.
+PAIRS = {
+    ("shardfn_full", "fsdp2"): 0.85,
+    ("shardfn_full", "ddp"): 1.03,
+    ("shardfn_grad_op", "fsdp2_noreshard"): 0.85,
+    ("shardfn_bf16", "fsdp2_bf16"): 0.80,
+    ("shardfn_no_shard", "ddp"): 1.00,
+    ("shardfn_w1", "single"): 1.02,
+    ("shardfn_full_noprefetch", "shardfn_full"): None,
+    ("shardfn_full_compiled", "shardfn_full"): None,
+    ("shardfn_full_compiled", "fsdp2_compiled"): None,
+}
 WARMUP = 2
 LOSS_TOL = 1e-4  # fp32 configurations among themselves
 BF16_LOSS_TOL = 0.02  # bf16 configurations against the fp32 median
@@ -169,6 +195,8 @@ _COLLECTIVES = {
     "c10d::allreduce_": ("all_reduce", "tensors"),
     "c10d::allreduce_coalesced_": ("all_reduce", "tensors"),
     "c10d::broadcast_": ("broadcast", "tensors"),
+    "c10d::send": ("send", "tensors"),
+    "c10d::recv_": ("recv", "tensors"),
     "_c10d_functional::all_gather_into_tensor": ("all_gather", "input"),
     "_c10d_functional::all_gather_into_tensor_out": ("all_gather", "out"),
     "_c10d_functional::all_gather_into_tensor_coalesced": ("all_gather", "inputs"),
@@ -251,6 +279,8 @@ def build_torch_step(spec: Spec, model: torch.nn.Module, lr: float):
               else MixedPrecisionPolicy())
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=spec.reshard, mp_policy=mp)
+            if spec.compiled:  # regional compilation of the block's own forward, as shardfn's compile=True
+                block.forward = torch.compile(block.forward)
         # The root at FSDP2's default, which keeps its parameters gathered from forward to
         # backward (resharding them would only gather them again at once), as shardfn keeps
         # its root unit; passing True here would add one all-gather of the root per step.
@@ -280,7 +310,9 @@ def build_shardfn_step(spec: Spec, model: torch.nn.Module, lr: float):
     state = {"sharded": sf.shard(params, mesh, spec.strategy, precision=precision)}
     del params  # the full parameters are not part of the trained state
     state["opt"] = opt.init(state["sharded"])
-    jstep = sf.jit_step(lambda p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt, prefetch=spec.prefetch)
+    compiled = {"compile": True} if spec.compiled else {}  # (so that an older shardfn can be measured too)
+    jstep = sf.jit_step(lambda p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt, prefetch=spec.prefetch,
+                        **compiled)
 
     def step(x, y):
         state["sharded"], state["opt"], metrics = jstep(state["sharded"], state["opt"], (x, y))
@@ -328,7 +360,11 @@ def run_group(configs: list[str], opts: dict) -> dict[str, dict]:
 
     out = {}
     for config, (step, _) in steps.items():
-        out[config] = {"n_params": n_params, "first_loss": global_mean(step(*batches[0]))}
+        dist.barrier()
+        t0 = time.perf_counter()
+        first = step(*batches[0])  # a compiled configuration compiles here
+        out[config] = {"n_params": n_params, "first_step_s": time.perf_counter() - t0,
+                       "first_loss": global_mean(first)}
         for x, y in batches[1:WARMUP]:
             step(x, y)
     # Timed: one step of each configuration in turn (the order rotates every step), each
@@ -345,7 +381,9 @@ def run_group(configs: list[str], opts: dict) -> dict[str, dict]:
     for config, (step, persistent) in steps.items():
         n = len(timed)
         out[config].update({"ms_per_step": 1e3 * wall[config] / n, "cpu_ms_per_step": 1e3 * cpu[config] / n,
-                            "final_loss": global_mean(last[config]), **count(config, step, persistent, extra)})
+                            "final_loss": global_mean(last[config])})
+        if opts["count"]:
+            out[config].update(count(config, step, persistent, extra))
     return out
 
 
@@ -386,16 +424,15 @@ def count(config: str, step, persistent, batches: list) -> dict:
 
 
 def measure(configs: list[str], opts: dict) -> dict[str, dict]:
-    """One run of a group in fresh processes: per configuration, rank 0's wall time and
-    communication, every rank's CPU time and memory."""
+    """One run of ``configs`` in a fresh set of processes: per configuration, rank 0's wall
+    time and communication, every rank's CPU time and memory."""
     cluster = Cluster(1 if SPECS[configs[0]].world1 else opts["world"], timeout=opts["timeout"])
     try:
         ranks = cluster.run(run_group, configs, opts)
     finally:
         cluster.close()
     per_rank = ("cpu_ms_per_step", "persistent_bytes", "peak_bytes", "end_bytes")
-    return {c: {**ranks[0][c], **{k: [r[c][k] for r in ranks] for k in per_rank},
-                "comm_bytes_total_per_rank": [sum(r[c]["comm_bytes"].values()) for r in ranks]} for c in configs}
+    return {c: {**ranks[0][c], **{k: [r[c][k] for r in ranks] for k in per_rank if k in ranks[0][c]}} for c in configs}
 
 
 # ---------------------------------------------------------------------------------------
@@ -410,90 +447,124 @@ def _residual_ok(run: dict) -> bool:
     return all(abs(e - p) <= max(64 * 1024, 0.01 * p) for e, p in zip(run["end_bytes"], run["persistent_bytes"]))
 
 
-def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Medians over repeats (CPU time: mean over ranks first; memory: largest rank) and ratios of medians."""
+def _time(run: dict, cpu: bool) -> float:
+    """A run's step time: rank 0's wall ms, or the mean over ranks of CPU ms (``cpu``)."""
+    return statistics.mean(run["cpu_ms_per_step"]) if cpu else run["ms_per_step"]
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
+
+
+def summarise_configs(alone: dict[str, list[dict]], counted: dict[str, list[dict]], world: int) -> dict[str, dict]:
+    """Per configuration: step times from its separate-process runs (median, min, max), the
+    first step's time (cold compile included where it compiles), memory and communication
+    from the counted (interleaved) runs (medians; memory: the largest rank)."""
     out = {}
-    for config, rs in runs.items():
-        spec = SPECS[config]
-        r0 = rs[0]
-        counted = sum(r0["comm_bytes"].values())
-        rec = r0["shardfn_recorded_bytes"]  # shardfn: its own count, to check the dispatch-mode count
-        mem_ok = all(_residual_ok(r) for r in rs)
-        peak = statistics.median(max(r["peak_bytes"]) for r in rs) / MIB
-        pers = statistics.median(max(r["persistent_bytes"]) for r in rs) / MIB
+    for config, rs in alone.items():
+        cs = counted.get(config, [])
+        r0 = cs[0] if cs else None
+        mem_ok = bool(cs) and all(_residual_ok(r) for r in cs)
+        rec = r0["shardfn_recorded_bytes"] if r0 else None
         out[config] = {
-            "ms_per_step": statistics.median(r["ms_per_step"] for r in rs),
-            "ms_per_step_min_max": [min(r["ms_per_step"] for r in rs), max(r["ms_per_step"] for r in rs)],
-            "cpu_ms_per_step": statistics.median(statistics.mean(r["cpu_ms_per_step"]) for r in rs),
-            "peak_mib_per_rank": peak if mem_ok else None,
-            "persistent_mib_per_rank": pers if mem_ok else None,
+            "ms_per_step": _spread([r["ms_per_step"] for r in rs]),
+            "cpu_ms_per_step": _spread([statistics.mean(r["cpu_ms_per_step"]) for r in rs]),
+            "first_step_s": [r["first_step_s"] for r in rs],  # in run order: the first is the cold compile
+            "peak_mib_per_rank": statistics.median(max(r["peak_bytes"]) for r in cs) / MIB if mem_ok else None,
+            "persistent_mib_per_rank": statistics.median(max(r["persistent_bytes"]) for r in cs) / MIB if mem_ok
+            else None,
             "memory_counted_consistently": mem_ok,
-            "memory_residual_mib": max((e - p for r in rs for e, p in zip(r["end_bytes"], r["persistent_bytes"])),
-                                       key=abs) / MIB,
-            "comm_mib_per_step": counted / MIB,
-            "comm_bytes_per_step": r0["comm_bytes"],
-            "comm_calls_per_step": r0["comm_calls"],
+            "memory_residual_mib": max((e - p for r in cs for e, p in zip(r["end_bytes"], r["persistent_bytes"])),
+                                       key=abs, default=0) / MIB,
+            "comm_mib_per_step": sum(_as_shardfn_counts(r0["comm_bytes"], world).values()) / MIB if r0 else None,
+            "comm_bytes_per_step": r0["comm_bytes"] if r0 else None,
+            "comm_calls_per_step": r0["comm_calls"] if r0 else None,
             "shardfn_recorded_bytes": rec,
-            "comm_matches_shardfn_record": None if rec is None else rec == r0["comm_bytes"],
-            "ddp_buckets_reused": r0["ddp_buckets_reused"],
-            "bf16": spec.bf16,
-            "peer": spec.peer,
-            "first_loss": r0["first_loss"],
-            "final_loss_finite": all(math.isfinite(r["final_loss"]) for r in rs),
+            "comm_matches_shardfn_record": None if rec is None else _same_counts(rec, r0["comm_bytes"], world),
+            "ddp_buckets_reused": r0["ddp_buckets_reused"] if r0 else None,
+            "bf16": SPECS[config].bf16,
+            "first_loss": rs[0]["first_loss"],
+            "final_loss_finite": all(math.isfinite(r["final_loss"]) for r in [*rs, *cs]),
         }
-    for config, s in out.items():
-        p = out.get(s["peer"])
-        s["vs_peer"] = _ratio(runs, config, s["peer"])
-        s["peak_vs_peer"] = (s["peak_mib_per_rank"] / p["peak_mib_per_rank"]
-                             if p and s["peak_mib_per_rank"] and p["peak_mib_per_rank"] else None)
-        s["vs_ddp"] = _ratio(runs, config, "ddp")
     return out
 
 
-def _ratio(runs: dict[str, list[dict]], config: str, peer: str | None) -> float | None:
-    """Step time of ``config`` over ``peer``'s: the median over repeats of the ratio within
-    each repeat when both ran in the same processes (the same group), else the ratio of medians."""
-    if peer not in runs:
-        return None
-    if SPECS[config].world1 == SPECS[peer].world1:
-        return statistics.median(a["ms_per_step"] / b["ms_per_step"] for a, b in zip(runs[config], runs[peer]))
-    return statistics.median(r["ms_per_step"] for r in runs[config]) / statistics.median(
-        r["ms_per_step"] for r in runs[peer])
+def _as_shardfn_counts(counted: dict[str, int], world: int) -> dict[str, int]:
+    """The dispatch-mode count in shardfn's terms. On gloo shardfn reduce-scatters with sends
+    and receives (shardfn._collectives [Note: reduce-scatter on gloo]): each rank sends
+    (world - 1) / world of the input, so the reduce-scatter's textbook bytes (its input) are
+    the bytes sent x world / (world - 1). Its schedule guard exchanges a small header by
+    all-gather at the start of a step (not data, not recorded): all-gathered bytes within
+    1 KiB of shardfn's record are taken as equal."""
+    out = dict(counted)
+    sent, _ = out.pop("send", 0), out.pop("recv", 0)
+    if sent:
+        out["reduce_scatter"] = out.get("reduce_scatter", 0) + sent * world // (world - 1)
+    return out
+
+
+def _same_counts(recorded: dict[str, int], counted: dict[str, int], world: int) -> bool:
+    mine = _as_shardfn_counts(counted, world)
+    if recorded.keys() - {"all_gather"} != mine.keys() - {"all_gather"}:
+        return False
+    return all(abs(mine.get(k, 0) - v) <= (1024 if k == "all_gather" else 0) for k, v in recorded.items()) and all(
+        k in recorded or (k == "all_gather" and v <= 1024) for k, v in mine.items())
+
+
+def summarise_pairs(pairs: list[tuple[str, str]], together: dict, alone: dict, summary: dict, cpu: bool) -> list[dict]:
+    """Per pair: the ratio of step times measured both ways, with its spread over repeats.
+
+    interleaved: in each repeat the pair alone in one fresh set of processes, a step of
+    each in turn; the ratio within each repeat. separate: each configuration alone in its
+    own fresh processes; the ratio of the runs of the same repeat (run back to back), and
+    the ratio of the medians."""
+    out = []
+    for config, peer in pairs:
+        runs = together[(config, peer)]
+        inter = [_time(r[config], cpu) / _time(r[peer], cpu) for r in runs]
+        sep = [_time(a, cpu) / _time(b, cpu) for a, b in zip(alone[config], alone[peer])]
+        med = statistics.median(_time(a, cpu) for a in alone[config]) / statistics.median(
+            _time(b, cpu) for b in alone[peer])
+        limit = PAIRS.get((config, peer))
+        peak, peer_peak = summary[config]["peak_mib_per_rank"], summary[peer]["peak_mib_per_rank"]
+        out.append({
+            "config": config, "peer": peer, "metric": "cpu ms per rank" if cpu else "wall ms",
+            "interleaved": {**_spread(inter), "ms": [[_time(r[config], cpu), _time(r[peer], cpu)] for r in runs]},
+            "separate": {**_spread(sep), "of_medians": med},
+            "limit": limit,
+            "met": None if limit is None else (statistics.median(inter) <= limit and med <= limit),
+            "peak_vs_peer": peak / peer_peak if peak and peer_peak else None,
+        })
+    return out
 
 
 def _fmt(v, spec: str) -> str:
     return "?" if v is None else format(v, spec)
 
 
-def table(summary: dict[str, dict]) -> str:
-    head = (f"{'configuration':<24}{'ms/step':>9}{'cpu ms/step':>13}{'peak MiB/rank':>15}{'persist MiB/rank':>18}"
-            f"{'comm MiB/step':>15}  {'peer':<16}{'vs peer':>8}{'vs ddp':>8}")
+def config_table(summary: dict[str, dict]) -> str:
+    head = (f"{'configuration':<24}{'ms/step':>9}{'min-max':>15}{'cpu ms/step':>13}{'first step s':>14}"
+            f"{'peak MiB/rank':>15}{'persist MiB/rank':>18}{'comm MiB/step':>15}")
     rows = [head]
     for config, s in summary.items():
+        t = s["ms_per_step"]
         rows.append(
-            f"{config:<24}{s['ms_per_step']:>9.1f}{s['cpu_ms_per_step']:>13.1f}"
-            f"{_fmt(s['peak_mib_per_rank'], '.2f'):>15}"
-            f"{_fmt(s['persistent_mib_per_rank'], '.2f'):>18}{s['comm_mib_per_step']:>15.2f}  {s['peer'] or '-':<16}"
-            f"{'-' if s['vs_peer'] is None else format(s['vs_peer'], '.2f'):>8}"
-            f"{'-' if s['vs_ddp'] is None else format(s['vs_ddp'], '.2f'):>8}")
+            f"{config:<24}{t['median']:>9.1f}{t['min']:>7.0f}-{t['max']:<7.0f}{s['cpu_ms_per_step']['median']:>13.1f}"
+            f"{s['first_step_s'][0]:>14.1f}{_fmt(s['peak_mib_per_rank'], '.2f'):>15}"
+            f"{_fmt(s['persistent_mib_per_rank'], '.2f'):>18}{_fmt(s['comm_mib_per_step'], '.2f'):>15}")
     return "\n".join(rows)
 
 
-def targets(summary: dict[str, dict]) -> list[dict]:
-    """The issue's targets that this run can judge: time ratios to the peer, and peak memory vs FSDP2."""
-    out = []
-    for config, limit in TIME_TARGETS.items():
-        s = summary.get(config)
-        if s and s["vs_peer"] is not None:
-            out.append({"what": f"{config} time vs {s['peer']}", "value": s["vs_peer"], "limit": limit,
-                        "met": s["vs_peer"] <= limit})
-    for config in TIME_TARGETS:
-        s = summary.get(config)
-        if s and s["peer"].startswith("fsdp2") and s["peer"] in summary:
-            v = s["peak_vs_peer"]
-            out.append({"what": f"{config} peak bytes vs {s['peer']}", "value": v, "limit": 1.0,
-                        "met": None if v is None else v <= 1.0})
-    return out
+def pair_table(pairs: list[dict]) -> str:
+    rows = [f"{'configuration':<24}{'peer':<18}{'interleaved (min-max)':>24}{'separate (min-max)':>22}"
+            f"{'of medians':>12}{'target':>8}  verdict   peak vs peer"]
+    for p in pairs:
+        i, s = p["interleaved"], p["separate"]
+        verdict = "-" if p["met"] is None else ("met" if p["met"] else "MISSED")
+        rows.append(f"{p['config']:<24}{p['peer']:<18}{i['median']:>10.3f} ({i['min']:.3f}-{i['max']:.3f})"
+                    f"{s['median']:>8.3f} ({s['min']:.3f}-{s['max']:.3f}){s['of_medians']:>12.3f}"
+                    f"{_fmt(p['limit'], '.2f'):>8}  {verdict:<8}  {_fmt(p['peak_vs_peer'], '.3f')}")
+    return "\n".join(rows)
 
 
 def check(summary: dict[str, dict]) -> tuple[list[str], str]:
@@ -518,7 +589,7 @@ def check(summary: dict[str, dict]) -> tuple[list[str], str]:
     elif bf16:
         line.append(f"bf16 first-step losses {bf16}")
     for c, s in summary.items():
-        if not s["memory_counted_consistently"]:
+        if s["comm_mib_per_step"] is not None and not s["memory_counted_consistently"]:
             warnings.append(f"WARNING: {c}: after the memory step, live bytes minus persistent bytes were "
                             f"{s['memory_residual_mib']:+.2f} MiB (a free the counter missed, or persistent state "
                             f"left out); peak and persistent shown as ?")
@@ -534,8 +605,9 @@ def check(summary: dict[str, dict]) -> tuple[list[str], str]:
     return warnings, "; ".join(line)
 
 
-def plot(summary: dict[str, dict], path: Path, title: str) -> bool:
-    """Step time (median bars, min/max whiskers) and peak/persistent MiB per rank; False without matplotlib."""
+def plot(summary: dict[str, dict], pairs: list[dict], path: Path, title: str) -> bool:
+    """Pair ratios (interleaved and separate: medians, whiskers min-max) and peak/persistent
+    MiB per rank; False without matplotlib."""
     try:
         import matplotlib
 
@@ -543,29 +615,30 @@ def plot(summary: dict[str, dict], path: Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(pairs) + 6), 5), constrained_layout=True)
+    x = range(len(pairs))
+    w = 0.38
+    for off, key, color in ((-w / 2, "interleaved", "tab:orange"), (w / 2, "separate", "tab:blue")):
+        med = [p[key]["median"] for p in pairs]
+        lo = [m - p[key]["min"] for m, p in zip(med, pairs)]
+        hi = [p[key]["max"] - m for m, p in zip(med, pairs)]
+        ax_t.bar([i + off for i in x], med, w, yerr=[lo, hi], capsize=3, color=color, label=key)
+    for i, p in enumerate(pairs):
+        if p["limit"] is not None:
+            ax_t.hlines(p["limit"], i - w, i + w, colors="k", linestyles="dashed")
+    ax_t.axhline(1.0, color="gray", linewidth=0.8)
+    ax_t.set_ylabel("step time / peer's (median; whiskers: min, max; dashes: target)")
+    ax_t.set_xticks(list(x), [f"{p['config']}\nvs {p['peer']}" for p in pairs], rotation=45, ha="right")
+    ax_t.legend()
     names = list(summary)
-    x = range(len(names))
-    colors = ["tab:orange" if SPECS[c].kind == "shardfn" else "tab:blue" for c in names]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(names) + 4), 5), constrained_layout=True)
-    med = [summary[c]["ms_per_step"] for c in names]
-    lo = [m - summary[c]["ms_per_step_min_max"][0] for c, m in zip(names, med)]
-    hi = [summary[c]["ms_per_step_min_max"][1] - m for c, m in zip(names, med)]
-    ax_t.bar(x, med, color=colors, yerr=[lo, hi], capsize=3)
-    ax_t.set_ylabel("ms / step (median; whiskers: min, max)")
-    ax_t.set_title("step time (orange: shardfn, blue: torch)")
-    w = 0.4
-    peak = [summary[c]["peak_mib_per_rank"] or 0 for c in names]
-    pers = [summary[c]["persistent_mib_per_rank"] or 0 for c in names]
-    ax_m.bar([i - w / 2 for i in x], peak, w, label="peak", color="tab:red")
-    ax_m.bar([i + w / 2 for i in x], pers, w, label="persistent", color="tab:gray")
-    for i, c in enumerate(names):
-        if summary[c]["peak_mib_per_rank"] is None:
-            ax_m.annotate("?", (i, 0), ha="center", va="bottom")
+    xm = range(len(names))
+    ax_m.bar([i - w / 2 for i in xm], [summary[c]["peak_mib_per_rank"] or 0 for c in names], w, label="peak",
+             color="tab:red")
+    ax_m.bar([i + w / 2 for i in xm], [summary[c]["persistent_mib_per_rank"] or 0 for c in names], w,
+             label="persistent", color="tab:gray")
     ax_m.set_ylabel("MiB per rank (live tensor bytes)")
-    ax_m.set_title("memory per rank (?: not counted consistently)")
+    ax_m.set_xticks(list(xm), names, rotation=45, ha="right")
     ax_m.legend()
-    for ax in (ax_t, ax_m):
-        ax.set_xticks(list(x), names, rotation=45, ha="right")
     fig.suptitle(title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -584,8 +657,8 @@ def provenance() -> dict:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2, help="ranks (single and shardfn_w1 use 1)")
-    p.add_argument("--repeats", type=int, default=5, help="fresh-process runs per configuration")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per run, after 2 warm-up steps")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of every measurement, each in fresh processes")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per run, after 2 warm-up steps")
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=4)
@@ -594,14 +667,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank (world-size-1 runs: world x this)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list, a subset of " + ",".join(CONFIGS))
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    p.add_argument("--pairs", default=",".join(f"{c}:{q}" for c, q in PAIRS),
+                   help="comma list of configuration:peer, from " + ",".join(CONFIGS))
     p.add_argument("--out", default="benchmarks/results/step_time.json", help="JSON; the plot goes next to it (.png)")
     args = p.parse_args()
-    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in args.configs if c not in CONFIGS]
-    if unknown or not args.configs:
-        p.error(f"--configs: unknown {unknown}; choose from {','.join(CONFIGS)}")
+    args.pairs = [tuple(x.strip().split(":")) for x in args.pairs.split(",") if x.strip()]
+    bad = [":".join(x) for x in args.pairs if len(x) != 2 or not all(c in SPECS for c in x) or x[0] == x[1]
+           or SPECS[x[0]].world1 != SPECS[x[1]].world1]
+    if bad or not args.pairs:
+        p.error(f"--pairs: {bad or 'none'}: each must be configuration:peer, two different names of "
+                f"{','.join(CONFIGS)} at the same world size")
     for name in ("world", "repeats", "steps", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
@@ -612,39 +688,58 @@ def main() -> None:
     args = parse_args()
     opts = {k: getattr(args, k) for k in ("world", "steps", "d_model", "layers", "heads", "seq", "vocab",
                                           "batch", "lr", "seed", "timeout")}
+    cpu = args.world > (os.cpu_count() or 1)  # time-sliced ranks: compare CPU time per rank
     load_before = os.getloadavg()
     setup = (f"world {args.world}, batch {args.batch}/rank, seq {args.seq}, d_model {args.d_model}, "
              f"{args.layers} layers, {args.steps} timed steps x {args.repeats} repeats")
     print(f"{setup}; load average {load_before[0]:.2f} on {os.cpu_count()} cores", flush=True)
     prov = provenance()
     print(f"shardfn {prov['path']} at {prov['commit'] or '?'}{' (dirty)' if prov['dirty'] else ''}", flush=True)
-    runs: dict[str, list[dict]] = {c: [] for c in args.configs}
-    # Two groups: the world-size-1 configurations and the rest; each repeat runs each group
-    # in one fresh set of processes, its configurations interleaved step by step.
-    groups = [g for g in ([c for c in args.configs if not SPECS[c].world1],
-                          [c for c in args.configs if SPECS[c].world1]) if g]
+    # The first run of each configuration gets an empty inductor cache of its own, so a
+    # compiled one compiles cold (its first step says how long that takes); later runs
+    # share one cache on disk.
+    warm_cache = tempfile.mkdtemp(prefix="step_time_inductor_")
+    configs = list(dict.fromkeys(c for pair in args.pairs for c in pair))
+    alone: dict[str, list[dict]] = {c: [] for c in configs}
+    together: dict[tuple[str, str], list[dict]] = {pair: [] for pair in args.pairs}
+    counted: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(args.repeats):
-        for group in groups:
-            for config, r in measure(group, opts).items():
-                runs[config].append(r)
-                print(f"  repeat {rep + 1}/{args.repeats} {config:<24} {r['ms_per_step']:8.1f} ms/step", flush=True)
-    summary = summarise(runs)
+        # Separate: each configuration alone in fresh processes (not counted: timing only).
+        for config in configs[rep % len(configs):] + configs[:rep % len(configs)]:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="step_time_cold_") if rep == 0 else warm_cache
+            r = measure([config], {**opts, "count": False})[config]
+            alone[config].append(r)
+            print(f"  repeat {rep + 1}/{args.repeats} alone     {config:<24} {r['ms_per_step']:8.1f} ms/step "
+                  f"(first step {r['first_step_s']:.1f} s)", flush=True)
+        # Interleaved: each pair alone together in fresh processes; counted once per repeat.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = warm_cache
+        for config, peer in args.pairs:
+            order = [peer, config] if rep % 2 == 0 else [config, peer]
+            r = measure(order, {**opts, "count": True})
+            together[(config, peer)].append(r)
+            for c in order:
+                counted[c].append(r[c])
+            print(f"  repeat {rep + 1}/{args.repeats} together  {config:<24} {r[config]['ms_per_step']:8.1f}  "
+                  f"{peer:<18} {r[peer]['ms_per_step']:8.1f} ms/step  ratio "
+                  f"{r[config]['ms_per_step'] / r[peer]['ms_per_step']:.3f}", flush=True)
+    summary = summarise_configs(alone, counted, args.world)
+    pairs = summarise_pairs(args.pairs, together, alone, summary, cpu)
     load_after = os.getloadavg()
     print(f"load average after: {load_after[0]:.2f}\n")
-    print(table(summary))
-    n_params = next(iter(runs.values()))[0]["n_params"]
-    print(f"\n{n_params:,} parameters; medians over {args.repeats} fresh-process runs (vs peer, vs ddp: medians of "
-          f"the ratios within each run, where both configurations ran interleaved in the same processes). Memory: live tensor bytes per "
-          f"rank (largest rank); persistent = all a step leaves for the next (parameters or shards, optimizer state, "
-          f"ddp's gradient buckets, fsdp2's last reduce-scatter buffer). "
-          f"Comm: textbook bytes per rank and step, from a dispatch mode over the c10d ops (ddp's C++ reducer "
-          f"included; shardfn's include its metrics all-reduce). ?: not counted consistently (see warnings).")
-    goals = targets(summary)
-    if goals:
-        print("\ntargets:")
-        for g in goals:
-            verdict = "?" if g["met"] is None else ("met" if g["met"] else "MISSED")
-            print(f"  {g['what']:<46} {_fmt(g['value'], '.2f'):>5} (<= {g['limit']:.2f}) {verdict}")
+    print(config_table(summary))
+    n_params = next(iter(alone.values()))[0]["n_params"]
+    print(f"\n{n_params:,} parameters. Per configuration: ms/step, median and min-max over {args.repeats} runs "
+          f"of it alone in fresh processes (rank 0 wall time); cpu ms/step: mean over ranks; first step s: the "
+          f"first step of its first run (a compiled configuration compiles in it, with an empty inductor cache). Memory: live tensor bytes "
+          f"per rank (largest rank), from the runs of its pairs; persistent = all a step leaves for the next. Comm: "
+          f"textbook bytes per rank and step, from a dispatch mode over the c10d ops (ddp's C++ reducer included; "
+          f"shardfn's include its metrics all-reduce).\n")
+    print(pair_table(pairs))
+    print(f"\nRatios of {'CPU time per rank' if cpu else 'wall time'} to the peer: interleaved = the pair alone "
+          f"in fresh processes, a step of each in turn (median over repeats of the ratio within each); separate = "
+          f"each alone in its own fresh processes (median of the ratios of runs of the same repeat; of medians: "
+          f"ratio of the medians). A target is met when both the interleaved median and the ratio of medians meet "
+          f"it.")
     warnings, losses = check(summary)
     print(f"\n{losses}")
     for w in warnings:
@@ -653,13 +748,14 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "args": vars(args), "torch": torch.__version__, "shardfn": prov, "n_params": n_params,
-        "cpu_count": os.cpu_count(),
-        "loadavg_before": load_before, "loadavg_after": load_after, "summary": summary, "targets": goals,
-        "runs": runs, "warnings": warnings}, indent=2) + "\n")
+        "args": {**vars(args), "pairs": [":".join(x) for x in args.pairs]}, "torch": torch.__version__,
+        "shardfn": prov, "n_params": n_params, "cpu_count": os.cpu_count(), "metric": "cpu" if cpu else "wall",
+        "loadavg_before": load_before, "loadavg_after": load_after, "configs": summary, "pairs": pairs,
+        "runs": {"alone": alone, "together": {":".join(k): v for k, v in together.items()}},
+        "warnings": warnings}, indent=2) + "\n")
     print(f"wrote {out}")
     png = out.with_suffix(".png")
-    if plot(summary, png, f"GPT {n_params / 1e6:.1f}M params, {setup}"):
+    if plot(summary, pairs, png, f"GPT {n_params / 1e6:.1f}M params, {setup}"):
         print(f"wrote {png}")
     else:
         print('no plot: matplotlib is not installed (pip install -e ".[bench]")')

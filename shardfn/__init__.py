@@ -5,6 +5,7 @@ from . import optim as optim
 from ._batch import Mean as Mean
 from ._batch import MicroBatches as MicroBatches
 from ._bind import bind as bind
+from ._compile import compile_stats as compile_stats
 from ._events import CollectiveLog as CollectiveLog
 from ._events import Purpose as Purpose
 from ._events import Residency as Residency
@@ -98,6 +99,7 @@ __all__ = [
     "by_param_count",
     "by_prefix",
     "checkpoint",
+    "compile_stats",
     "explain",
     "functionalize",
     "gather",

@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from . import _guard
+from ._compile import compilable
 from ._events import Purpose
 from ._gather import Unit
 from ._layout import Layout
@@ -238,8 +239,9 @@ def _prepare(apply: Any, layout: Layout) -> dict[int, list[tuple[nn.Module, str,
         if u.path not in apply.hooked:
             m.register_forward_pre_hook(_pre_hook(apply, u.path))
             m.register_forward_hook(_post_hook(apply, u.path), always_call=True)
-            # Inert unless the unit is rematerialised in the active call's layout.
-            m.forward = remat_forward(lambda path=u.path: _active_units(apply, path), m.forward)
+            # Inert unless the unit is rematerialised in the active call's layout; compiled
+            # only in a step built with compile=True.
+            m.forward = remat_forward(lambda path=u.path: _active_units(apply, path), m, compilable(m.forward))
             apply.hooked.add(u.path)
         for i, leaf in enumerate(u.leaves):
             for alias in layout.aliases.get(leaf, (leaf,)):

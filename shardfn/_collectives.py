@@ -28,7 +28,7 @@ from ._events import Collective, CollectiveCall, Purpose, emit, label, observers
 
 __all__ = [
     "AVG", "MAX", "MIN", "SUM", "all_gather", "all_gather_mesh", "all_reduce", "all_reduce_mesh", "barrier",
-    "barrier_mesh", "broadcast", "broadcast_mesh", "reduce_scatter", "scatter",
+    "barrier_mesh", "broadcast", "broadcast_mesh", "issue_reduce_scatter", "reduce_scatter", "scatter",
 ]
 
 AVG, SUM, MAX, MIN = ReduceOp.AVG, ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN
@@ -76,8 +76,68 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, pu
     """
     _record(Collective.REDUCE_SCATTER, group, inp, purpose, unit, to, op=op)
     with _range(Collective.REDUCE_SCATTER, purpose, unit):
-        work = dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
-    return _done(work, group, async_op, Collective.REDUCE_SCATTER, purpose, unit)
+        work, finish = issue_reduce_scatter(out, inp, group, op)
+    if async_op:
+        return G.Pending(work, group, f"{Collective.REDUCE_SCATTER.value} ({G.label(purpose, unit)})", finish)
+    _done(work, group, False, Collective.REDUCE_SCATTER, purpose, unit)
+    if finish is not None:
+        finish()
+    return None
+
+
+def issue_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, op: ReduceOp) -> tuple[Any, Any]:
+    """Starts a reduce-scatter, unrecorded: ``(work, finish)``, where ``finish`` (or None)
+    completes ``out`` once ``work`` is done. Every reduce-scatter shardfn issues starts here
+    (the pipelined guard's playing out included), so that all ranks issue the same transfers."""
+    if op in (SUM, AVG) and inp.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
+        return _reduce_scatter_gloo(out, inp, group, op)
+    return dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True), None
+
+
+def _reduce_scatter_gloo(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, op: ReduceOp) -> tuple[Any, Any]:
+    """[Note: reduce-scatter on gloo] gloo's reduce-scatter copies its input, all-reduces the
+    copy (every rank sends and receives twice the bytes a reduce-scatter needs) and copies
+    its chunk out: 13.8 ms for a 12.8 MB fp32 unit at world 2 here, more than an all-reduce
+    of it (10.3 ms). Instead each rank sends every peer the chunk that peer owns and
+    receives its own chunk from each peer (paired sends and receives: (n - 1) / n of the
+    input each way, the reduce-scatter's textbook traffic), then adds them to its own
+    chunk: 7.5 ms (world 4: 16 ms against 41). The receive buffers hold (n - 1) chunks,
+    less than gloo's full copy; the sum runs in rank order from this rank's own chunk
+    (same values up to the order of the additions, exactly the same at world 2). Counted
+    as the reduce-scatter it is."""
+    n, me = group.size(), dist.get_rank(group)
+    chunks = inp.view(n, -1)
+    recv = torch.empty((n - 1, chunks.shape[1]), dtype=inp.dtype, device=inp.device)
+    ops = []
+    for i in range(1, n):
+        peer = dist.get_global_rank(group, (me + i) % n)
+        ops += [dist.P2POp(dist.isend, chunks[(me + i) % n], peer, group),
+                dist.P2POp(dist.irecv, recv[i - 1], dist.get_global_rank(group, (me - i) % n), group)]
+    work = _Works(dist.batch_isend_irecv(ops))
+
+    def finish() -> None:
+        flat = out.view(-1)
+        if n == 2:
+            torch.add(chunks[me], recv[0], out=flat)
+        else:
+            torch.sum(recv, dim=0, out=flat)
+            flat.add_(chunks[me])
+        if op == AVG:
+            out.div_(n)
+
+    return work, finish
+
+
+class _Works:
+    """Several work handles waited as one (a batch of sends and receives)."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self.works:
+            w.wait() if timeout is None else w.wait(timeout)
+        return True
 
 
 def all_reduce(t: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str = "", op: ReduceOp = AVG,

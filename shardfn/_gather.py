@@ -34,10 +34,9 @@ gather, each of the g all-gathers (here: Unit._issue, Unit.all_gather):
 
 reduce, once per unit and step (or micro-batch): see shardfn._reduce, copies 3 and 4.
 
-Not ours: gloo's reduce_scatter_tensor clones its input, all-reduces the clone and copies
-this rank's chunk into the output (that last copy, gn*r, shows up at wait(); the test
-counts it apart), and its all-gather unflattens from an internal buffer; NCCL does
-neither. The model's own copies (in the test GPT, merging attention heads) are those of
+Not ours: gloo's all-gather unflattens from an internal buffer; NCCL does not. (gloo's
+reduce-scatter cloned its input and copied a chunk out; shardfn no longer uses it: see
+[Note: reduce-scatter on gloo], which sums the received chunks straight into the output.) The model's own copies (in the test GPT, merging attention heads) are those of
 a plain functional_call, which the test checks. The step copies a few scalars (metrics).
 """
 

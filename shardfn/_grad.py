@@ -73,7 +73,8 @@ class Grad:
 
     def __init__(self, loss_fn: Callable[..., Any], mesh: Mesh, *, micro_batches: int = 1,
                  accumulate: Accumulate = Accumulate.REDUCE_EACH, sync_buffers: bool = True, overlap: bool = True,
-                 prefetch: bool = True, has_aux: bool = False, mean_aux: bool = False, what: str = "grad_fn"):
+                 prefetch: bool = True, has_aux: bool = False, mean_aux: bool = False, what: str = "grad_fn",
+                 compile: str | None = None):
         self.loss_fn = loss_fn
         self.mesh = mesh
         self.micro_batches = micro_batches
@@ -81,6 +82,7 @@ class Grad:
         self.sync_buffers = sync_buffers
         self.overlap = overlap
         self.prefetch = prefetch
+        self.compile = compile
         self.has_aux = has_aux
         self.mean_aux = mean_aux
         self.what = what  # how errors name the caller: "step" or "grad_fn"
@@ -126,7 +128,7 @@ class Grad:
         layout = sharded.layout
         rt = Runtime(
             self.mesh, in_step=True, overlap=self.overlap, prefetch=self.prefetch, order=self.order,
-            accumulate=self.accumulate, owner=sharded, buffers=buffers,
+            accumulate=self.accumulate, owner=sharded, buffers=buffers, compile=self.compile,
         )
         run = Run(self.schedule, self.mesh) if self.mesh.size > 1 else None
         rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None

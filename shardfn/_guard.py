@@ -250,15 +250,19 @@ def wait(work: Any, group: Any, what: str) -> None:
 class Pending:
     """An asynchronous collective's handle whose ``wait()`` is bounded by the step timeout."""
 
-    __slots__ = ("work", "group", "what")
+    __slots__ = ("work", "group", "what", "then")
 
-    def __init__(self, work: Any, group: Any, what: str):
-        self.work, self.group, self.what = work, group, what
+    def __init__(self, work: Any, group: Any, what: str, then: Any = None):
+        self.work, self.group, self.what, self.then = work, group, what, then
 
     def wait(self) -> None:
+        """Waits (once), then runs ``then()``, the local part that completes the collective."""
         if self.work is not None:
             work, self.work = self.work, None
             wait(work, self.group, self.what)
+            if self.then is not None:
+                self.then()
+                self.then = None
 
 
 def _lost(state: _Group, what: str, error: RuntimeError) -> CommError:

@@ -31,7 +31,8 @@ from ._plan import RematMode
 __all__ = ["remat_forward"]
 
 
-def remat_forward(active_units: Callable[[], list[Any]], forward: Callable[..., Any]) -> Callable[..., Any]:
+def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module,
+                  forward: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps a unit module's ``forward``: inert unless ``active_units()`` (the module's units
     in the sharded call in progress, one per dtype group) are rematerialised."""
 
@@ -41,7 +42,6 @@ def remat_forward(active_units: Callable[[], list[Any]], forward: Callable[..., 
             return forward(*args, **kwargs)
         unit = units[0]
         selective = unit.unit.remat is RematMode.SELECTIVE
-        module = forward.__self__
         # The unit's buffers as this forward finds them (functional_call has put the tree's in);
         # without grad there is no backward, so no recompute to keep them for.
         kept = [(sub, name, t.detach().clone()) for sub in module.modules() for name, t in sub._buffers.items()

@@ -80,6 +80,7 @@ class Runtime:
         owner: Any = None,
         buffers: Any = None,
         reshard_after_forward: bool | None = None,
+        compile: str | None = None,
     ):
         self.mesh = mesh
         self.in_step = in_step
@@ -88,6 +89,7 @@ class Runtime:
         self.reshard_after_forward = reshard_after_forward
         self.overlap = overlap
         self.prefetch = prefetch
+        self.compile = compile  # a torch.compile backend: see [Note: what compile=True compiles]
         self.order = list(order or [])  # (tree index, unit index) in the previous step's forward order
         self.seen: list[tuple[int, int]] = []  # ... and in this one
         self.accumulate = accumulate

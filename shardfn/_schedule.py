@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import _guard as G
+from ._collectives import issue_reduce_scatter
 from ._events import Collective, Purpose
 
 __all__ = ["Deviated", "Run", "Schedule"]
@@ -190,7 +191,7 @@ class Run:
             if e.kind is Collective.ALL_GATHER:
                 work = dist.all_gather_single(full, part, group=e.group, async_op=True)
             elif e.kind is Collective.REDUCE_SCATTER:
-                work = dist.reduce_scatter_single(part, full, op=e.op, group=e.group, async_op=True)
+                work, _ = issue_reduce_scatter(part, full, e.group, e.op)
             else:
                 work = dist.all_reduce(full, op=e.op, group=e.group, async_op=True)
             G.wait(work, e.group, f"{e.kind.value} (playing out the schedule after a deviation)")

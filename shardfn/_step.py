@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
 from ._buffers import StepBuffers
+from ._compile import backend_of
 from ._grad import Grad, check_options
 from ._guard import Where, guarded
 from ._mesh import Mesh
@@ -204,6 +205,7 @@ def jit_step(
     has_aux: bool = False,
     mean_aux: bool = False,
     skip_nonfinite: bool = False,
+    compile: bool | str = False,
 ) -> Step:
     """Builds ``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``.
 
@@ -263,6 +265,14 @@ def jit_step(
             ``FloatingPointError`` on every rank, naming the ranks whose loss was not
             finite, before anything changes. (With ``loss_scale``, overflowing steps are
             skipped and the scale lowered, as always.)
+        compile: ``True`` compiles with ``torch.compile`` (inductor) each unit module's own
+            forward (regional compilation: blocks of one class share one graph) and the
+            built-in optimizers' in-place update; the gathers, reductions, prefetch and
+            saved-tensor handles stay outside the compiled regions, as in eager. A string
+            names another ``torch.compile`` backend (``"aot_eager"``: trace without
+            generating code). The first step compiles; later steps do not recompile (check
+            with :func:`shardfn.compile_stats`). Results equal eager's to float
+            reassociation (docs/compile.md). ``apply`` outside the step runs eagerly.
 
     ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
     gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),
@@ -283,5 +293,6 @@ def jit_step(
     if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
         raise TypeError(f"jit_step: loss_scale must be a shardfn.DynamicLossScale, got {loss_scale!r}")
     grad = Grad(loss_fn, mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
-                overlap=overlap, prefetch=prefetch, has_aux=has_aux, mean_aux=mean_aux, what="step")
+                overlap=overlap, prefetch=prefetch, has_aux=has_aux, mean_aux=mean_aux, what="step",
+                compile=backend_of(compile, "jit_step"))
     return Step(grad, optimizer, donate, loss_scale, bool(skip_nonfinite))

@@ -148,6 +148,52 @@ def test_gloo_average_really_averages(clusters, world):
         torch.testing.assert_close(t, torch.full((3,), mean_factor))
 
 
+def reduce_scatter_chunks():
+    """Every rank's input distinct per chunk and rank: each rank must end with the sum (and
+    mean) of exactly its own chunk over all ranks, blocking or not, in fp32 and bf16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardfn import _collectives as C
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                self.names.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    N, r = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        inp = (torch.arange(N * 4, dtype=torch.float32) + 100 * r).to(dtype)
+        for op, name in ((C.SUM, "sum"), (C.AVG, "avg")):
+            for asynchronous in (False, True):
+                got = torch.empty(4, dtype=dtype)
+                with sf.record_collectives() as log, Ops() as ops:
+                    work = C.reduce_scatter(got, inp, dist.group.WORLD, sf.Purpose.TEST, op=op, async_op=asynchronous)
+                    if work is not None:
+                        work.wait()
+                out[(str(dtype), name, asynchronous)] = (got.float(), dict(log.bytes()), sorted(set(ops.names)))
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_reduce_scatter_on_gloo_sums_each_ranks_own_chunk(clusters, world):
+    # shardfn sends each chunk to its owner and sums locally (_collectives [Note: reduce-scatter
+    # on gloo]); the chunks come from every other rank, in the right places.
+    for r, results in enumerate(clusters[world].run(reduce_scatter_chunks)):
+        for (dtype, op, _), (got, recorded, ops) in results.items():
+            total = sum(torch.arange(r * 4, r * 4 + 4, dtype=torch.float32) + 100 * s for s in range(world))
+            torch.testing.assert_close(got, total / world if op == "avg" else total, rtol=1e-2 if "bfloat" in dtype
+                                       else 0, atol=0)
+            assert recorded == {"reduce_scatter": world * 4 * (4 if dtype == "torch.float32" else 2)}
+            # Sends and receives (and the guard's header all-gather), no gloo reduce-scatter.
+            assert set(ops) == {"c10d::_allgather_base_", "c10d::recv_", "c10d::send"}, ops
+
+
 def freed_for_real():
     """Weak references to the storage of every gathered tensor: FULL_SHARD's frees must
     release memory, not only the unit's own references (the graph, saved-tensor handles or

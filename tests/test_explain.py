@@ -155,12 +155,15 @@ def peak_with(overlap):
     return mem.peak, unit_grad
 
 
-def test_overlapped_reductions_cost_no_memory_over_blocking_ones(clusters):
+def test_overlapped_reductions_cost_only_the_receive_buffer_in_flight(clusters):
     (blocking, unit_grad), (overlapped, _) = (clusters[2].run(peak_with, o)[0] for o in (False, True))
     # One reduction in flight, and the next unit's buffer is allocated only after it is
     # done: waiting after allocating raised the peak by one unsharded gradient buffer
-    # (unit_grad bytes), holding every unit's until the end of backward by several.
-    assert overlapped <= blocking, (overlapped, blocking, unit_grad)
+    # (unit_grad bytes), holding every unit's until the end of backward by several. What
+    # the reduction in flight holds beyond a blocking one: its receive buffers, (n - 1) / n
+    # of the unit's gradient (shardfn._collectives [Note: reduce-scatter on gloo]), and the
+    # small tensors alive at the moment the peak moves to (measured: 46 KiB; allowed 64).
+    assert blocking < overlapped <= blocking + unit_grad // 2 + 64 * 1024, (overlapped, blocking, unit_grad)
 
 
 def test_a_model_with_buffers_plans_too():

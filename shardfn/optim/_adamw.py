@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from ._checks import _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
+from .._compile import compilable
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from ._masked import Mask, _check_mask, _selected
 
@@ -147,22 +148,10 @@ def adamw(
             state.count.add_(1)
             if not keys:
                 return state
-            ps = [params[k] for k in keys]
             mus = [state.mu[k] for k in keys]
-            nus = [state.nu[k] for k in keys]
-            gs = [_scratch(grads[k], mu.dtype) for k, mu in zip(keys, mus)]
-            to_decay = [params[k] for k in keys if k in decayed]
-            if to_decay:
-                torch._foreach_mul_(to_decay, 1 - lr * weight_decay)
-            torch._foreach_lerp_(mus, gs, 1 - b1)
-            torch._foreach_mul_(nus, b2)
-            torch._foreach_addcmul_(nus, gs, gs, value=1 - b2)
-            denoms = gs  # the gradients are not read again: their storage becomes the denominators
-            for d, nu in zip(denoms, nus):
-                torch.sqrt(nu, out=d)
-            torch._foreach_div_(denoms, bias_correction2_sqrt)
-            torch._foreach_add_(denoms, eps)
-            torch._foreach_addcdiv_(ps, mus, denoms, value=-step_size)
+            _adamw_kernel([params[k] for k in keys], [params[k] for k in keys if k in decayed], mus,
+                          [state.nu[k] for k in keys], [_scratch(grads[k], mu.dtype) for k, mu in zip(keys, mus)],
+                          1 - lr * weight_decay, 1 - b1, b2, bias_correction2_sqrt, eps, -step_size)
         return state
 
     def adamw_hyperparams(state: AdamWState) -> dict[str, float]:
@@ -170,3 +159,40 @@ def adamw(
         return {"learning_rate": _resolve_learning_rate(learning_rate, int(state.count))}
 
     return GradientTransformation(init, update, adamw_hyperparams, update_)
+
+
+
+def _adamw_kernel(ps: list[torch.Tensor], to_decay: list[torch.Tensor], mus: list[torch.Tensor],
+                  nus: list[torch.Tensor], gs: list[torch.Tensor], decay: float, one_minus_b1: float, b2: float,
+                  bias_correction2_sqrt: float, eps: float, neg_step_size: float) -> None:
+    """The in-place AdamW step on lists of tensors, torch's foreach kernels op for op (see
+    [Note: in-place adamw]); ``gs`` are donated and become the denominators."""
+    if to_decay:
+        torch._foreach_mul_(to_decay, decay)
+    torch._foreach_lerp_(mus, gs, one_minus_b1)
+    torch._foreach_mul_(nus, b2)
+    torch._foreach_addcmul_(nus, gs, gs, value=1 - b2)
+    denoms = gs  # the gradients are not read again: their storage becomes the denominators
+    for d, nu in zip(denoms, nus):
+        torch.sqrt(nu, out=d)
+    torch._foreach_div_(denoms, bias_correction2_sqrt)
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(ps, mus, denoms, value=neg_step_size)
+
+
+def _adamw_traced(ps: list[torch.Tensor], to_decay: list[torch.Tensor], mus: list[torch.Tensor],
+                  nus: list[torch.Tensor], gs: list[torch.Tensor], decay: torch.Tensor, one_minus_b1: torch.Tensor,
+                  b2: torch.Tensor, bias_correction2_sqrt: torch.Tensor, eps: torch.Tensor,
+                  neg_step_size: torch.Tensor) -> None:
+    """:func:`_adamw_kernel` as ``torch.compile`` sees it: the scalars are 0-d tensors (inputs
+    of the graph), and each leaf's update is one chain of elementwise ops for inductor to
+    fuse (the same formulas; compiled results differ from eager by reassociation only)."""
+    for p in to_decay:
+        p.mul_(decay)
+    for p, mu, nu, g in zip(ps, mus, nus, gs):
+        mu.lerp_(g, one_minus_b1)
+        nu.mul_(b2).add_(g * g * (1 - b2))
+        p.add_(mu / (nu.sqrt() / bias_correction2_sqrt + eps) * neg_step_size)
+
+
+_adamw_kernel = compilable(_adamw_kernel, traced=_adamw_traced)

@@ -8,6 +8,7 @@ import torch
 
 from ._checks import _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
 from ._combinators import _add_
+from .._compile import compilable
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 
 
@@ -118,20 +119,9 @@ def sgd(
             state.count.add_(1)
             if not keys:
                 return state
-            ps = [params[k] for k in keys]
-            gs = [grads[k] for k in keys]
-            if weight_decay:
-                gs = [_add_(g, p, weight_decay) for g, p in zip(gs, ps)]
-            if momentum:
-                bufs = [state.momentum_buffer[k] for k in keys]
-                gs = [_scratch(g, b.dtype) if nesterov else g.to(b.dtype) for g, b in zip(gs, bufs)]
-                torch._foreach_mul_(bufs, momentum)
-                torch._foreach_add_(bufs, gs)  # [Note: zero momentum buffer]
-                if nesterov:
-                    torch._foreach_add_(gs, bufs, alpha=momentum)
-                else:
-                    gs = bufs
-            torch._foreach_add_(ps, gs, alpha=-lr)
+            bufs = [state.momentum_buffer[k] for k in keys] if momentum else []
+            _sgd_kernel([params[k] for k in keys], [grads[k] for k in keys], bufs, -lr, weight_decay=weight_decay,
+                        momentum=momentum, nesterov=nesterov)
         return state
 
     def sgd_hyperparams(state: SgdState) -> dict[str, float]:
@@ -139,3 +129,37 @@ def sgd(
         return {"learning_rate": _resolve_learning_rate(learning_rate, int(state.count))}
 
     return GradientTransformation(init, update, sgd_hyperparams, update_)
+
+
+
+def _sgd_kernel(ps: list[torch.Tensor], gs: list[torch.Tensor], bufs: list[torch.Tensor], neg_lr: float, *,
+                weight_decay: float, momentum: float, nesterov: bool) -> None:
+    """The in-place SGD step on lists of tensors (``gs`` donated), torch's foreach kernels op for op."""
+    if weight_decay:
+        gs = [_add_(g, p, weight_decay) for g, p in zip(gs, ps)]
+    if momentum:
+        gs = [_scratch(g, b.dtype) if nesterov else g.to(b.dtype) for g, b in zip(gs, bufs)]
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, gs)  # [Note: zero momentum buffer]
+        if nesterov:
+            torch._foreach_add_(gs, bufs, alpha=momentum)
+        else:
+            gs = bufs
+    torch._foreach_add_(ps, gs, alpha=neg_lr)
+
+
+def _sgd_traced(ps: list[torch.Tensor], gs: list[torch.Tensor], bufs: list[torch.Tensor], neg_lr: torch.Tensor, *,
+                weight_decay: float, momentum: float, nesterov: bool) -> None:
+    """:func:`_sgd_kernel` as ``torch.compile`` sees it: the learning rate a 0-d tensor, one
+    chain of elementwise ops per leaf."""
+    for i, (p, g) in enumerate(zip(ps, gs)):
+        if weight_decay:
+            g = g + p * weight_decay
+        if momentum:
+            b = bufs[i]
+            b.mul_(momentum).add_(g.to(b.dtype))
+            g = g.to(b.dtype) + b * momentum if nesterov else b
+        p.add_(g * neg_lr)
+
+
+_sgd_kernel = compilable(_sgd_kernel, traced=_sgd_traced)

@@ -1,0 +1,118 @@
+"""jit_step(compile=True): units' forwards and the optimizer update run compiled, exactly as eager.
+
+Compiling is slow here (tens of seconds per graph with inductor on 2 cores), so the grid
+runs in the suite's shared clusters, where a graph compiled by one test is reused by the
+next (dynamo's cache lives in the process); the hybrid grid at world 4 uses the
+``aot_eager`` backend (dynamo and AOTAutograd, the same graphs and saved tensors, no code
+generation).
+"""
+
+import pytest
+import torch
+
+import shardfn as sf
+from shardfn.testing import check_equivalence, split_batch
+from shardfn.testing.models import Block
+from test_equivalence import OPTIMIZERS, gpt_batches, gpt_loss, gpt_model
+
+# Compiled against single-device eager: the sharded runs' tolerance (rtol 1e-5, atol 1e-6),
+# which also covers inductor's reassociation (docs/compile.md: measured <= 2e-7 relative
+# on a loss here, and a fused AdamW step that differs from torch's by an ulp).
+PLANS = {
+    "full": sf.Plan("FULL_SHARD"),
+    "grad_op": sf.Plan("SHARD_GRAD_OP"),
+    "no_shard": sf.Plan("NO_SHARD"),
+    "full_remat": sf.Plan("FULL_SHARD", remat=sf.Remat()),
+    "grad_op_selective": sf.Plan("SHARD_GRAD_OP", remat=sf.Remat(sf.by_module_type(Block), mode="selective")),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_compiled_step_matches_single_process(clusters, opt_name):
+    report = check_equivalence(gpt_model, gpt_loss, gpt_batches(), optimizer=OPTIMIZERS[opt_name],
+                               strategies=list(PLANS.values()), world_sizes=[2], clusters=clusters,
+                               step_options={"compile": True})
+    assert report.failures() == []
+
+
+def test_compiled_hybrid_and_bf16_match_single_process(clusters):
+    plans = [sf.Plan("HYBRID_SHARD"), sf.Plan("HYBRID_SHARD_ZERO2", remat=sf.Remat())]
+    report = check_equivalence(gpt_model, gpt_loss, gpt_batches(), optimizer=OPTIMIZERS["adamw"], strategies=plans,
+                               world_sizes=[(2, 2)], clusters=clusters, step_options={"compile": "aot_eager"})
+    assert report.failures() == []
+
+
+def _compiled_regions(prof) -> int:
+    return sum(e.name.startswith("Torch-Compiled Region") for e in prof.events())
+
+
+def _train(plan, compile, steps=4):
+    """Losses, full parameters, collectives per step, ``compile_stats`` after each step, and
+    how many compiled regions the last step ran."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, plan)
+    opt = sf.optim.adamw(lambda count: 1e-3 * 0.8**count, weight_decay=0.1)  # a new lr every step
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, compile=compile)
+    losses, counts, stats = [], [], []
+    for b in gpt_batches(steps):
+        with sf.record_collectives() as log, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            sharded, state, metrics = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+        losses.append(float(metrics["loss"]))
+        counts.append(dict(log.counts()))
+        stats.append(sf.compile_stats())
+    return losses, sf.gather(sharded), counts, stats, _compiled_regions(prof)
+
+
+@pytest.mark.parametrize("plan", ["full", "grad_op"])
+def test_compiled_step_compiles_once_and_keeps_the_collectives(clusters, plan):
+    before = clusters[2].run(sf.compile_stats)[0]["graphs"]
+    losses, params, counts, stats, regions = clusters[2].run(_train, PLANS[plan], True)[0]
+    eager_losses, eager_params, eager_counts, _, eager_regions = clusters[2].run(_train, PLANS[plan], False)[0]
+    # Each step runs the 2 blocks' forwards and the update compiled (the blocks share one
+    # graph); nothing compiled runs in eager. No step after the first compiles anything.
+    assert (regions, eager_regions) == (3, 0)
+    assert stats[0]["graphs"] >= max(before, 2)
+    assert [s["graphs"] for s in stats] == [stats[0]["graphs"]] * len(stats)
+    assert stats[-1]["graph_breaks"] == {}
+    # The gathers and reductions around the compiled regions are the eager step's.
+    assert counts == eager_counts
+    # Compiled against eager: float reassociation only (docs/compile.md).
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+    for name in eager_params:
+        torch.testing.assert_close(params[name], eager_params[name], rtol=1e-5, atol=1e-6)
+
+
+def test_compile_bf16_matches_eager_bf16(clusters):
+    plan = sf.Plan("FULL_SHARD", precision=sf.Precision(param=torch.bfloat16, reduce=torch.float32))
+    losses, params, counts, stats, regions = clusters[2].run(_train, plan, "aot_eager", 3)[0]
+    eager_losses, eager_params, eager_counts, _, _ = clusters[2].run(_train, plan, False, 3)[0]
+    assert regions == 3
+    assert counts == eager_counts
+    assert [s["graphs"] for s in stats] == [stats[0]["graphs"]] * len(stats)
+    # aot_eager runs the forward's aten ops as eager does: the bf16 losses are equal bit for
+    # bit. Its backward is AOTAutograd's (some ops decomposed), so a bf16 gradient may
+    # differ by bf16 rounding (2^-8 relative), and an Adam update, lr * m / sqrt(v) with
+    # |m / sqrt(v)| <= 1 here, by lr * 2^-8: after 3 steps, sum(lr) * 2^-8.
+    assert losses == eager_losses
+    bound = sum(1e-3 * 0.8**c for c in range(3)) * 2**-8
+    for name in eager_params:
+        torch.testing.assert_close(params[name], eager_params[name], rtol=0, atol=bound)
+
+
+def _refused(compile):
+    try:
+        sf.jit_step(lambda p, b: p, sf.Mesh.from_group(), optimizer=sf.optim.sgd(0.1), compile=compile)
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def test_bad_compile_arguments_are_refused(clusters):
+    assert clusters[1].run(_refused, "nope")[0].startswith(
+        "ValueError: jit_step(compile='nope'): not a torch.compile backend; choose one of [")
+    assert clusters[1].run(_refused, 3)[0] == (
+        "TypeError: jit_step(compile=...): True, False or a torch.compile backend name, got 3")
+    assert clusters[1].run(_refused, "aot_eager")[0] == "accepted"
