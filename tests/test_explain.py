@@ -155,15 +155,17 @@ def peak_with(overlap):
     return mem.peak, unit_grad
 
 
-def test_overlapped_reductions_cost_only_the_receive_buffer_in_flight(clusters):
+def test_overlapped_reductions_cost_at_most_a_gradient_shard_over_blocking_ones(clusters):
     (blocking, unit_grad), (overlapped, _) = (clusters[2].run(peak_with, o)[0] for o in (False, True))
     # One reduction in flight, and the next unit's buffer is allocated only after it is
     # done: waiting after allocating raised the peak by one unsharded gradient buffer
     # (unit_grad bytes), holding every unit's until the end of backward by several. What
-    # the reduction in flight holds beyond a blocking one: its receive buffers, (n - 1) / n
-    # of the unit's gradient (shardfn._collectives [Note: reduce-scatter on gloo]), and the
-    # small tensors alive at the moment the peak moves to (measured: 46 KiB; allowed 64).
-    assert blocking < overlapped <= blocking + unit_grad // 2 + 64 * 1024, (overlapped, blocking, unit_grad)
+    # overlap costs now is at most a shard of a unit's gradient (unit_grad / 2 at world 2;
+    # measured: that plus 46 KiB). With gloo's own reduce-scatter (before shardfn's, see
+    # shardfn._collectives [Note: reduce-scatter on gloo]) both peaks were higher (23.99
+    # and 23.95 MB against 22.42 and 20.79 now) and about equal: its internal copy of the
+    # input, made on gloo's thread, was invisible to this counter.
+    assert overlapped <= blocking + unit_grad // 2 + 64 * 1024, (overlapped, blocking, unit_grad)
 
 
 def test_a_model_with_buffers_plans_too():
