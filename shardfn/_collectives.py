@@ -89,7 +89,7 @@ def issue_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGro
     """Starts a reduce-scatter, unrecorded: ``(work, finish)``, where ``finish`` (or None)
     completes ``out`` once ``work`` is done. Every reduce-scatter shardfn issues starts here
     (the pipelined guard's playing out included), so that all ranks issue the same transfers."""
-    if op in (SUM, AVG) and inp.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
+    if op in (SUM, AVG) and group.size() > 1 and inp.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
         return _reduce_scatter_gloo(out, inp, group, op)
     return dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True), None
 
