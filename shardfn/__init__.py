@@ -2,6 +2,9 @@
 
 from . import checkpoint as checkpoint
 from . import optim as optim
+from ._autoplan import AutoPlan as AutoPlan
+from ._autoplan import Candidate as Candidate
+from ._autoplan import autoplan as autoplan
 from ._batch import Mean as Mean
 from ._batch import MicroBatches as MicroBatches
 from ._bind import bind as bind
@@ -31,6 +34,7 @@ from ._materialize import materialize as materialize
 from ._memory import LiveBytes as LiveBytes
 from ._memory import track_live_bytes as track_live_bytes
 from ._mesh import Mesh as Mesh
+from ._offload import Offload as Offload
 from ._plan import FullShard as FullShard
 from ._plan import HybridShard as HybridShard
 from ._plan import HybridShardZero2 as HybridShardZero2
@@ -39,6 +43,7 @@ from ._plan import Plan as Plan
 from ._plan import Remat as Remat
 from ._plan import RematMode as RematMode
 from ._plan import ShardGradOp as ShardGradOp
+from ._plan import ShardOptimizer as ShardOptimizer
 from ._plan import Strategy as Strategy
 from ._plan import UnitPolicy as UnitPolicy
 from ._plan import by_module_type as by_module_type
@@ -61,7 +66,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Accumulate",
     "Apply",
+    "AutoPlan",
     "BufferLayout",
+    "Candidate",
     "CollectiveLog",
     "CommError",
     "DivergenceError",
@@ -79,6 +86,7 @@ __all__ = [
     "Mesh",
     "MicroBatches",
     "NoShard",
+    "Offload",
     "Params",
     "PeerError",
     "Plan",
@@ -88,12 +96,14 @@ __all__ = [
     "RematMode",
     "Residency",
     "ShardGradOp",
+    "ShardOptimizer",
     "ShardedParams",
     "Step",
     "Strategy",
     "UnitCost",
     "UnitLayout",
     "UnitPolicy",
+    "autoplan",
     "bind",
     "by_module_type",
     "by_param_count",

@@ -42,8 +42,10 @@ from ._compile import compilable
 from ._events import Purpose
 from ._gather import Unit
 from ._layout import Layout
+from ._plan import Strategy
 from ._precision import cast_floating
 from ._remat import remat_forward
+from ._replica import replica_of
 from ._runtime import Runtime, current
 from ._tree import check_names
 
@@ -206,6 +208,8 @@ def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:
         for unit in units.values():  # every rank gathers them here, in layout order, run or not
             if unit.unit.optional:
                 unit.pin()
+            if layout.strategy is Strategy.SHARD_OPTIMIZER:  # [Note: replicated parameters]
+                unit.replica = replica_of(sharded, unit.unit.index, unit.shards)
         return units
 
     by_path: dict[str, list[Unit]] = {}

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
-    "Collective", "CollectiveCall", "CollectiveLog", "Purpose", "Residency", "ResidencyEvent", "UnitEvent",
+    "Collective", "CollectiveCall", "CollectiveLog", "Purpose", "Residency", "ResidencyEvent", "Transfer", "UnitEvent",
     "emit", "observers", "record_collectives", "track_residency",
 ]
 
@@ -99,6 +99,16 @@ class CollectiveCall:
         return label(self.purpose, self.unit)
 
 
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Copies between host memory and the compute device on this rank (see [Note: offload])."""
+
+    direction: str  # "to_device" or "to_host"
+    nbytes: int  # bytes written at the destination
+    unit: str = ""
+    copies: int = 1  # copy ops
+
+
 def label(purpose: Purpose, unit: str = "") -> str:
     """``"purpose:unit"`` (or ``"purpose"``): how a collective is named in displays and profiles."""
     return f"{purpose.value}:{unit}" if unit else purpose.value
@@ -122,6 +132,7 @@ class CollectiveLog:
     """
 
     calls: list[CollectiveCall] = dataclasses.field(default_factory=list)
+    transfers: list[Transfer] = dataclasses.field(default_factory=list)  # host <-> device copies (offload)
 
     def counts(self, purpose: Purpose | str | None = None, unit: str | None = None) -> Counter[str]:
         """Collectives per kind, optionally only those of one purpose and/or unit."""
@@ -137,9 +148,25 @@ class CollectiveLog:
     def select(self, purpose: Purpose | str | None = None, unit: str | None = None) -> list[CollectiveCall]:
         return [c for c in self.calls if (purpose is None or c.purpose == purpose) and (unit is None or c.unit == unit)]
 
+    def transfer_bytes(self) -> Counter[str]:
+        """Bytes copied per direction (``"to_device"``, ``"to_host"``): see [Note: offload]."""
+        out: Counter[str] = Counter()
+        for t in self.transfers:
+            out[t.direction] += t.nbytes
+        return out
+
+    def transfer_copies(self) -> Counter[str]:
+        """Copy ops per direction."""
+        out: Counter[str] = Counter()
+        for t in self.transfers:
+            out[t.direction] += t.copies
+        return out
+
     def receive(self, event: Any) -> None:
         if isinstance(event, CollectiveCall):
             self.calls.append(event)
+        elif isinstance(event, Transfer):
+            self.transfers.append(event)
 
 
 @dataclasses.dataclass(eq=False)

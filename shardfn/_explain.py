@@ -34,6 +34,7 @@ from ._events import Collective, CollectiveLog, record_collectives
 from ._functionalize import Apply, Params, functionalize
 from ._memory import track_live_bytes
 from ._mesh import Mesh
+from ._offload import mark_host_trees
 from ._plan import Plan, Strategy
 from ._sharded import shard
 from ._step import jit_step
@@ -66,8 +67,12 @@ class Explanation:
     mesh_shape: tuple[int, ...]
     units: tuple[UnitCost, ...]
     collectives: dict[str, tuple[int, int]]  # kind -> (count, bytes) per step and rank, all of them
-    persistent_bytes: int | None  # shards, buffers and optimizer state, before a step
-    peak_bytes: int | None  # the most live tensor bytes during a step (None: no batch given)
+    persistent_bytes: int | None  # shards, buffers and optimizer state on the compute device, before a step
+    peak_bytes: int | None  # the most live tensor bytes on the compute device during a step (None: no batch given)
+    # With offload ([Note: offload]): what lives in host memory instead, and the copies per step
+    host_bytes: int = 0  # shards and optimizer state in host memory, before a step
+    host_peak_bytes: int | None = None  # ... and at most during a step (gradients, optimizer temporaries)
+    transfers: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # direction -> (copies, bytes)
 
     @property
     def params(self) -> int:
@@ -98,11 +103,19 @@ class Explanation:
                     f"{mib(self.total('gather_bytes')):>11} {mib(self.total('reduce_bytes')):>11}")
         coll = ", ".join(f"{k} x{c} = {mib(b)} MiB" for k, (c, b) in sorted(self.collectives.items()))
         rows.append(f"  collectives per step and rank: {coll or 'none'}")
-        rows.append(f"  persistent per rank (shards, buffers, optimizer state): {mib(self.persistent_bytes)} MiB")
+        where = " on the compute device" if self.host_bytes else ""
+        rows.append(f"  persistent per rank (shards, buffers, optimizer state){where}: {mib(self.persistent_bytes)} MiB")
+        if self.host_bytes:
+            peak = f", at most {mib(self.host_peak_bytes)} MiB during a step" if self.host_peak_bytes is not None else ""
+            rows.append(f"  offloaded to host memory per rank (shards, gradients, optimizer state): "
+                        f"{mib(self.host_bytes)} MiB between steps{peak}")
+        if self.transfers:
+            moves = ", ".join(f"{k} x{c} copies = {mib(b)} MiB" for k, (c, b) in sorted(self.transfers.items()))
+            rows.append(f"  host <-> device copies per step and rank: {moves}")
         if self.peak_bytes is None:
             rows.append("  predicted peak: pass batch= to simulate a step")
         else:
-            rows.append(f"  predicted peak live tensor bytes per rank: {mib(self.peak_bytes)} MiB "
+            rows.append(f"  predicted peak live tensor bytes per rank{where}: {mib(self.peak_bytes)} MiB "
                         f"({self.peak_bytes:,} B; persistent + the step's gathered units, activations, "
                         f"gradients and optimizer temporaries)")
         return "\n".join(rows)
@@ -162,7 +175,10 @@ def explain(
         fake.module = params.module
         sharded = shard(fake, fake_mesh, plan)
         opt_state = optimizer.init(sharded)
+        if sharded.layout.offloaded:
+            mark_host_trees([opt_state])
         persistent = peak = None
+        host = (0, None)
         log = None
         if batch is not None:
             fake_batch = pytree.tree_map(lambda t: _fake_like(t) if isinstance(t, torch.Tensor) else t, batch)
@@ -170,13 +186,14 @@ def explain(
             step = jit_step(lambda p, b: loss(apply, p, b), fake_mesh, optimizer=optimizer, **step_options)
             sharded, opt_state, _ = step(sharded, opt_state, fake_batch)  # warm-up: records the unit order
             with track_live_bytes(sharded, opt_state) as mem, record_collectives() as log:
-                persistent = mem.current
+                persistent = mem.device_current
+                host = (mem.host_current, None)
                 sharded, opt_state, _ = step(sharded, opt_state, fake_batch)
-            peak = mem.peak
+            peak, host = mem.device_peak, (host[0], mem.host_peak)
         else:
             with track_live_bytes(sharded, opt_state) as mem:
-                persistent = mem.current
-        report = _report(sharded, opt_state, log, persistent, peak)
+                persistent, host = mem.device_current, (mem.host_current, None)
+        report = _report(sharded, opt_state, log, persistent, peak, host)
     if verbose:
         print(report)
     return report
@@ -238,7 +255,7 @@ class _fake_world:
 
 
 def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent: int | None,
-            peak: int | None) -> Explanation:
+            peak: int | None, host: tuple[int, int | None]) -> Explanation:
     layout = sharded.layout
     optim_bytes: dict[str, int] = {}
     for _, name, leaf in param_leaves(opt_state):
@@ -273,5 +290,7 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
             gather_bytes=moved.get(u.name, {}).get("gather", 0),
             reduce_bytes=moved.get(u.name, {}).get("reduce", 0),
         ))
-    return Explanation(layout.strategy.value, tuple(layout.mesh_shape), tuple(units), collectives, persistent, peak)
+    transfers = {d: (log.transfer_copies()[d], b) for d, b in log.transfer_bytes().items()} if log is not None else {}
+    return Explanation(layout.strategy.value, tuple(layout.mesh_shape), tuple(units), collectives, persistent, peak,
+                       host[0], host[1], transfers)
 

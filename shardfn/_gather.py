@@ -42,6 +42,7 @@ a plain functional_call, which the test checks. The step copies a few scalars (m
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ import torch.nn as nn
 from . import _collectives as C
 from ._events import Purpose, ResidencyEvent, UnitEvent, emit
 from ._layout import Layout, UnitLayout, unpack_unit
+from ._offload import copy_stream, join_stream, to_device, to_device_into
 from ._plan import RematMode
 from ._reduce import UnitGrads
 from ._runtime import invariant
@@ -73,7 +75,8 @@ class Unit:
 
     __slots__ = (
         "layout", "unit", "key", "shards", "group", "rank", "replicate_group", "slots", "runtime", "full", "storages",
-        "inflight", "use", "outputs", "originals", "hooks", "range", "handles", "calls", "grads", "pinned",
+        "inflight", "use", "outputs", "originals", "hooks", "range", "handles", "calls", "grads", "pinned", "device",
+        "secondary", "mesh", "replica",
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, key: tuple[int, int], shards: list[torch.Tensor], mesh: Any,
@@ -88,6 +91,8 @@ class Unit:
         # "replicate" axis of a 2-D mesh, or the whole 1-D mesh under NO_SHARD.
         self.replicate_group = mesh.group("replicate") if mesh.ndim == 2 else self.group
         self.slots: list[tuple[nn.Module, str, int]] = slots  # where each full tensor goes
+        self.device = mesh.device  # where gathered parameters live (the shards may be in host memory: offload)
+        self.mesh = mesh
         self.runtime = runtime
         self.full: list[torch.Tensor] | None = None  # gathered parameters, while live
         self.storages: dict[int, int] = {}  # id() of their storages -> leaf index (fake tensors have no data_ptr)
@@ -100,7 +105,13 @@ class Unit:
         self.handles = 0  # saved-tensor handles of all uses not yet unpacked
         self.calls = 0  # forward gathers in this micro-batch (remat units prefetch a regather only if > 0)
         self.grads = UnitGrads(self, store)
-        self.pinned = False  # an optional unit: gathered for the whole runtime (see pin)
+        # gathered for the whole runtime: an optional unit (see pin), or every unit of a
+        # step that keeps them gathered across its micro-batches (jit_step(keep_gathered=True))
+        self.pinned = runtime.keep_gathered
+        # this rank's 1/k of the gathered unit, kept from forward to backward when the unit
+        # reshards to a sub-group of k ranks (UnitLayout.reshard = k; see _issue)
+        self.secondary: torch.Tensor | None = None
+        self.replica: list[torch.Tensor] | None = None  # SHARD_OPTIMIZER: the tree's kept full parameters
 
     @property
     def name(self) -> str:
@@ -116,7 +127,7 @@ class Unit:
         if self.pinned:
             return False
         rule = self.runtime.reshard_after_forward
-        return self.layout.strategy.reshard_after_forward if rule is None else rule
+        return bool(self.unit.reshard) if rule is None else rule
 
     @property
     def entered(self) -> bool:
@@ -136,10 +147,21 @@ class Unit:
         into this rank's row of the output, and the all-gather runs in place.
         """
         world, numel = self.layout.world, self.unit.numel
-        with torch.no_grad():
-            out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.shards[0].device)
+        if purpose is Purpose.REGATHER and self.secondary is not None:
+            # Resharded to a sub-group after forward: gathered within it (ZeRO++'s hpZ).
+            group, _ = self.mesh.subgroup(self.unit.reshard)
+            with torch.no_grad():
+                out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
+                work = C.all_gather(out.view(-1), self.secondary, group, purpose, self.unit.name, async_op=async_op,
+                                    to=self.runtime.observers)
+            return work, self.secondary, out
+        with torch.no_grad(), copy_stream(self.device) if self.layout.offloaded else nullcontext():
+            out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
             mine = out[self.rank]
-            torch.cat([s.detach().reshape(-1) for s in self.shards], out=mine)
+            if self.layout.offloaded:  # host to device: the same one copy per leaf (see [Note: offload])
+                to_device_into(mine, self.shards, self.runtime.observers, self.unit.name)
+            else:
+                torch.cat([s.detach().reshape(-1) for s in self.shards], out=mine)
             work = C.all_gather(out.view(-1), mine, self.group, purpose, self.unit.name, async_op=async_op,
                                 to=self.runtime.observers)
         return work, mine, out
@@ -160,12 +182,12 @@ class Unit:
         if forward:
             return True
         if self.unit.remat is not None:
-            return self.calls > 0 and self.layout.strategy.reshard_after_forward
+            return self.calls > 0 and bool(self.unit.reshard)
         return self.handles > 0
 
     def prefetch(self, forward: bool) -> None:
         """Starts this unit's all-gather now; :meth:`all_gather` will wait for it."""
-        if self.layout.world > 1 and self.full is None and self.inflight is None:
+        if self.layout.world > 1 and self.full is None and self.inflight is None and self.replica is None:
             self.inflight = self._issue(Purpose.GATHER if forward else Purpose.REGATHER, async_op=True)
             self._note(UnitEvent.PREFETCH)
 
@@ -180,7 +202,12 @@ class Unit:
         lay, world = self.layout, self.layout.world
         leaves = [lay.leaves[n] for n in self.unit.leaves]
         with torch.no_grad():
-            if world == 1:  # NO_SHARD, or a world of one: the shard is the parameter
+            if self.replica is not None:  # [Note: replicated parameters]: gathered after the last update
+                full = self.replica
+            elif world == 1 and self.layout.offloaded:  # no all-gather: each leaf copied to the device
+                full = [to_device(s.detach().view(leaf.shape), self.device, self.unit.param_dtype,
+                                  self.runtime.observers, self.unit.name) for s, leaf in zip(self.shards, leaves)]
+            elif world == 1:  # NO_SHARD, or a world of one: the shard is the parameter
                 full = [s.detach().view(leaf.shape).to(self.unit.param_dtype) for s, leaf in zip(self.shards, leaves)]
             else:
                 if self.inflight is not None:
@@ -189,6 +216,12 @@ class Unit:
                     self.inflight = None
                 else:
                     _, _, out = self._issue(purpose, async_op=False)
+                if self.layout.offloaded:
+                    join_stream(out)
+                if purpose is Purpose.GATHER and self.unit.reshard not in (True, False) and self.reshards:
+                    # keep this rank's piece of the sub-group's share (one copy of world / k rows)
+                    _, index = self.mesh.subgroup(self.unit.reshard)
+                    self.secondary = out.view(-1).chunk(self.unit.reshard)[index].clone()
                 full = unpack_unit(out, leaves, world)  # one copy: FSDP2's copy-out
         self.full = full
         self.storages = {id(t.untyped_storage()): i for i, t in enumerate(full)}
@@ -202,8 +235,13 @@ class Unit:
         self.all_gather(Purpose.GATHER)
         self.pinned = True
 
-    def release(self) -> None:
-        """Drops this unit's reference to its gathered parameters (freed once unreferenced)."""
+    def release(self, force: bool = False) -> None:
+        """Drops this unit's reference to its gathered parameters (freed once unreferenced);
+        a pinned unit keeps them until the runtime ends (``force``)."""
+        if force:
+            self.secondary = None
+        if self.pinned and not force:
+            return
         if self.full is not None:
             self.full = None
             self.storages = {}
@@ -286,5 +324,7 @@ class GatherUnit(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         unit: Unit = ctx.unit
         shard_grads = unit.grads.backward(grads)
+        if unit.grads.nodes == 0:
+            unit.secondary = None  # the unit's last backward: no regather to come
         unit.release_if_unused()
         return (None, None, *shard_grads)

@@ -73,8 +73,8 @@ class Grad:
 
     def __init__(self, loss_fn: Callable[..., Any], mesh: Mesh, *, micro_batches: int = 1,
                  accumulate: Accumulate = Accumulate.REDUCE_EACH, sync_buffers: bool = True, overlap: bool = True,
-                 prefetch: bool = True, has_aux: bool = False, mean_aux: bool = False, what: str = "grad_fn",
-                 compile: str | None = None):
+                 prefetch: bool | int = True, has_aux: bool = False, mean_aux: bool = False, what: str = "grad_fn",
+                 compile: str | None = None, keep_gathered: bool = False):
         self.loss_fn = loss_fn
         self.mesh = mesh
         self.micro_batches = micro_batches
@@ -82,6 +82,7 @@ class Grad:
         self.sync_buffers = sync_buffers
         self.overlap = overlap
         self.prefetch = prefetch
+        self.keep_gathered = keep_gathered
         self.compile = compile
         self.has_aux = has_aux
         self.mean_aux = mean_aux
@@ -129,6 +130,7 @@ class Grad:
         rt = Runtime(
             self.mesh, in_step=True, overlap=self.overlap, prefetch=self.prefetch, order=self.order,
             accumulate=self.accumulate, owner=sharded, buffers=buffers, compile=self.compile,
+            keep_gathered=self.keep_gathered,
         )
         run = Run(self.schedule, self.mesh) if self.mesh.size > 1 else None
         rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None
@@ -179,6 +181,8 @@ class Grad:
             self.order = rt.finish()
         metrics["tokens"] = count_tokens(batch) * self.mesh.size
         metrics["comm_bytes"] = dict(rt.log.bytes())
+        if layout.offloaded:
+            metrics["transfer_bytes"] = dict(rt.log.transfer_bytes())  # host <-> device ([Note: offload])
 
     def _grads(self, rt: Runtime, sharded: ShardedParams, batch: Any,
                scale: float) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor], list[Any]]:
@@ -324,8 +328,11 @@ def _flat_aux(auxes: list[Any]) -> tuple[torch.Tensor, Any]:
 
 
 def check_options(loss_fn: Any, mesh: Any, micro_batches: int, accumulate: Accumulate | str, has_aux: bool,
-                  mean_aux: bool, what: str) -> Accumulate:
+                  mean_aux: bool, what: str, prefetch: Any = True) -> Accumulate:
     """The arguments jit_step and jit_grad share, checked; returns ``accumulate`` parsed."""
+    if not (isinstance(prefetch, int) and prefetch >= 0):  # a bool is an int: True is 1
+        raise ValueError(f"{what}(prefetch={prefetch!r}): how many units to gather ahead of the running one: "
+                         "0 (or False), 1 (or True), 2, ...")
     if not callable(loss_fn):
         raise TypeError(f"{what}: loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(mesh, Mesh):
@@ -345,9 +352,10 @@ def jit_grad(
     accumulate: Accumulate | str = Accumulate.REDUCE_EACH,
     sync_buffers: bool = True,
     overlap: bool = True,
-    prefetch: bool = True,
+    prefetch: bool | int = True,
     has_aux: bool = False,
     mean_aux: bool = False,
+    keep_gathered: bool = False,
 ) -> Grad:
     """Builds ``grad_fn(sharded, batch) -> (loss, grads, metrics)``: a step without its update.
 
@@ -375,6 +383,7 @@ def jit_grad(
         >>> updates, opt_state = opt.update(grads, opt_state, sharded)
         >>> shardfn.optim.apply_updates_(sharded, updates)
     """
-    accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, has_aux, mean_aux, "jit_grad")
+    accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, has_aux, mean_aux, "jit_grad", prefetch)
     return Grad(loss_fn, mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
-                overlap=overlap, prefetch=prefetch, has_aux=has_aux, mean_aux=mean_aux)
+                overlap=overlap, prefetch=prefetch, has_aux=has_aux, mean_aux=mean_aux,
+                keep_gathered=bool(keep_gathered))

@@ -80,6 +80,10 @@ class UnitLayout:
     remat: RematMode | None = None  # see shardfn.Remat
     split: bool = False  # the module's parameters have several dtypes: this is the group of ``dtype``
     optional: bool = False  # some ranks may skip it: gathered at the start, reduced at the end (Plan(optional=))
+    # After its forward: False keeps the gathered parameters for backward, True lets go of
+    # them (backward gathers again), an int k keeps them sharded over groups of k ranks
+    # (backward gathers within the group): see shardfn._sharded.reshard_rules.
+    reshard: bool | int = False
 
     @property
     def name(self) -> str:
@@ -115,6 +119,11 @@ class Layout:
     def strategy(self) -> Strategy:
         return self.plan.strategy
 
+    @property
+    def offloaded(self) -> bool:
+        """Whether the shards, their gradients and the optimizer state live in host memory."""
+        return self.plan.offload.enabled
+
     def shard_rank(self, mesh: Any) -> int:
         """Which dim-0 chunk of every parameter this rank of ``mesh`` holds (0 under NO_SHARD)."""
         return mesh.axis_rank("shard") if self.strategy.sharded else 0
@@ -146,7 +155,9 @@ class Layout:
         """Expected ``{kind: (count, bytes)}`` of one training step on one rank.
 
         FULL_SHARD gathers every unit twice (forward, backward) except the root unit,
-        which stays gathered from its forward into its backward (as FSDP2's root does).
+        which stays gathered from its forward into its backward (as FSDP2's root does);
+        more exactly, every unit resharded after forward (``UnitLayout.reshard``, see
+        ``Plan(reshard_after_forward=...)``) is gathered twice.
         (A unit whose parameters backward never reads, such as a first layer whose input
         needs no gradient, is not gathered again: a step then issues one all-gather fewer
         than this predicts, which counts two for every non-root unit.)
@@ -169,7 +180,9 @@ class Layout:
         out: dict[str, tuple[int, int]] = {}
         item, red = u.param_dtype.itemsize, u.reduce_dtype.itemsize
         if self.world > 1:
-            n = 2 if self.strategy.reshard_after_forward and u.path != "" else 1
+            # gathered again in backward when resharded after forward (within a sub-group of
+            # u.reshard ranks for an int: the same output, the whole unit)
+            n = 2 if u.reshard else 1
             out["all_gather"] = (n, n * self.world * u.numel * item)
             if u.grad_numel:
                 out["reduce_scatter"] = (1, self.world * u.grad_numel * red)
@@ -188,6 +201,7 @@ class Layout:
         lines = [
             f"Layout({self.strategy.value}, mesh {self.mesh_shape}, units={self.plan.units!r}"
             + (f", precision={self.plan.precision!r}" if self.plan.precision.param or self.plan.precision.reduce else "")
+            + (f", offload={self.plan.offload!r}" if self.offloaded else "")
             + "): "
             f"{self.num_params:,} params, {self.full_bytes() * mb:.2f} MiB full, "
             f"{self.shard_bytes() * mb:.2f} MiB of shards per rank"
@@ -231,6 +245,7 @@ def build_layout(
     unit_modules: Mapping[str, Any] | None = None,
     remat: Mapping[str, RematMode] | None = None,
     optional: frozenset[str] = frozenset(),
+    reshard: Mapping[str, bool | int] | None = None,
 ) -> Layout:
     """Assigns each parameter of ``state`` to a unit and computes chunks and offsets.
 
@@ -275,6 +290,7 @@ def build_layout(
             units.append(UnitLayout(
                 len(units), path, tuple(group), offset, master, grad_offset, param_dtype, reduce_dtype,
                 (remat or {}).get(path), len(groups) > 1, path in optional,
+                (reshard or {}).get(path, plan.strategy.reshard_after_forward and path != ""),
             ))
     buffers = {
         n: BufferLayout(n, tuple(state[n].shape), state[n].dtype, n in info.persistent) for n in info.buffers

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import _collectives as C
@@ -180,6 +181,27 @@ class Mesh:
             raise ValueError(f"{self!r} has no axis {axis!r}; its axes are {self.axis_names}.")
         return self._dm.get_group(axis if self._dm.mesh_dim_names else 0)
 
+    def subgroup(self, size: int) -> tuple[dist.ProcessGroup, int]:
+        """The process group of this rank's block of ``size`` consecutive ranks along the
+        ``shard`` axis, and this rank's index in it (a unit resharded to a sub-group after
+        forward gathers there in backward: ``Plan(reshard_after_forward=size)``).
+
+        Made on first use, by every rank (creating groups is collective), then kept."""
+        key = (id(self._dm), size)
+        cached = _SUBGROUPS.get(key)
+        if cached is None or cached[0] is not self._dm:
+            i = self.axis_names.index("shard")
+            with unset_fake_temporarily():  # explain plans under FakeTensorMode; the rank table is real
+                rows = self._dm.mesh.movedim(i, -1).reshape(-1, self._dm.mesh.size(i)).tolist()
+            blocks = [row[j : j + size] for row in rows for j in range(0, len(row), size)]
+            group, _ = dist.new_subgroups_by_enumeration(blocks)
+            control = None
+            if self._dm.device_type == "cuda":  # the guard's headers go over gloo (see _register_groups)
+                control, _ = dist.new_subgroups_by_enumeration(blocks, backend="gloo")
+            _guard.register(group, control, self._step_timeout)
+            cached = _SUBGROUPS[key] = (self._dm, group, self.axis_rank("shard") % size)
+        return cached[1], cached[2]
+
     def axis_size(self, axis: str) -> int:
         if axis not in self.axis_names:
             return 1
@@ -262,6 +284,9 @@ class Mesh:
 
     def __hash__(self) -> int:
         return hash(self._dm)
+
+
+_SUBGROUPS: dict[tuple[int, int], tuple[DeviceMesh, dist.ProcessGroup, int]] = {}  # see Mesh.subgroup
 
 
 def _register_groups(dm: DeviceMesh, step_timeout: float) -> None:

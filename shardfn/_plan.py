@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 import torch.nn as nn
 
+from ._offload import Offload
 from ._precision import Precision
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "NoShard",
     "HybridShard",
     "HybridShardZero2",
+    "ShardOptimizer",
 ]
 
 
@@ -47,6 +49,10 @@ class Strategy(enum.Enum):
       over ``replicate``; each unit's shard-sized gradient is all-reduced over
       ``replicate`` after its reduce-scatter.
     * ``HYBRID_SHARD_ZERO2``: the same with SHARD_GRAD_OP's residency.
+    * ``SHARD_OPTIMIZER``: ZeRO-1: the parameters stay gathered (replicated) between
+      steps, gradients are reduce-scattered, the optimizer updates this rank's shards with
+      its sharded state, and each unit's updated shards are all-gathered after the update:
+      one reduce-scatter and one all-gather per unit and step (see [Note: replicated parameters]).
     """
 
     FULL_SHARD = "FULL_SHARD"
@@ -54,6 +60,7 @@ class Strategy(enum.Enum):
     NO_SHARD = "NO_SHARD"
     HYBRID_SHARD = "HYBRID_SHARD"
     HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+    SHARD_OPTIMIZER = "SHARD_OPTIMIZER"
 
     @property
     def sharded(self) -> bool:
@@ -392,6 +399,9 @@ class Plan:
     precision: Precision = dataclasses.field(default_factory=Precision)
     remat: Remat | None = None
     optional: UnitPolicy | None = None
+    offload: Offload = dataclasses.field(default_factory=Offload)
+    # bool | int, or ((unit name, bool | int), ...): see shardfn._sharded.reshard_rules
+    reshard_after_forward: Any = None
 
     def __init__(
         self,
@@ -401,6 +411,8 @@ class Plan:
         precision: Precision | None = None,
         remat: Remat | UnitPolicy | bool | None = None,
         optional: UnitsArg = None,
+        offload: Offload | None = None,
+        reshard_after_forward: bool | int | Mapping[str, bool | int] | None = None,
     ):
         object.__setattr__(self, "strategy", Strategy.parse(strategy))
         object.__setattr__(self, "units", _as_policy(units))
@@ -412,11 +424,26 @@ class Plan:
         # chosen by the data): units of their own that every rank gathers at the start of
         # the step and reduces at the end, whether it ran them or not.
         object.__setattr__(self, "optional", _as_policy(optional) if optional is not None else None)
+        if offload is not None and not isinstance(offload, Offload):
+            raise TypeError(f"offload={offload!r}: pass a shardfn.Offload(params=True, optimizer=True).")
+        object.__setattr__(self, "offload", offload or Offload())  # see [Note: offload]
+        rule = reshard_after_forward
+        if isinstance(rule, Mapping):  # per unit: kept as sorted pairs, so the plan stays hashable
+            rule = tuple(sorted(rule.items()))
+        values = [v for _, v in rule] if isinstance(rule, tuple) else [rule]
+        if not all(v is None or isinstance(v, (bool, int)) for v in values) or (
+                isinstance(rule, tuple) and not all(isinstance(k, str) for k, _ in rule)):
+            raise TypeError(f"reshard_after_forward={reshard_after_forward!r}: pass True, False, a sub-group size "
+                            "(an int), or a dict unit name -> one of those, e.g. {'blocks.7': False}.")
+        object.__setattr__(self, "reshard_after_forward", rule)
 
     def __repr__(self) -> str:
         extra = f", precision={self.precision!r}" if self.precision != Precision() else ""
         extra += f", remat={self.remat!r}" if self.remat is not None else ""
         extra += f", optional={self.optional!r}" if self.optional is not None else ""
+        extra += f", offload={self.offload!r}" if self.offload.enabled else ""
+        rule = self.reshard_after_forward
+        extra += f", reshard_after_forward={dict(rule) if isinstance(rule, tuple) else rule!r}" if rule is not None else ""
         return f"Plan({self.strategy.value}, units={self.units!r}{extra})"
 
 
@@ -440,12 +467,17 @@ def HybridShard(**fields: Any) -> Plan:
     return Plan(Strategy.HYBRID_SHARD, **fields)
 
 
+def ShardOptimizer(**fields: Any) -> Plan:
+    """``Plan("SHARD_OPTIMIZER", ...)``: ZeRO-1, only the optimizer state sharded."""
+    return Plan(Strategy.SHARD_OPTIMIZER, **fields)
+
+
 def HybridShardZero2(**fields: Any) -> Plan:
     """``Plan("HYBRID_SHARD_ZERO2", ...)``: needs a 2-D mesh."""
     return Plan(Strategy.HYBRID_SHARD_ZERO2, **fields)
 
 
-_FIELDS = ("units", "precision", "remat", "optional")
+_FIELDS = ("units", "precision", "remat", "optional", "offload", "reshard_after_forward")
 
 
 def make_plan(strategy: Plan | Strategy | str, **fields: Any) -> Plan:

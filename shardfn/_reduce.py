@@ -62,6 +62,7 @@ import torch
 from . import _collectives as C
 from ._events import Purpose
 from ._layout import pack_unit
+from ._offload import to_host
 
 __all__ = ["UnitGrads"]
 
@@ -100,7 +101,7 @@ class UnitGrads:
             if not self.store:
                 self.acc = None
                 self._accumulate(grads)
-                return self.shard_grads_list(self._issue(asynchronous=False))
+                return self.shard_grads_list(self.to_master(self._issue(asynchronous=False)))
             self._accumulate(grads)
             # an optional unit reduces at the end of backward, on every rank (see flush)
             if self.nodes == 0 and unit.runtime.reduces_now() and not unit.unit.optional:
@@ -127,7 +128,7 @@ class UnitGrads:
         unit = self.unit
         lay, u = unit.layout, unit.unit
         leaves = [lay.leaves[n] for n in u.leaves]
-        device = unit.shards[0].device
+        device = unit.device  # the compute device (the shards may be in host memory: offload)
         if self._plain:
             self._own(grads, leaves, device)
             return
@@ -199,13 +200,23 @@ class UnitGrads:
             rt.add_pending(work, (buf, out))
         return out
 
+    def to_master(self, out: Any) -> Any:
+        """A finished reduction in the master dtype (copy 4, when the reduce dtype differs);
+        with offload, copied to the host in that dtype instead (one copy per unit, per leaf
+        in a world of one: see [Note: offload])."""
+        lay, u = self.unit.layout, self.unit.unit
+        to = self.unit.runtime.observers
+        if isinstance(out, list):
+            return [to_host(g, g.dtype, to, u.name) if g is not None else None for g in out] if lay.offloaded else out
+        return to_host(out, u.dtype, to, u.name) if lay.offloaded else out.to(u.dtype)
+
     def shard_grads_list(self, out: Any) -> list[torch.Tensor | None]:
-        """The shard gradient of every leaf of the unit (``None`` for frozen ones)."""
+        """The shard gradient of every leaf of the unit (``None`` for frozen ones), from a
+        reduction that :meth:`to_master` finished."""
         lay, u = self.unit.layout, self.unit.unit
         leaves = [lay.leaves[n] for n in u.leaves]
         if isinstance(out, list):
             return out
-        out = out.to(u.dtype)  # the master dtype, whatever the reduce dtype was (copy 4)
         return [
             out[leaf.grad_offset : leaf.grad_offset + leaf.shard_numel].view(leaf.shard_shape)
             if leaf.grad_offset >= 0 else None

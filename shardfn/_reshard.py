@@ -23,8 +23,9 @@ from ._events import Purpose
 from ._functionalize import Params
 from ._layout import Layout, local_shard
 from ._mesh import Mesh
+from ._offload import place_on_host
 from ._plan import Plan, Strategy, make_plan
-from ._sharded import ShardedParams, full_units, layout_for, verify_agreement
+from ._sharded import ShardedParams, full_units, layout_for, make_subgroups, verify_agreement
 
 __all__ = ["reshard"]
 
@@ -81,6 +82,7 @@ def reshard(
     stand_in.update({n: sharded[n] for n in old.buffers})
     layout = layout_for(stand_in, sharded.module, mesh, plan)
     verify_agreement(layout, mesh)
+    make_subgroups(layout, mesh)
     params = _move(old, old_mesh, sharded.params(), layout, mesh)
     for n, leaf in layout.leaves.items():
         params[n].requires_grad_(leaf.requires_grad)
@@ -97,6 +99,8 @@ def _move(old: Layout, old_mesh: Mesh, values: dict[str, torch.Tensor], new: Lay
         for _, full in full_units(old, old_mesh, values, Purpose.RESHARD):
             for n, t in full.items():
                 out[n] = local_shard(t, new.leaves[n], rank, t.device)
+                if new.offloaded:  # [Note: offload]
+                    out[n] = place_on_host(out[n], mesh.device)
             del full
     return out
 

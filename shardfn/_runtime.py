@@ -42,6 +42,7 @@ from torch.distributed import ReduceOp
 from . import _collectives as C
 from . import _guard
 from ._events import CollectiveLog, observe, observers
+from ._offload import wait_for_device
 from ._plan import parse_enum
 
 __all__ = ["Accumulate", "Runtime", "active", "current", "invariant"]
@@ -81,6 +82,7 @@ class Runtime:
         buffers: Any = None,
         reshard_after_forward: bool | None = None,
         compile: str | None = None,
+        keep_gathered: bool = False,
     ):
         self.mesh = mesh
         self.in_step = in_step
@@ -88,7 +90,8 @@ class Runtime:
         # strategy's rule when None; shardfn.bind sets it (no backward follows there).
         self.reshard_after_forward = reshard_after_forward
         self.overlap = overlap
-        self.prefetch = prefetch
+        self.prefetch = int(prefetch)  # units gathered ahead of the running one (see [Note: prefetch])
+        self.keep_gathered = keep_gathered  # every unit stays gathered until the step ends (Unit.pinned)
         self.compile = compile  # a torch.compile backend: see [Note: what compile=True compiles]
         self.order = list(order or [])  # (tree index, unit index) in the previous step's forward order
         self.seen: list[tuple[int, int]] = []  # ... and in this one
@@ -102,6 +105,7 @@ class Runtime:
         self._trees: list[tuple[Any, dict[int, Any]]] = []  # (sharded tree, its units by unit index)
         self._pending: list[tuple[Any, Any]] = []  # the reduction in flight: (work, buffers to keep alive)
         self.reduced: list[tuple[Any, Any]] = []  # (unit, reduced shard gradient), in order
+        self.finished = 0  # ... of them, the first ones already in the master dtype (UnitGrads.to_master)
         self.owned: set[int] = set()  # storages of gradients handed out in a world of one
 
     @property
@@ -143,11 +147,12 @@ class Runtime:
         return self._trees[i][1].get(index) if i < len(self._trees) else None
 
     def prefetch_after(self, key: tuple[int, int], forward: bool) -> None:
-        """[Note: prefetch] With ``jit_step(prefetch=True)``, gathering a unit starts the
-        all-gather of the unit that runs next: the next one in the forward order recorded
-        on the previous step, or, in backward, the previous one that will be regathered.
-        At most one unit is in flight beside the running one, so FULL_SHARD holds about
-        two units."""
+        """[Note: prefetch] With ``jit_step(prefetch=d)`` (``True`` is 1), gathering a unit
+        starts the all-gathers of the ``d`` units that run next: the next ones in the
+        forward order recorded on the previous step, or, in backward, the previous ones
+        that will be regathered. At most ``d`` units are in flight or waiting beside the
+        running one, so FULL_SHARD holds at most ``d + 1`` units (tests/test_memory_plans.py
+        asserts it); 0 gathers each unit only when it runs."""
         if not self.prefetch:
             return
         if forward:
@@ -156,7 +161,7 @@ class Runtime:
         if key not in order:
             return
         i = order.index(key)
-        for nxt in order[i + 1 : i + 2]:
+        for nxt in order[i + 1 : i + 1 + self.prefetch]:
             unit = self._unit_at(nxt)
             if unit is not None and unit.prefetchable(forward):
                 unit.prefetch(forward)
@@ -178,6 +183,15 @@ class Runtime:
         while self._pending:
             work, _keepalive = self._pending.pop(0)
             work.wait()
+        if self.owner is not None and self.owner.layout.offloaded:
+            self._finish_reduced()  # each gradient to the host as soon as it is reduced ([Note: offload])
+
+    def _finish_reduced(self) -> None:
+        """Every reduction collected so far (all done) in the master dtype."""
+        for i in range(self.finished, len(self.reduced)):
+            unit, out = self.reduced[i]
+            self.reduced[i] = (unit, unit.grads.to_master(out))
+        self.finished = len(self.reduced)
 
     def start_micro_batch(self, last: bool) -> None:
         self.last_micro_batch = last
@@ -197,10 +211,14 @@ class Runtime:
                 for unit in units.values():
                     unit.grads.flush(self.reduces_now())
                     self.wait_pending()
+        self._finish_reduced()
         for unit, out in self.reduced:
             for name, g in unit.grads.shard_grads(out).items():
                 grads[name] = g if name not in grads else grads[name].add_(g)
         self.reduced.clear()
+        self.finished = 0
+        if self.owner is not None and self.owner.layout.offloaded:
+            wait_for_device(self.mesh.device)  # the gradients' copies to the host are done
 
     def settle(self) -> None:
         """Nothing in flight: no reduction, and no prefetched all-gather reading the shards."""
@@ -213,6 +231,7 @@ class Runtime:
         self.finish()
         self._trees.clear()
         self.reduced.clear()
+        self.finished = 0
         self.seen.clear()
 
     def finish(self) -> list[tuple[int, int]]:
@@ -220,7 +239,7 @@ class Runtime:
         self.wait_pending()
         for unit in self.units():
             unit.cancel_prefetch()
-            unit.release()
+            unit.release(force=True)
         return list(dict.fromkeys(self.seen)) if self.seen else self.order
 
 

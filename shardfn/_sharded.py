@@ -18,7 +18,8 @@ from ._guard import guarded
 from ._layout import Layout, build_layout, local_shard, unpack_leaf
 from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
-from ._plan import Plan, Strategy, check_unit_modules, make_plan
+from ._offload import Offload, place_on_host, to_device_into
+from ._plan import Plan, RematMode, Strategy, check_unit_modules, make_plan
 from ._precision import Precision
 from ._pretrained import read_weights
 from ._safetensors import Source
@@ -48,17 +49,26 @@ class ShardedParams(TensorTree):
         >>> print(sharded.layout)                          # units, bytes per rank, collectives
     """
 
-    __slots__ = ("layout", "mesh", "module")
+    __slots__ = ("layout", "mesh", "module", "replicas")
 
     def __init__(self, data: Mapping[str, torch.Tensor], layout: Layout, mesh: Mesh, module: nn.Module | None = None):
         self._data = dict(data)
         self.layout = layout
         self.mesh = mesh
         self.module = module  # the model's module tree on the meta device (no state), when known
+        self.replicas: dict[int, Any] | None = None  # SHARD_OPTIMIZER's gathered units ([Note: replicated parameters])
 
     def replace(self, values: Mapping[str, torch.Tensor]) -> "ShardedParams":
         """A new tree with the same layout, some leaves replaced."""
-        return ShardedParams({**self._data, **values}, self.layout, self.mesh, self.module)
+        new = ShardedParams({**self._data, **values}, self.layout, self.mesh, self.module)
+        if self.replicas:  # still valid for the leaves that are the same (see shardfn._replica)
+            new.replicas = dict(self.replicas)
+        return new
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """Tensors the tree holds besides its leaves: SHARD_OPTIMIZER's replica of the full
+        parameters (counted by :func:`shardfn.track_live_bytes`)."""
+        return [t for full, _ in (self.replicas or {}).values() for t in full]
 
     def params(self) -> dict[str, torch.Tensor]:
         """The parameter shards only (no buffers)."""
@@ -102,6 +112,7 @@ def shard(
     precision: Precision | None = None,
     remat: Any = None,
     optional: Any = None,
+    offload: Offload | None = None,
     seed: int | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     src_rank: int | None = None,
@@ -130,6 +141,11 @@ def shard(
             and keeps for the step, and reduces after the backward, with zero gradients
             where it did not run, so training is exact however the ranks use them. Costs
             their full parameters (and gradients) for the whole step.
+        offload: ``shardfn.Offload(params=True, optimizer=True)``: this rank's parameter
+            shards, their gradients and the optimizer state built from them live in host
+            memory (pinned on CUDA); each unit is copied to the compute device just before
+            its all-gather, gradient shards come back after their reduction, and the
+            optimizer runs on the host. Buffers stay on the device. See [Note: offload].
         seed: deferred init: ``params`` may be meta tensors (a model built under
             ``torch.device("meta")``); each unit is materialised in turn on every rank,
             initialised by ``reset_parameters()`` (and ``init_fn(module)``) from a seed
@@ -165,11 +181,11 @@ def shard(
     if not isinstance(mesh, Mesh):
         raise TypeError(f"shard(): mesh must be a shardfn.Mesh (Mesh.from_env()), got {type(mesh).__name__}")
     with guarded(mesh):  # an argument refused on one rank reaches the others (at the layout agreement)
-        return _shard(params, mesh, strategy, units, precision, remat, optional, seed, init_fn, src_rank, weights)
+        plan = make_plan(strategy, units=units, precision=precision, remat=remat, optional=optional, offload=offload)
+        return _shard(params, mesh, plan, seed, init_fn, src_rank, weights)
 
 
-def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Strategy | str, units: Any,
-           precision: Precision | None, remat: Any, optional: Any, seed: int | None,
+def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int | None,
            init_fn: Callable[[nn.Module], None] | None, src_rank: int | None, weights: Any) -> ShardedParams:
     if not isinstance(params, Mapping) or isinstance(params, ShardedParams):
         raise TypeError(
@@ -179,7 +195,6 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Stra
     bad = [k for k, v in params.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise TypeError(f"shard(): params[{bad[0]!r}] is a {type(params[bad[0]]).__name__}, not a tensor.")
-    plan = make_plan(strategy, units=units, precision=precision, remat=remat, optional=optional)
     module: nn.Module | None = getattr(params, "module", None)
     layout = layout_for(params, module, mesh, plan)
     given = [k for k, v in (("seed", seed), ("src_rank", src_rank), ("weights", weights)) if v is not None]
@@ -202,6 +217,7 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Stra
             f"first rows hash {salt >> 1:08x}); the weights count as part of the layout: ranks whose hash differs "
             "read other weights (another checkpoint, or a stale copy). Point every rank at the same checkpoint.")
     verify_agreement(layout, mesh, salt=salt, hint=hint)
+    make_subgroups(layout, mesh)
     if meta:
         raise ValueError(meta_error)
     if not given:
@@ -220,6 +236,8 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, strategy: Plan | Stra
         else:
             data = {n: local_shard(params[n], leaf, rank, mesh.device) for n, leaf in layout.leaves.items()}
             data.update({n: params[n].detach().to(mesh.device, copy=True) for n in layout.buffers})
+    if layout.offloaded:  # [Note: offload]: the shards in host memory, the buffers on the device
+        data.update({n: place_on_host(data[n], mesh.device) for n in layout.leaves})
     for n, leaf in layout.leaves.items():
         data[n].requires_grad_(leaf.requires_grad)
     return ShardedParams({n: data[n] for n in (*layout.leaves, *layout.buffers)}, layout, mesh, module)
@@ -242,7 +260,55 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
         unit_modules[""] = module
     remat_units = plan.remat.select(module, list(info.params), unit_paths) if plan.remat is not None else {}
     return build_layout(plan, mesh.shape, world, mesh.size // world, state, unit_paths, info, unit_modules, remat_units,
-                        frozenset(optional))
+                        frozenset(optional), reshard_rules(plan, unit_paths, world, mesh, remat_units))
+
+
+def make_subgroups(layout: Layout, mesh: Mesh) -> None:
+    """The process groups the layout's units reshard to after forward (every rank, in the
+    same order, once the ranks agree on the layout: creating a group is collective)."""
+    for size in sorted({u.reshard for u in layout.units if u.reshard is not True and u.reshard is not False}):
+        mesh.subgroup(size)
+
+
+def reshard_rules(plan: Plan, unit_paths: list[str], world: int, mesh: Mesh,
+                  remat: Mapping[str, Any]) -> dict[str, bool | int]:
+    """Unit path -> what it does after its forward (``UnitLayout.reshard``).
+
+    The strategy's rule (FULL_SHARD and HYBRID_SHARD let go, SHARD_GRAD_OP and
+    HYBRID_SHARD_ZERO2 keep), replaced by ``Plan(reshard_after_forward=...)``: a bool for
+    every unit, an int k to keep each unit sharded over groups of k ranks of the shard
+    axis after forward (ZeRO++'s hpZ, FSDP2's ``reshard_after_forward=int``: backward's
+    all-gather stays within the group, e.g. one node), or a dict unit name -> either, for
+    those units (the others follow the strategy). The root unit always keeps its
+    parameters into backward (see ``Layout.collectives_per_step``).
+    """
+    default = plan.strategy.reshard_after_forward
+    rule = plan.reshard_after_forward
+    if rule is None:
+        return {p: default for p in unit_paths}
+    if not plan.strategy.sharded:
+        raise ValueError(f"shard(): reshard_after_forward={rule!r} with NO_SHARD, whose parameters are never sharded. "
+                         "Drop it, or use FULL_SHARD / SHARD_GRAD_OP.")
+    given = dict(rule) if isinstance(rule, tuple) else {p: rule for p in unit_paths}
+    unknown = [k for k in given if k not in unit_paths]
+    if unknown:
+        raise ValueError(f"shard(): reshard_after_forward names {unknown}, which are not units of this plan; the "
+                         f"units are {unit_paths[:8]}{' ...' if len(unit_paths) > 8 else ''} (the root unit always "
+                         "keeps its parameters into backward).")
+    for name, k in given.items():
+        if k is True or k is False:
+            continue
+        if not (1 < k < world and world % k == 0):
+            raise ValueError(
+                f"shard(): reshard_after_forward={k} for {name!r}: a sub-group size must divide the {world} ranks "
+                f"of the shard axis of {mesh!r} and lie strictly between 1 and {world} (e.g. the ranks of one "
+                "node). Pass True to reshard over every rank, False to keep the parameters.")
+        if remat.get(name) is RematMode.SELECTIVE:  # its secondary copy would be one op the replay lacks
+            raise ValueError(
+                f"shard(): reshard_after_forward={k} for {name!r}, which selective remat recomputes: selective "
+                "remat replays the unit's ops one for one, and a sub-group reshard adds a copy to the forward only. "
+                "Use Remat(mode='full') for it, or reshard_after_forward=True.")
+    return {p: given.get(p, default) for p in unit_paths}
 
 
 def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
@@ -361,15 +427,17 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
         ref = values[names[0]]
         if ref.dtype not in buffers:
             n_max = largest[unit.dtype]
-            buffers[ref.dtype] = (torch.empty(n_max, dtype=ref.dtype, device=ref.device),
-                                  torch.empty(layout.world * n_max, dtype=ref.dtype, device=ref.device))
+            buffers[ref.dtype] = (torch.empty(n_max, dtype=ref.dtype, device=mesh.device),
+                                  torch.empty(layout.world * n_max, dtype=ref.dtype, device=mesh.device))
         send, receive = buffers[ref.dtype]
         flat, got = send[: unit.numel], receive[: layout.world * unit.numel]
-        torch.cat([
-            (values[n].detach() if n in values else torch.zeros(layout.leaves[n].shard_shape, dtype=ref.dtype,
-                                                                 device=ref.device)).reshape(-1)
-            for n in unit.leaves
-        ], out=flat)
+        parts = [(values[n].detach() if n in values else torch.zeros(layout.leaves[n].shard_shape, dtype=ref.dtype,
+                                                                     device=ref.device)).reshape(-1)
+                 for n in unit.leaves]
+        if ref.device == flat.device:
+            torch.cat(parts, out=flat)
+        else:  # offloaded values (host memory): copied to the device, where the collective runs
+            to_device_into(flat, parts, (), unit.name)
         C.all_gather(got, flat, mesh.group("shard"), purpose, unit.name)
         if unpack:  # ranks that return nothing do not unpack
             full = {n: unpack_leaf(got.view(layout.world, unit.numel), layout.leaves[n], layout.world) for n in names}

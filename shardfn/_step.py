@@ -14,6 +14,9 @@ from ._compile import backend_of
 from ._grad import Grad, check_options
 from ._guard import Where, guarded
 from ._mesh import Mesh
+from ._offload import mark_host_trees, wait_for_device
+from ._plan import Strategy
+from ._replica import refresh
 from ._precision import DynamicLossScale, LossScaleState
 from ._runtime import Accumulate, current
 from ._sharded import ShardedParams
@@ -91,19 +94,24 @@ class Step:
             in_place = self.donate and getattr(self.optimizer, "update_", None) is not None
             if not skip:
                 with torch.profiler.record_function("shardfn::optimizer"):
+                    if sharded.layout.offloaded:  # the optimizer runs on the host ([Note: offload])
+                        current().settle()
+                        wait_for_device(self.mesh.device)  # no copy to the device may still be reading a shard
                     if in_place:
                         current().settle()  # no all-gather may still be reading the shards
                         inner = self.optimizer.update_(grads, inner, sharded)
                     else:
                         updates, inner = self.optimizer.update(grads, inner, sharded)
+            replaced = buffers.replaced(sharded)
+            if updates is None or self.donate:
+                if updates is not None:
+                    apply_updates_(sharded, updates)
+                new = sharded.replace(replaced) if replaced else sharded
+            else:
+                new = sharded.replace({**apply_updates(sharded.params(), updates), **buffers.work})
+            if sharded.layout.strategy is Strategy.SHARD_OPTIMIZER:  # [Note: replicated parameters]
+                refresh(new, current().observers)
         opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner
-        replaced = buffers.replaced(sharded)
-        if updates is None or self.donate:
-            if updates is not None:
-                apply_updates_(sharded, updates)
-            new = sharded.replace(replaced) if replaced else sharded
-        else:
-            new = sharded.replace({**apply_updates(sharded.params(), updates), **buffers.work})
         return new, opt_state, metrics
 
     def _check(self, sharded: Any, opt_state: Any) -> None:
@@ -115,6 +123,8 @@ class Step:
             opt_state = opt_state.opt_state
         check_opt_state(opt_state, sharded)
         self._check_structure(full, sharded)
+        if sharded.layout.offloaded:  # built from host shards, so in host memory: say so ([Note: live bytes])
+            mark_host_trees([opt_state])
 
     def _check_structure(self, opt_state: Any, sharded: ShardedParams) -> None:
         """The optimizer state must be what ``step.init`` builds for these shards (keys,
@@ -201,7 +211,8 @@ def jit_step(
     sync_buffers: bool = True,
     loss_scale: DynamicLossScale | None = None,
     overlap: bool = True,
-    prefetch: bool = True,
+    prefetch: bool | int = True,
+    keep_gathered: bool = False,
     has_aux: bool = False,
     mean_aux: bool = False,
     skip_nonfinite: bool = False,
@@ -248,10 +259,16 @@ def jit_step(
             (the scale this step used) and ``skipped``.
         overlap: issue each unit's gradient reduction asynchronously, overlapping the
             rest of the backward (``False``: each reduction blocks, for comparison).
-        prefetch: start each unit's all-gather while the unit before it computes (forward
-            order recorded on the previous step; reversed for backward's regathers), at
-            most one in flight; costs about one more unit of memory under FULL_SHARD.
-            ``False`` gathers each unit only when it runs, for comparison.
+        prefetch: how many units to gather ahead: each unit's all-gather starts while the
+            ``prefetch`` units before it compute (forward order recorded on the previous
+            step; reversed for backward's regathers). ``True`` is 1; each unit ahead costs
+            one more unit of memory under FULL_SHARD (at most ``prefetch + 1`` gathered).
+            ``0`` / ``False`` gathers each unit only when it runs.
+        keep_gathered: keep every unit gathered from its first all-gather to the end of the
+            step, across its micro-batches (FSDP's ``no_sync`` trade-off, for parameters):
+            one all-gather per unit and step instead of one or two per micro-batch, for the
+            memory of all gathered units at once. With ``accumulate="local"`` also one
+            reduction per unit and step.
         has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` a pytree of tensors (accuracy,
             router statistics), as JAX's ``has_aux``. ``metrics["aux"]`` is this rank's aux
             (a list, one per micro-batch, when there are several).
@@ -284,7 +301,7 @@ def jit_step(
         >>> opt_state = step.init(sharded)         # = opt.init(sharded) without loss_scale
         >>> sharded, opt_state, metrics = step(sharded, opt_state, batch)
     """
-    accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, has_aux, mean_aux, "jit_step")
+    accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, has_aux, mean_aux, "jit_step", prefetch)
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
         raise TypeError(
             f"jit_step: optimizer must have init and update functions (a GradientTransformation such as "
@@ -294,5 +311,5 @@ def jit_step(
         raise TypeError(f"jit_step: loss_scale must be a shardfn.DynamicLossScale, got {loss_scale!r}")
     grad = Grad(loss_fn, mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
                 overlap=overlap, prefetch=prefetch, has_aux=has_aux, mean_aux=mean_aux, what="step",
-                compile=backend_of(compile, "jit_step"))
+                compile=backend_of(compile, "jit_step"), keep_gathered=bool(keep_gathered))
     return Step(grad, optimizer, donate, loss_scale, bool(skip_nonfinite))

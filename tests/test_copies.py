@@ -7,7 +7,7 @@ without computing anything new (``copy_``, ``_to_copy``, ``cat``, ``clone``, the
 * the unit machinery: ``Unit._issue`` (pack the shards into the all-gather input),
   ``Unit.all_gather`` (unpack the gathered buffer; NO_SHARD's cast) -> direction
   "gather"; ``UnitGrads._accumulate`` (pack gradients), ``UnitGrads._issue`` (the
-  collectives) and ``UnitGrads.shard_grads_list`` (cast back) -> "reduce";
+  collectives) and ``UnitGrads.to_master`` (cast back) -> "reduce";
 * gloo: the copy gloo's own reduce-scatter made into the output shard, when it ran (shardfn
   now reduce-scatters on gloo with sends and receives summed into the output, no copy);
 * the model: the rest of the forward (``loss_fn``) and backward (``shardfn::backward``),
@@ -159,7 +159,7 @@ def expected_copies(layout):
 
 PATCHED = [("_gather", "Unit", "_issue", "gather"), ("_gather", "Unit", "all_gather", "gather"),
            ("_reduce", "UnitGrads", "_accumulate", "reduce"), ("_reduce", "UnitGrads", "_issue", "reduce"),
-           ("_reduce", "UnitGrads", "shard_grads_list", "reduce")]
+           ("_reduce", "UnitGrads", "to_master", "reduce")]
 
 
 def count_step(strategy, precision):

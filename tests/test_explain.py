@@ -19,8 +19,14 @@ PLANS = {
     "hybrid": sf.Plan("HYBRID_SHARD"),
     "bf16_remat": sf.Plan("FULL_SHARD", precision=sf.Precision(param=torch.bfloat16, reduce=torch.float32),
                           remat=sf.Remat()),
+    "offload": sf.Plan("FULL_SHARD", offload=sf.Offload(params=True, optimizer=True)),
+    "offload_grad_op_bf16": sf.Plan("SHARD_GRAD_OP", offload=sf.Offload(params=True, optimizer=True),
+                                    precision=sf.Precision(param=torch.bfloat16, reduce=torch.float32)),
+    "zero1": sf.Plan("SHARD_OPTIMIZER"),
+    "per_unit_hpz": sf.Plan("FULL_SHARD", reshard_after_forward={"blocks.0": 2, "blocks.3": False}),
 }
-MESHES = {"full": 2, "grad_op": 3, "no_shard": 2, "hybrid": (2, 2), "bf16_remat": 2}
+MESHES = {"full": 2, "grad_op": 3, "no_shard": 2, "hybrid": (2, 2), "bf16_remat": 2, "offload": 2,
+          "offload_grad_op_bf16": 3, "zero1": 2, "per_unit_hpz": 4}
 
 
 def loss_fn(apply, params, batch):
@@ -28,7 +34,8 @@ def loss_fn(apply, params, batch):
 
 
 def measured(plan, replicate):
-    """A real run's live tensor bytes (before, and at most during, its second step) and collectives."""
+    """A real run's live tensor bytes on the compute device (before, and at most during, its second
+    step), its collectives, and with offload its bytes in host memory and its host <-> device copies."""
     mesh = sf.Mesh.from_group(replicate=replicate)
     torch.manual_seed(0)
     params, apply = sf.functionalize(GPT(CFG))
@@ -40,9 +47,10 @@ def measured(plan, replicate):
     x, y = (torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g) for _ in range(2))
     sharded, state, _ = step(sharded, state, (x, y))
     with sf.track_live_bytes(sharded, state) as mem, sf.record_collectives() as log:
-        persistent = mem.current
+        persistent, host = mem.device_current, mem.host_current
         sharded, state, _ = step(sharded, state, (x, y))
-    return persistent, mem.peak, dict(log.counts()), dict(log.bytes())
+    transfers = {d: (log.transfer_copies()[d], b) for d, b in log.transfer_bytes().items()}
+    return persistent, mem.device_peak, dict(log.counts()), dict(log.bytes()), (host, mem.host_peak, transfers)
 
 
 def predict(name, **kw):
@@ -59,15 +67,18 @@ def test_prediction_agrees_with_a_real_run(clusters, name):
     real = clusters[world].run(measured, PLANS[name], replicate)
     report = predict(name)
     assert not dist.is_initialized()  # the fake world is gone
-    persistent, peak, counts, nbytes = real[0]  # rank 0: the largest shards, as explain plans
+    persistent, peak, counts, nbytes, (host, host_peak, transfers) = real[0]  # rank 0: the largest shards
     assert report.persistent_bytes == persistent
+    assert (report.host_bytes, report.transfers) == (host, transfers)
+    if host:  # offloaded: the device holds none of the state between steps
+        assert persistent == 0 and abs(report.host_peak_bytes - host_peak) <= 0.10 * host_peak
     assert abs(report.peak_bytes - peak) <= 0.10 * peak, (report.peak_bytes, peak)
     assert {k: c for k, (c, _) in report.collectives.items()} == counts
     assert {k: b for k, (_, b) in report.collectives.items()} == nbytes
     # No other rank peaks higher than rank 0, up to a race explain cannot see: gloo's worker
     # thread drops its reference to a finished collective's buffer a moment after wait()
     # returns, so on some runs one unit's gathered buffer (5% here) is still live at a peak.
-    assert all(p <= 1.10 * peak for _, p, _, _ in real), [p for _, p, _, _ in real]
+    assert all(r[1] <= 1.10 * peak for r in real), [r[1] for r in real]
 
 
 def test_static_figures_follow_the_layout():

@@ -1,0 +1,258 @@
+"""autoplan: the plans that fit a memory budget, found with explain's fake-tensor step.
+
+[Note: how autoplan searches]
+``autoplan(model, world, budget, batch)`` tries every combination of strategy (FULL_SHARD,
+SHARD_GRAD_OP, SHARD_OPTIMIZER, NO_SHARD; on a ``(replicate, shard)`` mesh the hybrid
+ones), remat (none, full), CPU offload (off, on) and micro-batches (1, 2, 4 where the
+batch splits), on the units and precision of the ``base`` plan. Each candidate's figures
+(device memory between steps and at its peak, host memory, bytes moved by collectives
+and by host <-> device copies per step) come from :func:`shardfn.explain`: one real step
+of the same code on fake tensors, no weights allocated.
+
+A deep model is not simulated at its full depth. Every figure of a model made of L equal
+blocks is affine in L once the blocks' pattern is established (the peak comes at the same
+point of the step, one block more adds the same bytes), so autoplan runs explain on copies
+of the model cut to 3 and to 4 blocks and extends the line to L: a 7B GPT (32 blocks) is
+planned from two small simulations per candidate. Checked exactly: the extended figures
+of a 32-block 7B GPT at 64 ranks equal explain's at full depth, to the byte
+(tests/test_autoplan.py). Models whose units are not the elements of one list of blocks
+are simulated at full depth.
+
+The result keeps the candidates that fit the budget (predicted device peak at most the
+budget) and are not dominated: no other fitting candidate is at most as large in device
+peak, bytes moved and recomputation, and smaller in one. The recommended plan is the
+first of them in this order: no offload, no recomputation, fewest micro-batches, fewest
+bytes moved, smallest peak (a plan that fits without giving up speed before one that
+gives up more). Explanations are kept per model structure, mesh, batch and candidate, so
+asking again with another budget simulates nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from ._explain import Explanation, explain
+from ._offload import Offload
+from ._plan import Plan, Remat, Strategy
+
+__all__ = ["AutoPlan", "Candidate", "autoplan"]
+
+_GIB = 2**30
+_CACHE: dict[Any, Explanation] = {}  # (model structure, mesh, batch, loss, optimizer, candidate) -> figures
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One plan autoplan tried: the plan, the step options, and its figures per rank."""
+
+    plan: Plan
+    micro_batches: int
+    peak_bytes: int  # on the compute device, during a step
+    persistent_bytes: int  # on the compute device, between steps
+    host_bytes: int  # in host memory between steps (offload)
+    comm_bytes: int  # sent through collectives per step (the textbook volume of each)
+    transfer_bytes: int  # host <-> device copies per step (offload)
+
+    @property
+    def remat(self) -> bool:
+        return self.plan.remat is not None
+
+    @property
+    def offload(self) -> bool:
+        return self.plan.offload.enabled
+
+    @property
+    def step_options(self) -> dict[str, Any]:
+        """What to pass to :func:`shardfn.jit_step` besides the plan."""
+        return {"micro_batches": self.micro_batches}
+
+    def moved(self) -> int:
+        return self.comm_bytes + self.transfer_bytes
+
+    def label(self) -> str:
+        parts = [self.plan.strategy.value, "remat" if self.remat else "", "offload" if self.offload else "",
+                 f"micro_batches={self.micro_batches}" if self.micro_batches > 1 else ""]
+        return " + ".join(p for p in parts if p)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPlan:
+    """What :func:`autoplan` found; ``print()`` it for the table."""
+
+    world: int | tuple[int, int]
+    budget: int
+    frontier: tuple[Candidate, ...]  # fitting and not dominated; the recommended one first
+    tried: int
+    seconds: float
+
+    @property
+    def chosen(self) -> Candidate | None:
+        """The recommended plan, or None when nothing fits."""
+        return self.frontier[0] if self.frontier else None
+
+    def __str__(self) -> str:
+        def gib(b: int) -> str:
+            return f"{b / _GIB:,.2f}"
+
+        head = (f"shardfn.autoplan: mesh {self.world}, budget {gib(self.budget)} GiB per rank; {self.tried} plans "
+                f"simulated in {self.seconds:.1f} s; {len(self.frontier)} fit and are not dominated")
+        rows = [head, f"  {'plan':<44} {'peak GiB':>9} {'persist GiB':>11} {'host GiB':>9} "
+                      f"{'comm GiB/step':>13} {'host<->dev GiB':>14}"]
+        for i, c in enumerate(self.frontier):
+            mark = "* " if i == 0 else "  "
+            rows.append(f"{mark}{c.label():<44} {gib(c.peak_bytes):>9} {gib(c.persistent_bytes):>11} "
+                        f"{gib(c.host_bytes):>9} {gib(c.comm_bytes):>13} {gib(c.transfer_bytes):>14}")
+        if not self.frontier:
+            rows.append("  nothing fits: a larger mesh, bf16 parameters (base=Plan(precision=...)), or a smaller batch")
+        else:
+            rows.append("  * recommended: no offload or recomputation when a plan fits without; then the fewest "
+                        "micro-batches and bytes moved")
+        return "\n".join(rows)
+
+
+def autoplan(
+    model: nn.Module,
+    world: int | tuple[int, int],
+    memory_budget_per_rank: int | float | str,
+    batch_example: Any,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer: Any = None,
+    base: Plan | None = None,
+    verbose: bool = True,
+) -> AutoPlan:
+    """The plans that fit ``memory_budget_per_rank`` on ``world`` ranks, on the frontier of
+    memory and communication (see [Note: how autoplan searches]).
+
+    Args:
+        model: the model, usually built under ``torch.device("meta")`` (nothing is allocated).
+        world: the number of ranks, or a ``(replicate, shard)`` pair (hybrid strategies).
+        memory_budget_per_rank: bytes of compute-device memory per rank (an int), or a
+            string such as ``"40GiB"`` / ``"80GB"``; leave headroom for what is not a tensor.
+        batch_example: one rank's batch, as the step receives it (only shapes and dtypes matter).
+        loss_fn, optimizer: as for :func:`shardfn.explain`.
+        base: a plan whose units and precision every candidate keeps (default: ``Plan()``).
+        verbose: print the table.
+
+    Returns:
+        An :class:`AutoPlan`: ``frontier`` (each a :class:`Candidate` with ``plan`` and
+        ``step_options``), ``chosen``.
+
+    Example:
+        >>> found = sf.autoplan(model, 64, "40GiB", (tokens, tokens), loss_fn=loss)
+        >>> sharded = sf.shard(params, mesh, found.chosen.plan)
+        >>> step = sf.jit_step(loss, mesh, optimizer=opt, **found.chosen.step_options)
+    """
+    budget = _bytes(memory_budget_per_rank)
+    base = base or Plan()
+    start = time.perf_counter()
+    rows = _rows(batch_example)
+    hybrid = not isinstance(world, int)
+    strategies = (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2) if hybrid else (
+        Strategy.FULL_SHARD, Strategy.SHARD_GRAD_OP, Strategy.SHARD_OPTIMIZER, Strategy.NO_SHARD)
+    candidates = []
+    for strategy, remat, offload, k in itertools.product(strategies, (False, True), (False, True), (1, 2, 4)):
+        if rows % k or (k > 1 and rows < k):
+            continue
+        plan = Plan(strategy, units=base.units, precision=base.precision, remat=Remat() if remat else None,
+                    offload=Offload(params=True, optimizer=True) if offload else None)
+        candidates.append(_figures(model, world, plan, k, batch_example, loss_fn, optimizer))
+    fitting = [c for c in candidates if c.peak_bytes <= budget]
+    frontier = [c for c in fitting if not any(_dominates(o, c) for o in fitting)]
+    frontier.sort(key=lambda c: (c.offload, c.remat, c.micro_batches, c.moved(), c.peak_bytes))
+    found = AutoPlan(world, budget, tuple(frontier), len(candidates), time.perf_counter() - start)
+    if verbose:
+        print(found)
+    return found
+
+
+def _dominates(a: Candidate, b: Candidate) -> bool:
+    ka = (a.peak_bytes, a.moved(), a.remat, a.micro_batches)
+    kb = (b.peak_bytes, b.moved(), b.remat, b.micro_batches)
+    return all(x <= y for x, y in zip(ka, kb)) and ka != kb
+
+
+def _figures(model: nn.Module, world: Any, plan: Plan, k: int, batch: Any, loss_fn: Any, optimizer: Any) -> Candidate:
+    """One candidate's figures: explained at full depth, or at 3 and 4 blocks and extended."""
+    blocks = _block_list(model, plan)
+    depth = len(blocks[1]) if blocks is not None else 0
+    if depth <= 4:
+        e = _explain(model, world, plan, k, batch, loss_fn, optimizer)
+        return _candidate(plan, k, [_numbers(e)], [1.0])
+    small = [_explain(_cut(model, blocks, n), world, plan, k, batch, loss_fn, optimizer) for n in (3, 4)]
+    # f(L) = f(4) + (L - 4) * (f(4) - f(3)): every figure is affine in the number of blocks
+    return _candidate(plan, k, [_numbers(small[0]), _numbers(small[1])], [-(depth - 4), depth - 3])
+
+
+def _numbers(e: Explanation) -> list[int]:
+    return [e.peak_bytes or 0, e.persistent_bytes or 0, e.host_bytes,
+            sum(b for _, b in e.collectives.values()), sum(b for _, b in e.transfers.values())]
+
+
+def _candidate(plan: Plan, k: int, figures: list[list[int]], weights: list[float]) -> Candidate:
+    values = [int(round(sum(w * f[i] for w, f in zip(weights, figures)))) for i in range(len(figures[0]))]
+    return Candidate(plan, k, *values)
+
+
+def _explain(model: nn.Module, world: Any, plan: Plan, k: int, batch: Any, loss_fn: Any, optimizer: Any) -> Explanation:
+    shapes = pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, batch)
+    key = (repr(model), repr(world), repr(shapes), id(loss_fn), repr(optimizer), repr(plan), k)
+    if key not in _CACHE:
+        _CACHE[key] = explain(model, world, plan, batch, loss_fn=loss_fn, optimizer=optimizer, verbose=False,
+                              micro_batches=k)
+    return _CACHE[key]
+
+
+def _block_list(model: nn.Module, plan: Plan) -> tuple[str, nn.ModuleList] | None:
+    """The list of blocks the plan's units are the elements of (``("blocks", ModuleList)``)."""
+    names = [n for n, _ in model.named_parameters()]
+    units = plan.units.resolve(model, names)
+    parents = {u.rpartition(".")[0] for u in units}
+    if len(parents) != 1 or not all(u.rpartition(".")[2].isdigit() for u in units):
+        return None
+    parent = parents.pop()
+    blocks = model.get_submodule(parent) if parent else None
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) != len(units):
+        return None
+    return parent, blocks
+
+
+def _cut(model: nn.Module, blocks: tuple[str, nn.ModuleList], n: int) -> nn.Module:
+    """A copy of ``model`` (meta tensors: no memory) with only its first ``n`` blocks."""
+    full = blocks[1]
+    original = full._modules
+    full._modules = dict(itertools.islice(original.items(), n))  # copied short, then put back
+    try:
+        return copy.deepcopy(model)
+    finally:
+        full._modules = original
+
+
+def _rows(batch: Any) -> int:
+    tensors = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return tensors[0].shape[0] if tensors else 1
+
+
+def _bytes(budget: int | float | str) -> int:
+    if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
+        return int(budget)
+    if isinstance(budget, str):
+        units = {"GIB": 2**30, "GB": 10**9, "MIB": 2**20, "MB": 10**6}
+        text = budget.strip().upper()
+        for unit, size in units.items():
+            if text.endswith(unit):
+                try:
+                    return int(float(text[: -len(unit)]) * size)
+                except ValueError:
+                    break
+    raise ValueError(f"autoplan(memory_budget_per_rank={budget!r}): bytes (an int) or a string such as '40GiB' or "
+                     "'80GB'.")

@@ -1,0 +1,72 @@
+"""ZeRO-1: the gathered parameters a SHARD_OPTIMIZER tree keeps between steps.
+
+[Note: replicated parameters]
+Under ``Strategy.SHARD_OPTIMIZER`` (ZeRO-1) every rank computes with the whole model, as
+under NO_SHARD, but the optimizer state is sharded: the tree's shards are the master
+values the optimizer updates, and each unit's full parameters (in the param dtype) are a
+*replica* derived from them, kept with the tree from one step to the next. A step:
+
+* forward and backward use the replica: no all-gather;
+* each unit's gradients are reduce-scattered to this rank's shard (as SHARD_GRAD_OP);
+* the optimizer updates the shards with its sharded state;
+* each unit's updated shards are all-gathered into a new replica (:func:`refresh`).
+
+So a step issues one reduce-scatter and one all-gather per unit (the first step one more
+all-gather per unit, in forward: there is no replica yet), and each rank holds the full
+parameters plus 1/N of the master values, gradients and optimizer state.
+
+The replica is a cache, never the truth: the shards are. It is valid while every shard it
+was gathered from is the same tensor at the same version (``_version``), so anything that
+changes a shard outside the step (``checkpoint.load`` in place, ``apply_updates_`` after
+``jit_grad``) makes the next use gather again instead of computing with stale values.
+A tree rebuilt by pytree utilities has no replica; its next step gathers in forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _collectives as C
+from ._events import Purpose
+from ._layout import unpack_unit
+from ._offload import to_device_into
+
+__all__ = ["refresh", "replica_of"]
+
+
+def _stamp(shards: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    return tuple((id(s), s._version) for s in shards)
+
+
+def replica_of(sharded: Any, index: int, shards: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Unit ``index``'s kept full parameters, if they are still those of ``shards``."""
+    kept = sharded.replicas.get(index) if sharded.replicas else None
+    if kept is None or kept[1] != _stamp(shards):
+        return None
+    return kept[0]
+
+
+def refresh(sharded: Any, to: Any) -> None:
+    """All-gathers every unit's (updated) shards into the tree's replica: one all-gather per
+    unit, in layout order, cast to the param dtype on the way (see the note)."""
+    layout, mesh = sharded.layout, sharded.mesh
+    if layout.world == 1:
+        return
+    group, rank = mesh.group("shard"), layout.shard_rank(mesh)
+    if sharded.replicas is None:
+        sharded.replicas = {}
+    with torch.no_grad():
+        for u in layout.units:
+            shards = [sharded[n] for n in u.leaves]
+            out = torch.empty(layout.world, u.numel, dtype=u.param_dtype, device=mesh.device)
+            if layout.offloaded:
+                to_device_into(out[rank], shards, to, u.name)
+            else:
+                torch.cat([s.detach().reshape(-1) for s in shards], out=out[rank])
+            C.all_gather(out.view(-1), out[rank], group, Purpose.GATHER, u.name, to=to)
+            # replaced unit by unit: the old and the new replica of one unit are alive at once, no more
+            sharded.replicas[u.index] = (unpack_unit(out, [layout.leaves[n] for n in u.leaves], layout.world),
+                                         _stamp(shards))
+            del out

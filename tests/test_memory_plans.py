@@ -1,0 +1,257 @@
+"""Finer control of memory: prefetch depth, per-unit reshard after forward, resharding to
+a sub-group (hpZ), and keeping units gathered across micro-batches. Counted exactly
+(collectives per group, units live at once, bytes), and equal to one device."""
+
+import functools
+
+import pytest
+import torch
+
+import shardfn as sf
+from shardfn.optim import adamw
+from shardfn.testing import check_equivalence, split_batch
+from shardfn.testing.models import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(vocab_size=31, seq_len=8, d_model=16, n_layers=4, n_heads=2)
+
+
+def gpt_model():
+    return GPT(CFG)
+
+
+def gpt_loss(apply, params, batch):
+    return lm_loss(apply(params, batch["x"]), batch["y"])
+
+
+def gpt_batches(steps=3, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [{k: torch.randint(0, 31, (12, 8), generator=g) for k in ("x", "y")} for _ in range(steps)]
+
+
+def counted_step(plan, **options):
+    """A steady-state step's collectives (kind, purpose, unit, group, bytes), residency and peak."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    sharded = sf.shard(params, mesh, plan)
+    opt = sf.optim.adamw(1e-3)
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, **options)
+    batch = split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
+    sharded, state, _ = step(sharded, state, batch)
+    with sf.record_collectives() as log, sf.track_residency() as res, sf.track_live_bytes(sharded, state, batch) as mem:
+        sharded, state, metrics = step(sharded, state, batch)
+    lay = sharded.layout
+    return {
+        "calls": [(c.kind.value, c.purpose.value, c.unit, c.group, c.nbytes) for c in log.calls if c.unit],
+        "counts": dict(log.counts()), "bytes": dict(log.bytes()),
+        "expected": lay.collectives_per_step(), "max_live": res.max_live, "peak": mem.peak,
+        "unit_bytes": {u.name: lay.world * u.numel * u.param_dtype.itemsize for u in lay.units},
+        "reshard": {u.name: u.reshard for u in lay.units}, "loss": metrics["loss"],
+    }
+
+
+def _gathers(calls):
+    return [(purpose, unit) for kind, purpose, unit, _, _ in calls if kind == "all_gather"]
+
+
+# -- prefetch depth ----------------------------------------------------------------------
+
+
+def test_prefetch_depth_bounds_the_units_gathered_at_once(clusters):
+    runs = {d: clusters[2].run(counted_step, "FULL_SHARD", prefetch=d)[0] for d in (0, 1, 2)}
+    block = max(b for name, b in runs[0]["unit_bytes"].items() if name != "<root>")
+    for d, r in runs.items():
+        assert r["max_live"] == d + 1  # the running unit and d ahead, never more
+        assert r["counts"] == runs[0]["counts"] and r["bytes"] == runs[0]["bytes"]  # the same collectives
+        assert r["loss"] == runs[0]["loss"]
+        # each unit ahead costs at most one gathered block (its output buffer and unpacked leaves)
+        assert r["peak"] <= runs[0]["peak"] + d * 2 * block, (d, r["peak"], runs[0]["peak"], block)
+    assert runs[0]["peak"] < runs[1]["peak"] < runs[2]["peak"]
+
+
+def test_prefetch_depth_must_be_a_count():
+    mesh = object.__new__(sf.Mesh)
+    with pytest.raises(ValueError, match="how many units to gather ahead"):
+        sf.jit_step(lambda p, b: 0, mesh, optimizer=adamw(1e-3), prefetch=-1)
+
+
+# -- per-unit reshard after forward --------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy, rule, once", [
+    ("FULL_SHARD", {"blocks.3": False}, {"<root>", "blocks.3"}),  # keep the last block into its backward
+    ("SHARD_GRAD_OP", {"blocks.0": True}, {"<root>", "blocks.1", "blocks.2", "blocks.3"}),
+])
+def test_reshard_after_forward_per_unit_in_the_plan(clusters, strategy, rule, once):
+    plan = sf.Plan(strategy, reshard_after_forward=rule)
+    r = clusters[2].run(counted_step, plan, prefetch=0)[0]
+    gathered = _gathers(r["calls"])
+    units = set(r["unit_bytes"])
+    assert {u for p, u in gathered if p == "gather"} == units
+    assert {u for p, u in gathered if p == "regather"} == units - once
+    total = sum(r["unit_bytes"].values()) + sum(b for u, b in r["unit_bytes"].items() if u not in once)
+    assert r["counts"]["all_gather"] == 2 * len(units) - len(once) and r["bytes"]["all_gather"] == total
+    assert {k: v for k, v in r["expected"].items()} == {k: (r["counts"][k], r["bytes"][k]) for k in r["expected"]}
+
+
+def test_per_unit_reshard_equals_one_device(clusters):
+    check_equivalence(
+        gpt_model, gpt_loss, gpt_batches(), optimizer=functools.partial(adamw, 1e-3),
+        strategies=[sf.Plan("FULL_SHARD", reshard_after_forward={"blocks.3": False, "blocks.1": False}),
+                    sf.Plan("SHARD_GRAD_OP", reshard_after_forward={"blocks.0": True})],
+        world_sizes=[2], clusters=clusters)
+
+
+# -- reshard to a sub-group (hpZ) ----------------------------------------------------------
+
+
+def test_reshard_to_a_subgroup_keeps_backward_gathers_inside_it(clusters):
+    results = clusters[4].run(counted_step, sf.Plan("FULL_SHARD", reshard_after_forward=2), prefetch=1)
+    for rank, r in enumerate(results):
+        mine = (0, 1) if rank < 2 else (2, 3)
+        blocks = {u: b for u, b in r["unit_bytes"].items() if u != "<root>"}
+        assert r["reshard"] == {"<root>": False, **{u: 2 for u in blocks}}
+        per_group = {}
+        for kind, purpose, unit, group, nbytes in r["calls"]:
+            if kind == "all_gather":
+                per_group.setdefault((purpose, group), []).append((unit, nbytes))
+        # forward: every unit over the 4 ranks; backward: every block within this rank's pair
+        assert sorted(per_group[("gather", (0, 1, 2, 3))]) == sorted(r["unit_bytes"].items())
+        assert sorted(per_group[("regather", mine)]) == sorted(blocks.items())
+        assert set(per_group) == {("gather", (0, 1, 2, 3)), ("regather", mine)}
+        # the reductions are unchanged: one reduce-scatter per unit over all ranks
+        assert [(u, g) for k, _, u, g, _ in r["calls"] if k == "reduce_scatter"] == [
+            (u, (0, 1, 2, 3)) for u in ["blocks.3", "blocks.2", "blocks.1", "blocks.0", "<root>"]]
+        assert r["expected"]["all_gather"] == (r["counts"]["all_gather"], r["bytes"]["all_gather"])
+
+
+def test_reshard_to_a_subgroup_equals_one_device(clusters):
+    check_equivalence(
+        gpt_model, gpt_loss, gpt_batches(), optimizer=functools.partial(adamw, 1e-3),
+        strategies=[sf.Plan("FULL_SHARD", reshard_after_forward=2),
+                    sf.Plan("FULL_SHARD", reshard_after_forward={"blocks.0": 2, "blocks.2": False},
+                            remat=sf.Remat())],
+        world_sizes=[4], clusters=clusters)
+
+
+def refused(plan):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(GPT(CFG))
+    try:
+        sf.shard(params, mesh, plan)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_bad_reshard_rules_are_refused_with_the_units_and_the_mesh(clusters):
+    for plan, words in [
+        (sf.Plan("FULL_SHARD", reshard_after_forward=3), "must divide the 4 ranks"),
+        (sf.Plan("FULL_SHARD", reshard_after_forward={"blocks.9": False}), "not units of this plan"),
+        (sf.Plan("NO_SHARD", reshard_after_forward=False), "NO_SHARD"),
+        (sf.Plan("FULL_SHARD", reshard_after_forward=2, remat=sf.Remat(mode="selective")), "selective remat"),
+    ]:
+        assert all(words in m for m in clusters[4].run(refused, plan)), words
+    with pytest.raises(TypeError, match="sub-group size"):
+        sf.Plan("FULL_SHARD", reshard_after_forward="node")
+
+
+# -- keeping units gathered across micro-batches ---------------------------------------------
+
+
+@pytest.mark.parametrize("accumulate", ["reduce_each", "local"])
+def test_keep_gathered_gathers_each_unit_once_per_step(clusters, accumulate):
+    k = 3
+    plain = clusters[2].run(counted_step, "FULL_SHARD", micro_batches=k, accumulate=accumulate)[0]
+    kept = clusters[2].run(counted_step, "FULL_SHARD", micro_batches=k, accumulate=accumulate,
+                           keep_gathered=True)[0]
+    n_units = len(kept["unit_bytes"])
+    assert plain["counts"]["all_gather"] == k * (2 * n_units - 1)
+    assert kept["counts"]["all_gather"] == n_units and kept["bytes"]["all_gather"] == sum(kept["unit_bytes"].values())
+    assert kept["counts"]["reduce_scatter"] == plain["counts"]["reduce_scatter"] == (k if accumulate == "reduce_each"
+                                                                                       else 1) * n_units
+    assert kept["max_live"] == n_units - 1  # every non-root unit at once (the root is not tracked)
+    assert kept["peak"] > plain["peak"]  # the price: the gathered model
+    assert abs(kept["loss"] - plain["loss"]) <= 1e-6 * abs(plain["loss"])
+
+
+def test_keep_gathered_equals_one_device(clusters):
+    check_equivalence(
+        gpt_model, gpt_loss, gpt_batches(), optimizer=functools.partial(adamw, 1e-3),
+        strategies=["FULL_SHARD", "SHARD_GRAD_OP"], world_sizes=[2], clusters=clusters,
+        step_options={"micro_batches": 3, "keep_gathered": True, "accumulate": "local"})
+
+
+# -- ZeRO-1: SHARD_OPTIMIZER -----------------------------------------------------------------
+
+
+def zero1_step(precision=None):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    sharded = sf.shard(params, mesh, "SHARD_OPTIMIZER", precision=precision)
+    opt = sf.optim.adamw(1e-3)
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    batch = split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
+    with sf.record_collectives() as first:
+        sharded, state, _ = step(sharded, state, batch)
+    with sf.record_collectives() as log, sf.track_live_bytes(sharded, state, batch) as mem:
+        held = mem.current
+        sharded, state, _ = step(sharded, state, batch)
+    lay = sharded.layout
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes()
+                for t in [*sharded.params().values(), *torch.utils._pytree.tree_leaves(state), *batch.values()]}
+    # a shard changed outside the step (in place): the kept replica no longer holds, the next use gathers again
+    name = "blocks.0.mlp.0.weight"
+    with torch.no_grad():
+        sharded[name].mul_(0.5)
+    truth = sf.gather(sharded)
+    grad_fn = sf.jit_grad(lambda p, b: gpt_loss(apply, p, b), mesh)
+    with sf.record_collectives() as after:
+        loss, _, _ = grad_fn(sharded, batch)
+    return {
+        "first": [(c.kind.value, c.purpose.value) for c in first.calls if c.unit],
+        "calls": [(c.kind.value, c.purpose.value, c.unit) for c in log.calls if c.unit],
+        "units": [u.name for u in lay.units],
+        "held": held, "expected_held": sum(storages.values()) + sum(lay.world * u.numel * u.param_dtype.itemsize
+                                                                     for u in lay.units),
+        "regathered": [c.unit for c in after.calls if c.kind.value == "all_gather" and c.purpose.value == "gather"],
+        "loss_after": float(loss), "fresh_loss": _fresh_loss(truth, mesh, batch),
+    }
+
+
+def _fresh_loss(full, mesh, batch):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    model.load_state_dict(full)
+    params, apply = sf.functionalize(model)
+    return float(gpt_loss(apply, params, batch).detach()) if mesh.size == 1 else float(
+        sf.jit_grad(lambda p, b: gpt_loss(apply, p, b), mesh)(sf.shard(params, mesh, "NO_SHARD"), batch)[0])
+
+
+def test_shard_optimizer_is_zero1_one_reduce_scatter_then_one_all_gather_per_unit(clusters):
+    for r in clusters[2].run(zero1_step):
+        n = len(r["units"])
+        # a steady step: no gather in forward; every unit's reduce-scatter, then (after the
+        # update) every unit's updated shards all-gathered, in layout order
+        assert [k for k, _, _ in r["calls"]] == ["reduce_scatter"] * n + ["all_gather"] * n
+        assert [u for k, _, u in r["calls"] if k == "all_gather"] == r["units"]
+        # the first step also gathers in forward (there is no replica yet)
+        assert sum(k == "all_gather" for k, _ in r["first"]) == 2 * n
+        # between steps: the shards, the optimizer state, the batch and the full replica
+        assert r["held"] == r["expected_held"]
+        # a shard changed outside the step: its unit (and only it) is gathered again, and the
+        # loss is that of the changed parameters
+        assert r["regathered"] == ["blocks.0"]
+        assert abs(r["loss_after"] - r["fresh_loss"]) <= 1e-6
+
+
+def test_shard_optimizer_equals_one_device(clusters):
+    for world in (2, 3):
+        check_equivalence(
+            gpt_model, gpt_loss, gpt_batches(), optimizer=functools.partial(adamw, 1e-3, weight_decay=0.01),
+            strategies=["SHARD_OPTIMIZER", sf.Plan("SHARD_OPTIMIZER", offload=sf.Offload(params=True, optimizer=True))],
+            world_sizes=[world], clusters=clusters, step_options={"micro_batches": 2})
