@@ -65,6 +65,7 @@ class Purpose(str, enum.Enum):
     TEST = "test"  # issued by a test
     STEP = "step"  # the header that opens a step (shardfn._schedule); no data
     USER = "user"  # Mesh.barrier / broadcast / reduce / all_gather, called by the training loop
+    REPLICA = "replica"  # SHARD_OPTIMIZER: a unit's updated shards, gathered after the update
 
     def __str__(self) -> str:
         return self.value

@@ -113,6 +113,10 @@ def to_host(t: torch.Tensor, dtype: torch.dtype, to: Any, unit: str) -> torch.Te
     out = torch.empty(t.shape, dtype=dtype, device="cpu", pin_memory=pin)
     mark_host(out)
     out.copy_(t, non_blocking=pin)
+    if pin:  # done when this event is: see wait_for_device
+        done = torch.cuda.Event()
+        done.record()
+        _TO_HOST.append(done)
     emit(Transfer("to_host", out.numel() * out.element_size(), unit, 1), to)
     return out
 
@@ -125,12 +129,18 @@ def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype, to: Any
 
 
 def wait_for_device(device: torch.device) -> None:
-    """Host code is about to read or write what the device copies from or into: wait for
-    every copy issued so far (a no-op on CPU, where copies are done when they return)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+    """Host code is about to read or write what the device copies from or into: waits for
+    the copies to the host (their events) and for the side stream's copies from the host
+    shards (a no-op on CPU, where copies are done when they return)."""
+    if device.type != "cuda":
+        return
+    while _TO_HOST:
+        _TO_HOST.pop().synchronize()
+    if device in _SIDE:
+        _SIDE[device].synchronize()
 
 
+_TO_HOST: list[Any] = []  # CUDA events of copies to pinned host memory not yet waited for
 _SIDE: dict[torch.device, Any] = {}
 
 

@@ -65,7 +65,7 @@ def refresh(sharded: Any, to: Any) -> None:
                 to_device_into(out[rank], shards, to, u.name)
             else:
                 torch.cat([s.detach().reshape(-1) for s in shards], out=out[rank])
-            C.all_gather(out.view(-1), out[rank], group, Purpose.GATHER, u.name, to=to)
+            C.all_gather(out.view(-1), out[rank], group, Purpose.REPLICA, u.name, to=to)
             # replaced unit by unit: the old and the new replica of one unit are alive at once, no more
             sharded.replicas[u.index] = (unpack_unit(out, [layout.leaves[n] for n in u.leaves], layout.world),
                                          _stamp(shards))

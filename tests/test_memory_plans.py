@@ -237,7 +237,7 @@ def test_shard_optimizer_is_zero1_one_reduce_scatter_then_one_all_gather_per_uni
         n = len(r["units"])
         # a steady step: no gather in forward; every unit's reduce-scatter, then (after the
         # update) every unit's updated shards all-gathered, in layout order
-        assert [k for k, _, _ in r["calls"]] == ["reduce_scatter"] * n + ["all_gather"] * n
+        assert [(k, p) for k, p, _ in r["calls"]] == [("reduce_scatter", "reduce")] * n + [("all_gather", "replica")] * n
         assert [u for k, _, u in r["calls"] if k == "all_gather"] == r["units"]
         # the first step also gathers in forward (there is no replica yet)
         assert sum(k == "all_gather" for k, _ in r["first"]) == 2 * n
