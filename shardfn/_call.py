@@ -92,11 +92,11 @@ def _saved_tensor_hooks(units: list[Unit]):
         packed.use.pending -= 1
         if not u.entered:
             # The last saved use of the parameters is being handed out: drop our reference
-            # now (the node holds the view until it is done). FULL_SHARD lets go after each
-            # use's last handle (another use regathers); SHARD_GRAD_OP after the last handle
-            # of every use. This also frees units whose parameters are all frozen, whose
-            # GatherUnit has no backward.
-            if u.layout.strategy.reshard_after_forward and packed.use.pending == 0:
+            # now (the node holds the view until it is done). A unit resharded after forward
+            # (FULL_SHARD's) lets go after each use's last handle (another use regathers); a
+            # kept one (SHARD_GRAD_OP's) after the last handle of every use. This also frees
+            # units whose parameters are all frozen, whose GatherUnit has no backward.
+            if u.unit.reshard and packed.use.pending == 0:
                 u.release()
             elif u.handles == 0:
                 u.release()

@@ -255,3 +255,28 @@ def test_shard_optimizer_equals_one_device(clusters):
             gpt_model, gpt_loss, gpt_batches(), optimizer=functools.partial(adamw, 1e-3, weight_decay=0.01),
             strategies=["SHARD_OPTIMIZER", sf.Plan("SHARD_OPTIMIZER", offload=sf.Offload(params=True, optimizer=True))],
             world_sizes=[world], clusters=clusters, step_options={"micro_batches": 2})
+
+
+def twice_gathers(plan):
+    """All-gathers per unit in a step whose loss calls apply twice (two views of the batch)."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    sharded = sf.shard(params, mesh, plan)
+    opt = sf.optim.sgd(0.1)
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b) + gpt_loss(apply, p, {"x": b["y"], "y": b["x"]}), mesh,
+                       optimizer=opt, prefetch=0)
+    batch = split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
+    with sf.record_collectives() as log:
+        step(sharded, state, batch)
+    return {u.name: len([c for c in log.calls if c.kind.value == "all_gather" and c.unit == u.name])
+            for u in sharded.layout.units}
+
+
+def test_a_kept_unit_used_twice_is_gathered_once(clusters):
+    counts = clusters[2].run(twice_gathers, sf.Plan("FULL_SHARD", reshard_after_forward={"blocks.0": False}))[0]
+    # kept: gathered by the first call, reused by the second and by both backwards
+    assert counts["blocks.0"] == 1
+    # resharded: each call gathers it and each call's backward gathers it again
+    assert counts["blocks.1"] == 4
