@@ -33,7 +33,7 @@ import copy
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -100,17 +100,20 @@ class AutoPlan:
         return self.frontier[0] if self.frontier else None
 
     def __str__(self) -> str:
-        def gib(b: int) -> str:
-            return f"{b / _GIB:,.2f}"
+        big = max([self.budget, *(c.peak_bytes for c in self.frontier)]) >= _GIB
+        scale, unit = (_GIB, "GiB") if big else (2**20, "MiB")
 
-        head = (f"shardfn.autoplan: mesh {self.world}, budget {gib(self.budget)} GiB per rank; {self.tried} plans "
+        def size(b: int) -> str:
+            return f"{b / scale:,.2f}"
+
+        head = (f"shardfn.autoplan: mesh {self.world}, budget {size(self.budget)} {unit} per rank; {self.tried} plans "
                 f"simulated in {self.seconds:.1f} s; {len(self.frontier)} fit and are not dominated")
-        rows = [head, f"  {'plan':<44} {'peak GiB':>9} {'persist GiB':>11} {'host GiB':>9} "
-                      f"{'comm GiB/step':>13} {'host<->dev GiB':>14}"]
+        rows = [head, f"  {'plan':<52} {'peak':>9} {'persist':>9} {'host':>9} {'comm/step':>10} {'host<->dev':>10}"
+                      f"  ({unit} per rank)"]
         for i, c in enumerate(self.frontier):
             mark = "* " if i == 0 else "  "
-            rows.append(f"{mark}{c.label():<44} {gib(c.peak_bytes):>9} {gib(c.persistent_bytes):>11} "
-                        f"{gib(c.host_bytes):>9} {gib(c.comm_bytes):>13} {gib(c.transfer_bytes):>14}")
+            rows.append(f"{mark}{c.label():<52} {size(c.peak_bytes):>9} {size(c.persistent_bytes):>9} "
+                        f"{size(c.host_bytes):>9} {size(c.comm_bytes):>10} {size(c.transfer_bytes):>10}")
         if not self.frontier:
             rows.append("  nothing fits: a larger mesh, bf16 parameters (base=Plan(precision=...)), or a smaller batch")
         else:
@@ -128,6 +131,8 @@ def autoplan(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: Any = None,
     base: Plan | None = None,
+    strategies: Sequence[Strategy | str] | None = None,
+    micro_batches: Sequence[int] = (1, 2, 4),
     verbose: bool = True,
 ) -> AutoPlan:
     """The plans that fit ``memory_budget_per_rank`` on ``world`` ranks, on the frontier of
@@ -141,6 +146,8 @@ def autoplan(
         batch_example: one rank's batch, as the step receives it (only shapes and dtypes matter).
         loss_fn, optimizer: as for :func:`shardfn.explain`.
         base: a plan whose units and precision every candidate keeps (default: ``Plan()``).
+        strategies: the strategies to try (default: every one the mesh takes).
+        micro_batches: the numbers of micro-batches to try (those that split the batch).
         verbose: print the table.
 
     Returns:
@@ -157,11 +164,13 @@ def autoplan(
     start = time.perf_counter()
     rows = _rows(batch_example)
     hybrid = not isinstance(world, int)
-    strategies = (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2) if hybrid else (
-        Strategy.FULL_SHARD, Strategy.SHARD_GRAD_OP, Strategy.SHARD_OPTIMIZER, Strategy.NO_SHARD)
+    if strategies is None:
+        strategies = (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2) if hybrid else (
+            Strategy.FULL_SHARD, Strategy.SHARD_GRAD_OP, Strategy.SHARD_OPTIMIZER, Strategy.NO_SHARD)
+    strategies = [Strategy.parse(s) for s in strategies]
     candidates = []
-    for strategy, remat, offload, k in itertools.product(strategies, (False, True), (False, True), (1, 2, 4)):
-        if rows % k or (k > 1 and rows < k):
+    for strategy, remat, offload, k in itertools.product(strategies, (False, True), (False, True), micro_batches):
+        if not (isinstance(k, int) and k >= 1) or rows % k:
             continue
         plan = Plan(strategy, units=base.units, precision=base.precision, remat=Remat() if remat else None,
                     offload=Offload(params=True, optimizer=True) if offload else None)
