@@ -14,7 +14,7 @@ from ._compile import backend_of
 from ._grad import Grad, check_options
 from ._guard import Where, guarded
 from ._mesh import Mesh
-from ._offload import mark_host_trees, wait_for_device
+from ._offload import mark_host_trees, place_on_host, wait_for_device
 from ._plan import Strategy
 from ._replica import refresh
 from ._precision import DynamicLossScale, LossScaleState
@@ -108,7 +108,11 @@ class Step:
                     apply_updates_(sharded, updates)
                 new = sharded.replace(replaced) if replaced else sharded
             else:
-                new = sharded.replace({**apply_updates(sharded.params(), updates), **buffers.work})
+                params = apply_updates(sharded.params(), updates)
+                if sharded.layout.offloaded:  # new shards, in host memory like the old ones ([Note: offload])
+                    params = {n: place_on_host(t.detach(), self.mesh.device).requires_grad_(t.requires_grad)
+                              for n, t in params.items()}
+                new = sharded.replace({**params, **buffers.work})
             if sharded.layout.strategy is Strategy.SHARD_OPTIMIZER:  # [Note: replicated parameters]
                 refresh(new, current().observers)
         opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner

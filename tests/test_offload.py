@@ -170,6 +170,33 @@ def state_paths(tmp):
     }
 
 
+def outside_a_step():
+    """apply under the user's own autograd, and a step that returns new tensors (donate=False)."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    batch = split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
+    grads, new = {}, {}
+    for name, off in (("plain", None), ("offload", OFF)):
+        sharded = sf.shard(params, mesh, "FULL_SHARD", offload=off)
+        gpt_loss(apply, sharded, batch).backward()
+        grads[name] = {n: t.grad for n, t in sharded.params().items()}
+        opt = sf.optim.adamw(1e-3)
+        step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, donate=False)
+        new[name], _, _ = step(sharded, opt.init(sharded), batch)
+    return {
+        "grads_equal": all(torch.equal(grads["plain"][n], grads["offload"][n]) for n in grads["plain"]),
+        "grads_host": all(is_marked_host(g.untyped_storage()) for g in grads["offload"].values()),
+        "new_equal": all(torch.equal(new["plain"][n], new["offload"][n]) for n in new["plain"]),
+        "new_host": all(is_marked_host(t.untyped_storage()) and t.requires_grad for t in new["offload"].params().values()),
+    }
+
+
+def test_apply_outside_a_step_and_undonated_steps_keep_the_state_on_the_host(clusters):
+    for r in clusters[2].run(outside_a_step):
+        assert r == {k: True for k in r}, r
+
+
 def test_gather_checkpoints_deferred_init_and_rank0_loading_work_offloaded(clusters, tmp_path):
     for r in clusters[2].run(state_paths, str(tmp_path)):
         assert r == {k: True for k in r}, r
