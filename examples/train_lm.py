@@ -39,7 +39,7 @@ import shardfn as sf
 from shardfn.testing import split_batch
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIMIZER", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 VAL_BATCH = 64  # windows in the fixed validation batch
 VAL_SEED_OFFSET = 1_000_003  # the val batch's generator must not replay the training draws
 
@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="2-D mesh for the hybrid strategies: 'nodes' (one replica per torchrun node) or a number of replicas",
     )
+    p.add_argument("--offload", action="store_true",
+                   help="shards, gradients and optimizer state in host memory, the update on the host (docs/memory.md)")
     p.add_argument("--model", choices=("gpt", "gpt2"), default="gpt",
                    help="gpt: shardfn.testing.models.GPT; gpt2: a Hugging Face GPT-2 of the same size (needs "
                    "transformers), trained through the same code path")
@@ -264,7 +266,8 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
     n_params = sum(p.numel() for p in model.parameters())
 
     params, apply = sf.functionalize(model)
-    sharded = sf.shard(params, mesh, args.strategy)
+    offload = sf.Offload(params=True, optimizer=True) if args.offload else None
+    sharded = sf.shard(params, mesh, args.strategy, offload=offload)
     opt = sf.optim.adamw(args.lr, weight_decay=0.1)
     opt_state = opt.init(sharded)
 

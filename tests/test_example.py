@@ -14,14 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["FULL_SHARD"])
-def test_train_lm_under_torchrun_loss_falls(strategy):
+@pytest.mark.parametrize("strategy, extra", [("FULL_SHARD", []), ("SHARD_OPTIMIZER", ["--offload"])])
+def test_train_lm_under_torchrun_loss_falls(strategy, extra):
     steps = 12
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
         "--master-port", str(free_port()), str(ROOT / "examples" / "train_lm.py"),
         "--steps", str(steps), "--strategy", strategy, "--d-model", "64", "--layers", "2", "--log-every", "6",
-        "--progress", "plain", "--sample-tokens", "20",
+        "--progress", "plain", "--sample-tokens", "20", *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
@@ -31,7 +31,8 @@ def test_train_lm_under_torchrun_loss_falls(strategy):
     assert losses[-1] < losses[0] - 0.5, losses
     assert re.search(r"^final loss [0-9.]+ \(first [0-9.]+\)$", proc.stdout, re.M)
     assert len(re.findall(r"^val loss [0-9.]+ at step \d+$", proc.stdout, re.M)) == 2
-    assert "FULL_SHARD" in proc.stdout and "blocks.1" in proc.stdout  # the printed layout
+    assert strategy in proc.stdout and "blocks.1" in proc.stdout  # the printed layout
+    assert ("offload=Offload(params=True, optimizer=True)" in proc.stdout) == bool(extra)
     sample = re.search(r"^sample: The (.*)$", proc.stdout, re.M | re.S)
     assert sample and len(sample.group(1)) >= 5, proc.stdout[-2000:]  # 20 bytes (some may not be UTF-8)
     summary = re.search(r"^summary: 12 steps in [0-9.]+ s \(([0-9,]+) tokens/s\), train loss ([0-9.]+), val loss "
