@@ -280,3 +280,46 @@ def test_a_kept_unit_used_twice_is_gathered_once(clusters):
     assert counts["blocks.0"] == 1
     # resharded: each call gathers it and each call's backward gathers it again
     assert counts["blocks.1"] == 4
+
+
+def disagreeing_plans():
+    """Rank 0 asks for offload and a sub-group reshard, the others do not."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(GPT(CFG))
+    mine = sf.Plan("FULL_SHARD", offload=sf.Offload(params=True, optimizer=True), reshard_after_forward=2) \
+        if mesh.rank == 0 else sf.Plan("FULL_SHARD")
+    try:
+        sf.shard(params, mesh, mine)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_ranks_that_disagree_on_offload_or_resharding_all_raise_before_making_groups(clusters):
+    # every rank raises the same error at the layout agreement, before any sub-group is created
+    # (creating one is collective: a rank that asked for it alone would wait there)
+    for message in clusters[4].run(disagreeing_plans):
+        assert "ranks disagree about the layout" in message and "ranks [1, 2, 3] differ" in message, message
+
+
+def keep_gathered_on_rank0_only():
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    opt = sf.optim.sgd(0.1)
+    state = opt.init(sharded)
+    before = {n: t.clone() for n, t in sharded.params().items()}
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, micro_batches=2,
+                       keep_gathered=mesh.rank == 0)
+    try:
+        step(sharded, state, split_batch(gpt_batches(1)[0], mesh.rank, mesh.size))
+    except sf.DivergenceError as e:
+        return {"error": type(e).__name__, "unchanged": all(torch.equal(before[n], sharded[n]) for n in before)}
+    return {"error": None}
+
+
+def test_keep_gathered_on_one_rank_only_raises_on_every_rank_before_the_update(clusters):
+    for r in clusters[2].run(keep_gathered_on_rank0_only):
+        assert r == {"error": "DivergenceError", "unchanged": True}, r
