@@ -51,7 +51,7 @@ import torch.nn as nn
 from . import _collectives as C
 from ._events import Purpose, ResidencyEvent, UnitEvent, emit
 from ._layout import Layout, UnitLayout, unpack_unit
-from ._offload import copy_stream, join_stream, to_device, to_device_into
+from ._offload import copy_stream, join_stream, pack_shards, to_device
 from ._plan import RematMode
 from ._reduce import UnitGrads
 from ._runtime import invariant
@@ -149,7 +149,7 @@ class Unit:
         world, numel = self.layout.world, self.unit.numel
         if purpose is Purpose.REGATHER and self.secondary is not None:
             # Resharded to a sub-group after forward: gathered within it (ZeRO++'s hpZ).
-            group, _ = self.mesh.subgroup(self.unit.reshard)
+            group, _ = self.mesh.subgroup(self.unit.subgroup)
             with torch.no_grad():
                 out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
                 work = C.all_gather(out.view(-1), self.secondary, group, purpose, self.unit.name, async_op=async_op,
@@ -158,10 +158,7 @@ class Unit:
         with torch.no_grad(), copy_stream(self.device) if self.layout.offloaded else nullcontext():
             out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
             mine = out[self.rank]
-            if self.layout.offloaded:  # host to device: the same one copy per leaf (see [Note: offload])
-                to_device_into(mine, self.shards, self.runtime.observers, self.unit.name)
-            else:
-                torch.cat([s.detach().reshape(-1) for s in self.shards], out=mine)
+            pack_shards(mine, self.shards, self.layout.offloaded, self.runtime.observers, self.unit.name)
             work = C.all_gather(out.view(-1), mine, self.group, purpose, self.unit.name, async_op=async_op,
                                 to=self.runtime.observers)
         return work, mine, out
@@ -218,10 +215,11 @@ class Unit:
                     _, _, out = self._issue(purpose, async_op=False)
                 if self.layout.offloaded:
                     join_stream(out)
-                if purpose is Purpose.GATHER and self.unit.reshard not in (True, False) and self.reshards:
+                k = self.unit.subgroup
+                if purpose is Purpose.GATHER and k is not None and self.reshards:
                     # keep this rank's piece of the sub-group's share (one copy of world / k rows)
-                    _, index = self.mesh.subgroup(self.unit.reshard)
-                    self.secondary = out.view(-1).chunk(self.unit.reshard)[index].clone()
+                    _, index = self.mesh.subgroup(k)
+                    self.secondary = out.view(-1).chunk(k)[index].clone()
                 full = unpack_unit(out, leaves, world)  # one copy: FSDP2's copy-out
         self.full = full
         self.storages = {id(t.untyped_storage()): i for i, t in enumerate(full)}

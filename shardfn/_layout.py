@@ -86,6 +86,11 @@ class UnitLayout:
     reshard: bool | int = False
 
     @property
+    def subgroup(self) -> int | None:
+        """The size of the group the unit reshards to after forward (``reshard`` an int), else None."""
+        return None if isinstance(self.reshard, bool) else self.reshard
+
+    @property
     def name(self) -> str:
         base = self.path or "<root>"
         return f"{base}[{str(self.dtype).removeprefix('torch.')}]" if self.split else base

@@ -36,11 +36,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from ._events import Transfer, emit
 from ._memory import mark_host
 
-__all__ = ["Offload", "to_device_into", "to_host", "wait_for_device"]
+__all__ = ["Offload", "pack_shards", "to_device_into", "to_host", "wait_for_device"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,16 @@ def to_device_into(out: torch.Tensor, shards: Sequence[torch.Tensor], to: Any, u
         out[offset : offset + n].copy_(s.detach().reshape(-1), non_blocking=True)
         offset += n
     emit(Transfer("to_device", offset * out.element_size(), unit, len(shards)), to)
+
+
+def pack_shards(out: torch.Tensor, shards: Sequence[torch.Tensor], offloaded: bool, to: Any, unit: str) -> None:
+    """This rank's row of a unit's all-gather output (``out``, flat): its shards one after
+    the other, cast to ``out``'s dtype; from host memory when ``offloaded`` (one counted copy
+    per shard), else one ``torch.cat`` (see [Note: copies])."""
+    if offloaded:
+        to_device_into(out, shards, to, unit)
+    else:
+        torch.cat([s.detach().reshape(-1) for s in shards], out=out)
 
 
 def to_host(t: torch.Tensor, dtype: torch.dtype, to: Any, unit: str) -> torch.Tensor:
@@ -173,8 +184,6 @@ def join_stream(out: torch.Tensor) -> None:
 
 def mark_host_trees(trees: Iterable[Any]) -> None:
     """Marks every tensor of ``trees`` (an optimizer state built from host shards) as host memory."""
-    import torch.utils._pytree as pytree
-
     for leaf in pytree.tree_leaves(list(trees)):
         if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
             mark_host(leaf)

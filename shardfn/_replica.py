@@ -31,7 +31,7 @@ import torch
 from . import _collectives as C
 from ._events import Purpose
 from ._layout import unpack_unit
-from ._offload import to_device_into
+from ._offload import pack_shards
 
 __all__ = ["refresh", "replica_of"]
 
@@ -61,10 +61,7 @@ def refresh(sharded: Any, to: Any) -> None:
         for u in layout.units:
             shards = [sharded[n] for n in u.leaves]
             out = torch.empty(layout.world, u.numel, dtype=u.param_dtype, device=mesh.device)
-            if layout.offloaded:
-                to_device_into(out[rank], shards, to, u.name)
-            else:
-                torch.cat([s.detach().reshape(-1) for s in shards], out=out[rank])
+            pack_shards(out[rank], shards, layout.offloaded, to, u.name)
             C.all_gather(out.view(-1), out[rank], group, Purpose.REPLICA, u.name, to=to)
             # replaced unit by unit: the old and the new replica of one unit are alive at once, no more
             sharded.replicas[u.index] = (unpack_unit(out, [layout.leaves[n] for n in u.leaves], layout.world),

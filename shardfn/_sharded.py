@@ -266,7 +266,7 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
 def make_subgroups(layout: Layout, mesh: Mesh) -> None:
     """The process groups the layout's units reshard to after forward (every rank, in the
     same order, once the ranks agree on the layout: creating a group is collective)."""
-    for size in sorted({u.reshard for u in layout.units if u.reshard is not True and u.reshard is not False}):
+    for size in sorted({u.subgroup for u in layout.units if u.subgroup is not None}):
         mesh.subgroup(size)
 
 

@@ -94,11 +94,11 @@ class Step:
             in_place = self.donate and getattr(self.optimizer, "update_", None) is not None
             if not skip:
                 with torch.profiler.record_function("shardfn::optimizer"):
+                    if in_place or sharded.layout.offloaded:
+                        current().settle()  # no all-gather may still be reading the shards
                     if sharded.layout.offloaded:  # the optimizer runs on the host ([Note: offload])
-                        current().settle()
                         wait_for_device(self.mesh.device)  # no copy to the device may still be reading a shard
                     if in_place:
-                        current().settle()  # no all-gather may still be reading the shards
                         inner = self.optimizer.update_(grads, inner, sharded)
                     else:
                         updates, inner = self.optimizer.update(grads, inner, sharded)
