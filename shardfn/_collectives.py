@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from . import _guard as G
+from ._compat import all_gather_single, reduce_scatter_single
 from ._events import Collective, CollectiveCall, Purpose, emit, label, observers
 
 __all__ = [
@@ -63,7 +64,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, purpos
     """
     _record(Collective.ALL_GATHER, group, out, purpose, unit, to, detail)
     with _range(Collective.ALL_GATHER, purpose, unit):
-        work = dist.all_gather_single(out, inp, group=group, async_op=True)
+        work = all_gather_single(out, inp, group=group, async_op=True)
     return _done(work, group, async_op, Collective.ALL_GATHER, purpose, unit)
 
 
@@ -91,7 +92,7 @@ def issue_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGro
     (the pipelined guard's playing out included), so that all ranks issue the same transfers."""
     if op in (SUM, AVG) and group.size() > 1 and inp.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
         return _reduce_scatter_gloo(out, inp, group, op)
-    return dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True), None
+    return reduce_scatter_single(out, inp, op=op, group=group, async_op=True), None
 
 
 def _reduce_scatter_gloo(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, op: ReduceOp) -> tuple[Any, Any]:
@@ -101,25 +102,33 @@ def _reduce_scatter_gloo(out: torch.Tensor, inp: torch.Tensor, group: ProcessGro
     of it (10.3 ms). Instead each rank sends every peer the chunk that peer owns and
     receives its own chunk from each peer (paired sends and receives: (n - 1) / n of the
     input each way, the reduce-scatter's textbook traffic), then adds them up: 7.5 ms
-    (world 4: 16 ms against 41). The first peer's chunk is received straight into the
-    output, so the receive buffers hold n - 2 chunks (none at world 2), where gloo held a
-    full copy; the sum adds the other peers' chunks and then this rank's own (same values
-    up to the order of the additions, exactly the same at world 2). Counted as the
-    reduce-scatter it is."""
+    (world 4: 16 ms against 41). One peer's chunk is received straight into the output, so
+    the receive buffers hold n - 2 chunks (none at world 2), where gloo held a full copy.
+
+    [Note: the order of the sum] Every chunk is summed in rank order, ``((g0 + g1) + g2) +
+    ...``, whichever rank owns it, so the result is bit for bit what one process gets by
+    adding the ranks' gradients left to right (fp32 addition is commutative but not
+    associative: at world 3, ``(g2 + g1) + g0`` and ``(g0 + g1) + g2`` can differ in the
+    last bit, and a bf16 model downstream can turn that bit into a bf16 rounding). The
+    output starts as the lower of ranks 0 and 1 that is not this one (``g1 + g0`` equals
+    ``g0 + g1`` exactly), and the other chunks are added in rank order."""
     n, me = group.size(), dist.get_rank(group)
     chunks, flat = inp.view(n, -1), out.view(-1)
-    # The first peer's chunk lands in the output itself; only n - 2 chunks need a buffer.
-    recv = [flat, *torch.empty((n - 2, chunks.shape[1]), dtype=inp.dtype, device=inp.device).unbind(0)]
+    first = 1 if me == 0 else 0  # the peer whose chunk lands in the output itself
+    peers = [r for r in range(n) if r not in (me, first)]
+    bufs = dict(zip(peers, torch.empty((n - 2, chunks.shape[1]), dtype=inp.dtype, device=inp.device).unbind(0)))
+    recv = {first: flat, **bufs}
     ops = []
-    for i in range(1, n):
-        ops += [dist.P2POp(dist.isend, chunks[(me + i) % n], dist.get_global_rank(group, (me + i) % n), group),
-                dist.P2POp(dist.irecv, recv[i - 1], dist.get_global_rank(group, (me - i) % n), group)]
+    for i in range(1, n):  # send to me + i while receiving from me - i: every pair meets in the same round
+        to, frm = (me + i) % n, (me - i) % n
+        ops += [dist.P2POp(dist.isend, chunks[to], dist.get_global_rank(group, to), group),
+                dist.P2POp(dist.irecv, recv[frm], dist.get_global_rank(group, frm), group)]
     work = _Works(dist.batch_isend_irecv(ops))
 
     def finish() -> None:
-        for r in recv[1:]:
-            flat.add_(r)
-        flat.add_(chunks[me])
+        for r in range(n):
+            if r != first:
+                flat.add_(chunks[me] if r == me else bufs[r])
         if op == AVG:
             out.div_(n)
 

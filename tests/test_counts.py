@@ -148,6 +148,11 @@ def test_gloo_average_really_averages(clusters, world):
         torch.testing.assert_close(t, torch.full((3,), mean_factor))
 
 
+def rank_input(rank: int, world: int, dtype: torch.dtype) -> torch.Tensor:
+    """Distinct per chunk and rank, at magnitudes where the order of a sum shows in the last bit."""
+    return (torch.randn(world * 4, generator=torch.Generator().manual_seed(rank)) * 10.0**rank).to(dtype)
+
+
 def reduce_scatter_chunks():
     """Every rank's input distinct per chunk and rank: each rank must end with the sum (and
     mean) of exactly its own chunk over all ranks, blocking or not, in fp32 and bf16."""
@@ -168,7 +173,7 @@ def reduce_scatter_chunks():
     N, r = dist.get_world_size(), dist.get_rank()
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        inp = (torch.arange(N * 4, dtype=torch.float32) + 100 * r).to(dtype)
+        inp = rank_input(r, N, dtype)
         for op, name in ((C.SUM, "sum"), (C.AVG, "avg")):
             for asynchronous in (False, True):
                 got = torch.empty(4, dtype=dtype)
@@ -183,12 +188,17 @@ def reduce_scatter_chunks():
 @pytest.mark.parametrize("world", [3, 4])
 def test_reduce_scatter_on_gloo_sums_each_ranks_own_chunk(clusters, world):
     # shardfn sends each chunk to its owner and sums locally (_collectives [Note: reduce-scatter
-    # on gloo]); the chunks come from every other rank, in the right places.
+    # on gloo]); the chunks come from every other rank, in the right places, and every chunk is
+    # summed in rank order ([Note: the order of the sum]): bit for bit a left-to-right sum in the
+    # dtype, whichever rank owns the chunk.
     for r, results in enumerate(clusters[world].run(reduce_scatter_chunks)):
         for (dtype, op, _), (got, recorded, ops) in results.items():
-            total = sum(torch.arange(r * 4, r * 4 + 4, dtype=torch.float32) + 100 * s for s in range(world))
-            torch.testing.assert_close(got, total / world if op == "avg" else total, rtol=1e-2 if "bfloat" in dtype
-                                       else 0, atol=0)
+            dt = getattr(torch, dtype.split(".")[1])
+            total = rank_input(0, world, dt)[r * 4:r * 4 + 4]
+            for s in range(1, world):
+                total = total + rank_input(s, world, dt)[r * 4:r * 4 + 4]
+            want = (total / world if op == "avg" else total).float()
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
             assert recorded == {"reduce_scatter": world * 4 * (4 if dtype == "torch.float32" else 2)}
             # Sends and receives (and the guard's header all-gather), no gloo reduce-scatter.
             assert set(ops) == {"c10d::_allgather_base_", "c10d::recv_", "c10d::send"}, ops
