@@ -33,3 +33,38 @@ def clusters():
     yield c
     for cluster in c.values():
         cluster.close()
+
+
+def _environment_lines() -> list[str]:
+    """What can move a test's numerics: the Python, torch and its kernels' CPU paths, the
+    versions of every installed distribution, and the CPU (issue 31: MKL picks its kernels
+    by CPU vendor and instruction set, and a different kernel can round differently)."""
+    import platform
+    from importlib import metadata
+
+    lines = [f"python {platform.python_version()}  torch {torch.__version__}  (cuda {torch.version.cuda}, "
+             f"ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, mkl {torch.backends.mkl.is_available()}, "
+             f"threads {torch.get_num_threads()})"]
+    dists = sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions() if d.metadata["Name"]},
+                   key=str.lower)
+    lines.append("installed: " + " ".join(dists))
+    cpu = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                cpu.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    lines.append(f"cpu: {cpu.get('model name', platform.processor() or platform.machine())} "
+                 f"({cpu.get('vendor_id', '?')}, {os.cpu_count()} cores)")
+    lines.append(f"cpu flags: {cpu.get('flags', '(unknown)')}")
+    return lines
+
+
+def pytest_sessionstart(session):
+    # Printed under -q too (a report header is not), so CI's log shows what it tested on.
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in _environment_lines():
+            reporter.write_line(line)
