@@ -59,7 +59,11 @@ def test_grads_are_the_global_batch_gradients_as_shards(clusters, strategy, worl
     ref_loss, ref, ref_norm = reference_gradients(padded_batches(1)[0])
     for loss, metric_loss, norm, metric_norm, padding_zero, shapes, full, norms, counts in clusters[world].run(
             grads_of_one_batch, strategy, micro_batches):
-        assert loss == pytest.approx(ref_loss, rel=1e-6) and metric_loss == loss
+        # The loss is a sum of n positive per-token terms (n <= 12 rows x 8 tokens), added here
+        # in another tree (micro-batches, ranks, gloo's all-reduce) than the reference's one sum:
+        # two orders differ by at most 2 (n - 1) u relative (u = 2**-24: 1.1e-5 at n = 96), and
+        # each term by the rounding of its logits' matmul, whose shape differs (a slice of rows).
+        assert loss == pytest.approx(ref_loss, rel=2 * 95 * 2**-24 + 1e-6) and metric_loss == loss
         assert norm == pytest.approx(ref_norm, rel=1e-5) and metric_norm == norm
         assert padding_zero and shapes
         assert full.keys() == ref.keys()

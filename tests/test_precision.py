@@ -20,7 +20,7 @@ def reference(precision):
     params, apply = sf.functionalize(gpt_model())
     masters = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
     start = {n: p.detach().clone() for n, p in masters.items()}
-    losses = []
+    losses, moved = [], 0.0
     for b in gpt_batches(STEPS):
         compute = {n: p.to(precision.param) for n, p in masters.items()}
         logits = apply(compute, b["x"]).to(precision.output)
@@ -29,8 +29,9 @@ def reference(precision):
         with torch.no_grad():
             for p, g in zip(masters.values(), grads):
                 p.sub_(LR * g)
+        moved += LR * max(float(g.abs().max()) for g in grads)
         losses.append(loss.item())
-    return losses, {n: masters[n].detach() - start[n] for n in masters}
+    return losses, {n: masters[n].detach() - start[n] for n in masters}, moved
 
 
 def sharded_run(strategy, precision, units=None):
@@ -62,10 +63,17 @@ def sharded_run(strategy, precision, units=None):
 # bf16 keeps 8 significant bits (eps 2^-8 relative rounding), fp16 11 bits (2^-11).
 # The sharded run and the reference do the same casts; they differ in where low-precision
 # sums are rounded: each rank's backward sums its own slice of the batch in `param`
-# precision, the reference sums the global batch at once. Each gradient element is thus
-# off by a few roundings of the largest partial sums, so the parameter updates agree
-# to a few eps of their own scale. The bound below allows 8 eps of the largest update,
-# and 8 eps relative on the loss (its logits carry the same kind of rounding).
+# precision (and FP16 reduces in fp16: one more rounding per rank added), the reference
+# sums the global batch at once, with other kernel blocking. In one step a gradient
+# element is thus off by a few roundings (eps) of the largest gradient; a master that
+# differs in its last bit can also round to the neighbouring `param` value, which moves
+# the next forward by eps of a parameter, the same order again. SGD's update is linear in
+# the gradient, and the steps' differences add up: the bound is 8 eps (a few roundings,
+# with room for the cast) times the sum over steps of the largest |update| (`moved`).
+# The loss gets 8 eps relative: its logits carry the same kind of rounding. This is an
+# estimate of the rounding, not a worst case: a sum that cancels can lose more bits, so
+# the margin is what guards it (measured with MKL's AVX-512 and its generic kernels: the
+# parameters 4.7-11x inside the bound, the losses over 600x).
 EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
@@ -73,14 +81,13 @@ EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 @pytest.mark.parametrize("precision", [BF16, FP16], ids=["bf16", "fp16"])
 def test_low_precision_matches_a_reference_with_the_same_casts(clusters, precision, strategy, world):
-    ref_losses, ref_delta = reference(precision)
+    ref_losses, ref_delta, moved = reference(precision)
     bound = 8 * EPS[precision.param]
     for r in clusters[world].run(sharded_run, strategy, precision):
         assert r["shard_dtypes"] == {"torch.float32"}  # master shards stay fp32
         assert r["losses"] == pytest.approx(ref_losses, rel=bound)
-        scale = max(d.abs().max().item() for d in ref_delta.values())
         worst = max((r["delta"][n] - d).abs().max().item() for n, d in ref_delta.items())
-        assert worst <= bound * scale, (worst, bound * scale)
+        assert worst <= bound * moved, (worst, bound * moved)
 
 
 @pytest.mark.parametrize("precision", [None, BF16, FP16], ids=["fp32", "bf16", "fp16"])
@@ -136,7 +143,7 @@ def reference_fp16_scaled(init_scale, growth_interval, steps):
     masters = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
     opt = torch.optim.SGD(masters.values(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
-    trace = []
+    trace, moved = [], 0.0
     for b in gpt_batches(steps):
         compute = {n: p.to(torch.float16) for n, p in masters.items()}
         logits = apply(compute, b["x"]).float()
@@ -144,10 +151,12 @@ def reference_fp16_scaled(init_scale, growth_interval, steps):
         opt.zero_grad()
         scale = scaler.get_scale()
         scaler.scale(loss).backward()
+        before = [p.detach().clone() for p in masters.values()]
         scaler.step(opt)
         scaler.update()
+        moved += max(float((p.detach() - b0).abs().max()) for p, b0 in zip(masters.values(), before))
         trace.append((loss.item(), scale, scaler.get_scale() < scale))
-    return trace, {n: p.detach() for n, p in masters.items()}
+    return trace, {n: p.detach() for n, p in masters.items()}, moved
 
 
 def sharded_fp16_scaled(strategy, init_scale, growth_interval, steps):
@@ -169,11 +178,12 @@ def sharded_fp16_scaled(strategy, init_scale, growth_interval, steps):
 @pytest.mark.parametrize("world", [2, 3])
 def test_fp16_dynamic_loss_scale_skips_overflow_on_every_rank(clusters, world):
     init, interval, steps = 2.0**24, 2, 6
-    ref_trace, ref_params = reference_fp16_scaled(init, interval, steps)
+    ref_trace, ref_params, moved = reference_fp16_scaled(init, interval, steps)
     skipped = [s for _, _, s in ref_trace]
     assert skipped[0] and not all(skipped)  # the scenario overflows at first, then recovers
     for trace, params in clusters[world].run(sharded_fp16_scaled, "FULL_SHARD", init, interval, steps):
         assert [(s, k) for _, s, k in trace] == [(s, k) for _, s, k in ref_trace]  # same scales, same skips
         assert [l for l, _, _ in trace] == pytest.approx([l for l, _, _ in ref_trace], rel=8 * EPS[torch.float16])
         for n, p in ref_params.items():
-            torch.testing.assert_close(params[n], p, rtol=0, atol=8 * EPS[torch.float16] * 0.1)
+            # the bound of test_low_precision_matches_a_reference_with_the_same_casts
+            torch.testing.assert_close(params[n], p, rtol=0, atol=8 * EPS[torch.float16] * moved)
