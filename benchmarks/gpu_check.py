@@ -66,6 +66,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.nn.parallel import DistributedDataParallel
 
 import shardfn as sf
+from shardfn._compat import all_gather_single, reduce_scatter_single  # torch 2.11: other names
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -164,9 +165,9 @@ def probe(device: torch.device) -> None:
     x = torch.full((2,), float(rank + 1), device=device)
     dist.all_reduce(x)
     gathered = torch.empty(2 * world, device=device)
-    dist.all_gather_single(gathered, torch.full((2,), float(rank), device=device))
+    all_gather_single(gathered, torch.full((2,), float(rank), device=device))
     scattered = torch.empty(2, device=device)
-    dist.reduce_scatter_single(scattered, torch.arange(2.0 * world, device=device))
+    reduce_scatter_single(scattered, torch.arange(2.0 * world, device=device))
     if device.type == "cuda":
         torch.cuda.synchronize()
     total = world * (world + 1) / 2

@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _collectives as C
 from . import _guard as G
+from ._compat import written_files
 from ._export import write_config
 from ._sharded import ShardedParams
 from .optim._protocol import param_leaves
@@ -137,6 +138,9 @@ class _SafeReader(dcp.FileSystemReader):
     def __init__(self, path: str, check: Mapping[str, str] | None = None) -> None:
         super().__init__(path)
         self._dir, self._check = path, dict(check or {})
+        # A refused .metadata, kept to be raised as itself: torch 2.11's dcp.load catches what
+        # read_metadata raises and fails later with "metadata is None" (2.13 passes it on).
+        self.refused: pickle.UnpicklingError | None = None
 
     def prepare_local_plan(self, plan: Any) -> Any:
         bad = _changed(self._dir, self._check)
@@ -147,7 +151,11 @@ class _SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         rank = kwargs.get("rank")
         with self.fs.create_stream(self._get_metadata_path(rank), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                self.refused = e
+                raise
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -233,10 +241,10 @@ def _save(path: str, sharded: ShardedParams, opt_state: Any, values: dict[str, A
     if rank0 and os.path.exists(partial):
         shutil.rmtree(partial)  # what a save that died left behind
     C.barrier_mesh(sharded.mesh)
-    written = dcp.save(_state_dict(sharded, opt_state, tensors), checkpoint_id=partial, process_group=group)
+    dcp.save(_state_dict(sharded, opt_state, tensors), checkpoint_id=partial, process_group=group)
     C.barrier_mesh(sharded.mesh)
     if rank0:
-        files = sorted({info.relative_path for info in written.storage_data.values()} | {".metadata"})
+        files = written_files(partial)
         meta = {
             "format": _FORMAT,
             "strategy": sharded.layout.strategy.value,
@@ -463,10 +471,13 @@ def _load_extra_tensors(path: str, keys: list[str], sharded: ShardedParams) -> d
 
 def _dcp_load(path: str, state: dict[str, Any], sharded: ShardedParams, check: Mapping[str, str] | None = None) -> None:
     # DCP reports any rank's failure on every rank, as a BaseException: make it a ValueError.
+    reader = _SafeReader(path, check)
     try:
-        dcp.load(state, storage_reader=_SafeReader(path, check), process_group=_group(sharded))
+        dcp.load(state, storage_reader=reader, process_group=_group(sharded))
     except CheckpointException as e:
         damaged = sorted({name for exc, _ in e.failures.values() if isinstance(exc, _Corrupt) for name in exc.args})
         if damaged:
             raise _corrupted(path, damaged) from None
+        if reader.refused is not None:  # every rank read the same .metadata and refused it
+            raise ValueError(f"checkpoint.load({path!r}) failed: {reader.refused}") from None
         raise ValueError(f"checkpoint.load({path!r}) failed: {e}") from None

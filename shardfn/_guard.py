@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._compat import all_gather_single
 from ._events import Collective, Purpose
 
 __all__ = [
@@ -216,7 +217,7 @@ def exchange(state: "_Group", mine: list[int], what: str) -> list[list[int]]:
     me = dist.get_rank()
     out = torch.empty(len(state.ranks) * HEADER, dtype=torch.int64)
     HEADERS[0] += 1
-    work = dist.all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=state.control, async_op=True)
+    work = all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=state.control, async_op=True)
     _wait(work, state, what)
     state.position += 1
     headers = out.view(-1, HEADER).tolist()

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from . import _guard as G
 from ._collectives import issue_reduce_scatter
+from ._compat import all_gather_single
 from ._events import Collective, Purpose
 
 __all__ = ["Deviated", "Run", "Schedule"]
@@ -189,7 +190,7 @@ class Run:
                 scratch[key] = torch.zeros(e.numel + e.numel // n, dtype=e.dtype, device=e.device)
             full, part = scratch[key][: e.numel], scratch[key][e.numel : e.numel + e.numel // n]
             if e.kind is Collective.ALL_GATHER:
-                work = dist.all_gather_single(full, part, group=e.group, async_op=True)
+                work = all_gather_single(full, part, group=e.group, async_op=True)
             elif e.kind is Collective.REDUCE_SCATTER:
                 work, _ = issue_reduce_scatter(part, full, e.group, e.op)
             else:

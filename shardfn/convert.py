@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 
 from ._checkpoint import _FORMAT, _META, _SELF, _changed, _corrupted, _digest, _meta_digest, _publish, _read_meta
 from ._checkpoint import _SafeReader
+from ._compat import written_files
 from ._safetensors import Source, Writer, parse_size
 
 __all__ = ["checkpoint_to_safetensors", "main", "safetensors_to_checkpoint"]
@@ -80,8 +81,8 @@ def safetensors_to_checkpoint(src: str, dst: str) -> int:
     partial = dst + ".partial"
     if os.path.exists(partial):
         shutil.rmtree(partial)
-    written = dcp.save(state, checkpoint_id=partial, no_dist=True)
-    files = sorted({info.relative_path for info in written.storage_data.values()} | {".metadata"})
+    dcp.save(state, checkpoint_id=partial, no_dist=True)
+    files = written_files(partial)
     meta = {
         "format": _FORMAT,
         "strategy": "NO_SHARD",
