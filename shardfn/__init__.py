@@ -39,16 +39,17 @@ from ._plan import FullShard as FullShard
 from ._plan import HybridShard as HybridShard
 from ._plan import HybridShardZero2 as HybridShardZero2
 from ._plan import NoShard as NoShard
+from ._plan import Placement as Placement
 from ._plan import Plan as Plan
 from ._plan import Remat as Remat
 from ._plan import RematMode as RematMode
 from ._plan import ShardGradOp as ShardGradOp
 from ._plan import ShardOptimizer as ShardOptimizer
 from ._plan import Strategy as Strategy
-from ._plan import UnitPolicy as UnitPolicy
-from ._plan import by_module_type as by_module_type
-from ._plan import by_param_count as by_param_count
-from ._plan import by_prefix as by_prefix
+from ._units import UnitPolicy as UnitPolicy
+from ._units import by_module_type as by_module_type
+from ._units import by_param_count as by_param_count
+from ._units import by_prefix as by_prefix
 from ._precision import DynamicLossScale as DynamicLossScale
 from ._precision import LossScaleState as LossScaleState
 from ._precision import Precision as Precision
@@ -89,6 +90,7 @@ __all__ = [
     "Offload",
     "Params",
     "PeerError",
+    "Placement",
     "Plan",
     "Precision",
     "Purpose",

@@ -55,6 +55,7 @@ from . import _collectives as C
 from . import _guard as G
 from ._compat import written_files
 from ._export import write_config
+from ._pieces import LoadPlanner, Pieces, SavePlanner
 from ._sharded import ShardedParams
 from .optim._protocol import param_leaves
 
@@ -169,11 +170,17 @@ def _placements(sharded: ShardedParams) -> list:
     return [Shard(0) if axis == "shard" else Replicate() for axis in mesh.axis_names]
 
 
-def _dtensor(local_shard: torch.Tensor, sharded: ShardedParams, name: str) -> DTensor:
-    """A DTensor view of this rank's real rows of a parameter-shaped shard."""
+def _dtensor(local_shard: torch.Tensor, sharded: ShardedParams, name: str) -> DTensor | Pieces:
+    """A DTensor view of this rank's real rows of a parameter-shaped shard; a flat shard's
+    rectangles ([Note: flat shards in checkpoints])."""
     layout = sharded.layout
     leaf = layout.leaves[name]
-    local = local_shard[: layout.local_rows(name, layout.shard_rank(sharded.mesh))]
+    rank = layout.shard_rank(sharded.mesh)
+    if leaf.flat:
+        span = layout.units[leaf.unit].numel
+        off, _ = leaf.piece(rank, span)
+        return Pieces(leaf.shape, local_shard.reshape(-1), max(0, rank * span + off - leaf.start))
+    local = local_shard[: layout.local_rows(name, rank)]
     shape = torch.Size(leaf.shape or (1,))  # a 0-d parameter is saved as one row
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, sharded.mesh.device_mesh, _placements(sharded), shape=shape, stride=stride)
@@ -186,6 +193,7 @@ def _persistent(sharded: ShardedParams) -> list[str]:
 def _state_dict(sharded: ShardedParams, opt_state: Any, extra_tensors: Mapping[str, torch.Tensor],
                 buffers: list[str] | None = None) -> dict[str, Any]:
     leaves = sharded.layout.leaves
+    rank = sharded.layout.shard_rank(sharded.mesh)
     out: dict[str, Any] = {f"params/{n}": _dtensor(sharded[n].detach(), sharded, n) for n in leaves}
     out.update({f"buffers/{n}": sharded[n].detach() for n in (_persistent(sharded) if buffers is None else buffers)})
     for path, name, leaf in param_leaves(opt_state):
@@ -196,7 +204,7 @@ def _state_dict(sharded: ShardedParams, opt_state: Any, extra_tensors: Mapping[s
                 "only tensor leaves can be saved (shardfn.optim's optimizers keep tensors only; from_torch's "
                 "state holds a torch optimizer: save state.optimizer.state_dict() yourself)."
             )
-        if name in leaves and tuple(leaf.shape) == leaves[name].shard_shape:
+        if name in leaves and tuple(leaf.shape) == sharded.layout.shard_shape(name, rank):
             out[key] = _dtensor(leaf.detach(), sharded, name)
         else:
             out[key] = leaf
@@ -241,7 +249,8 @@ def _save(path: str, sharded: ShardedParams, opt_state: Any, values: dict[str, A
     if rank0 and os.path.exists(partial):
         shutil.rmtree(partial)  # what a save that died left behind
     C.barrier_mesh(sharded.mesh)
-    dcp.save(_state_dict(sharded, opt_state, tensors), checkpoint_id=partial, process_group=group)
+    dcp.save(_state_dict(sharded, opt_state, tensors), checkpoint_id=partial, process_group=group,
+             planner=SavePlanner())
     C.barrier_mesh(sharded.mesh)
     if rank0:
         files = written_files(partial)
@@ -473,7 +482,7 @@ def _dcp_load(path: str, state: dict[str, Any], sharded: ShardedParams, check: M
     # DCP reports any rank's failure on every rank, as a BaseException: make it a ValueError.
     reader = _SafeReader(path, check)
     try:
-        dcp.load(state, storage_reader=reader, process_group=_group(sharded))
+        dcp.load(state, storage_reader=reader, process_group=_group(sharded), planner=LoadPlanner())
     except CheckpointException as e:
         damaged = sorted({name for exc, _ in e.failures.values() if isinstance(exc, _Corrupt) for name in exc.args})
         if damaged:

@@ -50,7 +50,7 @@ import torch.nn as nn
 
 from . import _collectives as C
 from ._events import Purpose, ResidencyEvent, UnitEvent, emit
-from ._layout import Layout, UnitLayout, unpack_unit
+from ._layout import Layout, UnitLayout, shard_buffer, unpack_unit
 from ._offload import copy_stream, join_stream, pack_shards, to_device
 from ._plan import RematMode
 from ._reduce import UnitGrads
@@ -157,8 +157,11 @@ class Unit:
             return work, self.secondary, out
         with torch.no_grad(), copy_stream(self.device) if self.layout.offloaded else nullcontext():
             out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
-            mine = out[self.rank]
-            pack_shards(mine, self.shards, self.layout.offloaded, self.runtime.observers, self.unit.name)
+            mine = shard_buffer(self.shards, numel, self.unit.param_dtype) if self.unit.flat else None
+            if mine is None:  # ROWS, or shards that are not views of one buffer: one pack (see [Note: copies])
+                mine = out[self.rank]
+                pack_shards(mine, self.shards, self.layout.offloaded, self.runtime.observers, self.unit.name,
+                            pad=self.unit.flat)
             work = C.all_gather(out.view(-1), mine, self.group, purpose, self.unit.name, async_op=async_op,
                                 to=self.runtime.observers)
         return work, mine, out

@@ -12,6 +12,21 @@ A step does both for a whole unit in one copy (:func:`unpack_unit`, :func:`pack_
 see [Note: copies] in _gather.py and _reduce.py); :func:`unpack_leaf` and :func:`pack_leaf` do one leaf.
 Under NO_SHARD the "shard" is the whole parameter (``world`` is 1 for layout purposes)
 and the unit buffer is what the all-reduce runs on.
+
+[Note: placements]
+What the note above describes is ``Placement.ROWS``. Under ``Placement.FLAT`` a unit's
+parameters are laid end to end, in unit order, into one *global* flat buffer of
+``world * unit.numel`` elements (padding at the end only), and rank ``r`` holds elements
+``[r * numel, (r + 1) * numel)`` of it: its shard buffer. Leaf ``i`` occupies elements
+``[start_i, start_i + numel_i)``; its shard on rank ``r`` is the (possibly empty) 1-D piece
+where that range meets the rank's. So the all-gather's output, read flat, *is* the global
+buffer: it takes this rank's shard buffer as it is (no pack when the shards are views of
+it) and every full parameter is a view of it (no unpack). A gradient buffer is laid out
+the same way, so the reduce-scatter's output is this rank's gradient shard buffer and each
+leaf's shard gradient is a view of it (one copy per unit: autograd's per-parameter
+gradients into the buffer). For a leaf's shard and its gradient to be the same elements,
+a flat unit holds only trainable or only frozen parameters: a module with both is one
+unit per (dtype, trainable) group, named ``path[float32,frozen]`` and the like.
 """
 
 from __future__ import annotations
@@ -25,7 +40,7 @@ from typing import Any
 import torch
 
 from ._guard import unit_id
-from ._plan import Plan, RematMode, Strategy
+from ._plan import Placement, Plan, RematMode, Strategy
 from ._tree import TreeInfo
 
 __all__ = ["BufferLayout", "LeafLayout", "Layout", "UnitLayout", "unit_owner"]
@@ -43,6 +58,23 @@ class LeafLayout:
     chunk: int  # rows per rank
     offset: int  # element offset of this leaf's shard in the unit's flat shard buffer
     grad_offset: int  # offset in the unit's flat *gradient* buffer (trainable leaves only); -1 if frozen
+    start: int = -1  # Placement.FLAT: element offset in the unit's global flat buffer ([Note: placements]); else -1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def flat(self) -> bool:
+        return self.start >= 0
+
+    def piece(self, rank: int, span: int) -> tuple[int, int]:
+        """``(offset in rank's shard buffer, length)`` of this leaf's shard on ``rank``, in a
+        unit whose shard buffers have ``span`` elements (``UnitLayout.numel``)."""
+        if not self.flat:
+            return self.offset, self.shard_numel
+        lo, hi = max(self.start, rank * span), min(self.start + self.numel, (rank + 1) * span)
+        return (lo - rank * span, hi - lo) if hi > lo else (0, 0)
 
     @property
     def rows(self) -> int:
@@ -54,6 +86,8 @@ class LeafLayout:
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
+        """Placement.ROWS: the shape of every rank's shard (a flat leaf's depends on the rank:
+        :meth:`Layout.shard_shape`)."""
         return (self.chunk, *self.shape[1:]) if self.shape else (1,)
 
     @property
@@ -84,6 +118,8 @@ class UnitLayout:
     # them (backward gathers again), an int k keeps them sharded over groups of k ranks
     # (backward gathers within the group): see shardfn._sharded.reshard_rules.
     reshard: bool | int = False
+    flat: bool = False  # Placement.FLAT ([Note: placements])
+    frozen_split: bool = False  # a flat unit of a module that also has trainable (or frozen) leaves of its dtype
 
     @property
     def subgroup(self) -> int | None:
@@ -93,7 +129,9 @@ class UnitLayout:
     @property
     def name(self) -> str:
         base = self.path or "<root>"
-        return f"{base}[{str(self.dtype).removeprefix('torch.')}]" if self.split else base
+        tags = [str(self.dtype).removeprefix("torch.")] if self.split else []
+        tags += ["frozen"] if self.frozen_split and not self.grad_numel else []
+        return f"{base}[{','.join(tags)}]" if tags else base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +172,27 @@ class Layout:
         return mesh.axis_rank("shard") if self.strategy.sharded else 0
 
     def local_rows(self, name: str, rank: int) -> int:
-        """Real (non-padding) rows of parameter ``name`` held by shard rank ``rank``."""
+        """Placement.ROWS: real (non-padding) rows of parameter ``name`` held by shard rank ``rank``."""
         leaf = self.leaves[name]
         return leaf.local_rows(rank) if self.world > 1 else leaf.rows
+
+    def shard_shape(self, name: str, rank: int) -> tuple[int, ...]:
+        """The shape of parameter ``name``'s shard on shard rank ``rank`` (see [Note: placements])."""
+        leaf = self.leaves[name]
+        if not leaf.flat:
+            return leaf.shard_shape
+        return (leaf.piece(rank, self.units[leaf.unit].numel)[1],)
+
+    def local_shard(self, name: str, full: torch.Tensor, rank: int, device: torch.device) -> torch.Tensor:
+        """Shard rank ``rank``'s shard of parameter ``name`` from its full value, a new tensor on ``device``."""
+        leaf = self.leaves[name]
+        return local_shard(full, leaf, rank, device, self.units[leaf.unit].numel)
+
+    def piece(self, name: str, rank: int) -> tuple[int, int]:
+        """``(offset, length)`` of parameter ``name``'s shard in shard rank ``rank``'s shard
+        buffer of its unit (``length`` elements, padding rows included under ROWS)."""
+        leaf = self.leaves[name]
+        return leaf.piece(rank, self.units[leaf.unit].numel)
 
     def unit_of(self, path: str) -> UnitLayout:
         return self.units[self.leaves[path].unit]
@@ -275,10 +331,12 @@ def build_layout(
         # one unit per dtype group, all on the same module, in order of first appearance.
         # Each group is gathered, reduced and accounted for on its own (one collective per
         # group and direction), in its own dtype unless the Precision says otherwise.
-        groups: dict[torch.dtype, list[str]] = {}
-        for n in names:
-            groups.setdefault(state[n].dtype, []).append(n)
-        for master, group in groups.items():
+        flat = plan.placement is Placement.FLAT
+        groups: dict[tuple[torch.dtype, bool], list[str]] = {}
+        for n in names:  # a flat unit is all trainable or all frozen ([Note: placements])
+            groups.setdefault((state[n].dtype, flat and not state[n].requires_grad), []).append(n)
+        dtypes = {dt for dt, _ in groups}
+        for (master, frozen), group in groups.items():
             offset = grad_offset = 0
             for n in group:
                 t = state[n]
@@ -288,14 +346,24 @@ def build_layout(
                 # Frozen leaves are gathered with their unit but have no gradient: they take
                 # no space in the reduce-scatter (or all-reduce) buffer.
                 goff = grad_offset if t.requires_grad else -1
-                leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), chunk, offset, goff)
+                if flat:  # laid end to end in the global buffer; chunk and offset unused
+                    numel = math.prod(t.shape)
+                    leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), 0, -1, goff,
+                                           offset)
+                else:
+                    leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), chunk, offset,
+                                           goff)
                 offset += numel
                 grad_offset += numel if t.requires_grad else 0
+            if flat:  # offsets so far are global; a rank's shard buffer is 1 / world of it, padded at the end
+                offset = -(-offset // world)
+                grad_offset = offset if not frozen else 0
             param_dtype, reduce_dtype = plan.precision.unit_dtypes(path, unit_modules.get(path), master)
             units.append(UnitLayout(
                 len(units), path, tuple(group), offset, master, grad_offset, param_dtype, reduce_dtype,
-                (remat or {}).get(path), len(groups) > 1, path in optional,
-                (reshard or {}).get(path, plan.strategy.reshard_after_forward and path != ""),
+                (remat or {}).get(path), len(dtypes) > 1, path in optional,
+                (reshard or {}).get(path, plan.strategy.reshard_after_forward and path != ""), flat,
+                flat and (master, not frozen) in groups,
             ))
     buffers = {
         n: BufferLayout(n, tuple(state[n].shape), state[n].dtype, n in info.persistent) for n in info.buffers
@@ -312,7 +380,10 @@ def build_layout(
 
 
 def unpack_leaf(gathered: torch.Tensor, leaf: LeafLayout, world: int) -> torch.Tensor:
-    """Full parameter from a ``[world, unit.numel]`` all-gather result (one copy)."""
+    """Full parameter from a ``[world, unit.numel]`` all-gather result (one copy; a flat
+    leaf's is a view of it, see [Note: placements])."""
+    if leaf.flat:
+        return gathered.reshape(-1)[leaf.start : leaf.start + leaf.numel].view(leaf.shape)
     cols = gathered[:, leaf.offset : leaf.offset + leaf.shard_numel].view(world, leaf.chunk, leaf.row_numel)
     out = torch.empty((leaf.rows, leaf.row_numel), dtype=gathered.dtype, device=gathered.device)
     if leaf.chunk:
@@ -330,28 +401,46 @@ def unpack_unit(gathered: torch.Tensor, leaves: Sequence[LeafLayout], world: int
     tensor of its own: rank after rank, that is the leaf's rows followed by its padding
     rows, so the full parameter is a view of its first ``rows`` rows (a few padding rows
     of memory per leaf, one kernel per unit). ``leaves`` are the unit's leaves in order.
+    A flat unit's are views of ``gathered``, no copy ([Note: placements]).
     """
+    if leaves and leaves[0].flat:
+        return [unpack_leaf(gathered, leaf, world) for leaf in leaves]
     outs = [gathered.new_empty((world, leaf.shard_numel)) for leaf in leaves]
     if outs:
         torch.split_with_sizes_copy(gathered, [leaf.shard_numel for leaf in leaves], dim=1, out=outs)
     return [t.view(-1)[: math.prod(leaf.shape)].view(leaf.shape) for t, leaf in zip(outs, leaves)]
 
 
-def pack_unit(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], world: int) -> None:
+def pack_unit(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], world: int, flat: bool = False) -> None:
     """Writes full-shaped tensors, laid end to end, into a ``[world, n]`` buffer, in one copy.
 
     The inverse of :func:`unpack_unit` (``n`` is the sum of their shard sizes): one
     ``_chunk_cat`` splits each tensor into ``world`` dim-0 chunks of ``ceil(rows / world)``
     rows, zero padding included, writes chunk ``r`` into row ``r``, and casts to the
-    buffer's dtype on the way. The tensors need not be contiguous.
+    buffer's dtype on the way. The tensors need not be contiguous. ``flat``: the unit's
+    global flat buffer ([Note: placements]): one ``cat`` of the flattened tensors and the
+    padding's zeros.
     """
+    if flat:
+        out = buffer.view(-1)
+        parts = [t.reshape(-1) for t in tensors]
+        pad = out.numel() - sum(t.numel() for t in parts)
+        if pad:
+            parts.append(out.new_zeros(pad))
+        if parts:
+            torch.cat(parts, out=out)
+        return
     parts = [t.reshape(1) if t.dim() == 0 else t for t in tensors if t.numel()]  # empty: no columns
     if parts:
         torch._chunk_cat(parts, dim=0, num_chunks=world, out=buffer)
 
 
 def pack_leaf(buffer: torch.Tensor, full: torch.Tensor, leaf: LeafLayout, world: int, offset: int) -> None:
-    """Writes a full-shaped tensor at column ``offset`` of a ``[world, n]`` buffer, zero padding."""
+    """Writes a full-shaped tensor at column ``offset`` of a ``[world, n]`` buffer, zero
+    padding (a flat leaf: at its place in the global buffer; ``offset`` unused)."""
+    if leaf.flat:
+        buffer.view(-1)[leaf.start : leaf.start + leaf.numel].copy_(full.reshape(-1))
+        return
     cols = buffer[:, offset : offset + leaf.shard_numel].view(world, leaf.chunk, leaf.row_numel)
     if not leaf.chunk:
         return
@@ -364,8 +453,13 @@ def pack_leaf(buffer: torch.Tensor, full: torch.Tensor, leaf: LeafLayout, world:
         cols[q + 1 :].zero_()
 
 
-def local_shard(full: torch.Tensor, leaf: LeafLayout, rank: int, device: torch.device) -> torch.Tensor:
-    """This rank's zero-padded dim-0 chunk of ``full``, as a new tensor on ``device``."""
+def local_shard(full: torch.Tensor, leaf: LeafLayout, rank: int, device: torch.device, span: int = 0) -> torch.Tensor:
+    """This rank's zero-padded dim-0 chunk of ``full``, as a new tensor on ``device``; a
+    flat leaf's 1-D piece, in a unit of shard buffers of ``span`` elements."""
+    if leaf.flat:
+        off, n = leaf.piece(rank, span)
+        lo = rank * span + off - leaf.start
+        return full.detach().reshape(-1)[lo : lo + n].to(device, copy=True)
     shard = torch.zeros(leaf.shard_shape, dtype=full.dtype, device=device)
     k = leaf.local_rows(rank)
     if k:
@@ -373,3 +467,22 @@ def local_shard(full: torch.Tensor, leaf: LeafLayout, rank: int, device: torch.d
         src = full.reshape(leaf.rows, *leaf.shape[1:])[start : start + k]
         shard[:k].copy_(src)
     return shard
+
+
+def shard_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The flat unit's shard buffer that ``shards`` are views of, in order, when it is one
+    contiguous tensor of ``numel`` elements in ``dtype`` (as :func:`shardfn.shard` lays them
+    out, and in-place updates keep them); else None, and the caller packs them.
+
+    The all-gather then sends it as it is: no copy ([Note: placements])."""
+    base = shards[0]._base if shards else None
+    if base is None or base.dtype != dtype or base.dim() != 1 or base.numel() != numel or not base.is_contiguous():
+        return None
+    at = base.storage_offset()
+    for s in shards:
+        if not s.numel():  # a leaf with no elements on this rank
+            continue
+        if s._base is not base or s.storage_offset() != at or (s.numel() > 1 and s.stride() != (1,)):
+            return None
+        at += s.numel()
+    return base

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from . import _collectives as C
 from ._events import Purpose
-from ._layout import Layout, UnitLayout, build_layout, local_shard, pack_leaf, unit_owner
+from ._layout import Layout, UnitLayout, build_layout, pack_leaf, unit_owner
 from ._plan import Plan
 from ._tree import tree_info
 
@@ -109,7 +109,7 @@ def _take(values: Mapping[str, torch.Tensor], layout: Layout, out: dict[str, tor
     """This rank's share of one unit's values: the shards of its parameters, whole buffers."""
     for name, t in values.items():
         if name in layout.leaves:
-            out[name] = local_shard(t.detach(), layout.leaves[name], rank, device)
+            out[name] = layout.local_shard(name, t.detach(), rank, device)
         elif name in layout.buffers:
             out[name] = t.detach().to(device, copy=True)
 
@@ -158,7 +158,7 @@ def scattered_state(params: Mapping[str, torch.Tensor], layout: Layout, mesh, sr
             if in_src_row and world > 1:
                 buf = None
                 if i_am_src:
-                    buf = torch.empty(world, unit.numel, dtype=unit.dtype, device=device)
+                    buf = (torch.zeros if unit.flat else torch.empty)(world, unit.numel, dtype=unit.dtype, device=device)
                     for n in unit.leaves:
                         pack_leaf(buf, params[n].to(device), layout.leaves[n], world, layout.leaves[n].offset)
                 C.scatter(flat, buf, shard_src, mesh.group("shard"), Purpose.LOAD, unit.name)
@@ -166,9 +166,10 @@ def scattered_state(params: Mapping[str, torch.Tensor], layout: Layout, mesh, sr
                 flat.copy_(torch.cat([params[n].reshape(-1).to(device) for n in unit.leaves]))
             if mesh.ndim == 2 and mesh.axis_size("replicate") > 1:
                 C.broadcast(flat, src_row, mesh.group("replicate"), Purpose.LOAD, unit.name)
+        rank = layout.shard_rank(mesh)
         for n in unit.leaves:
-            leaf = layout.leaves[n]
-            out[n] = flat[leaf.offset : leaf.offset + leaf.shard_numel].view(leaf.shard_shape).clone()
+            off, length = layout.piece(n, rank)
+            out[n] = flat[off : off + length].view(layout.shard_shape(n, rank)).clone()
     # Buffers: one broadcast per dtype, of all of them laid end to end, from the source.
     by_dtype: dict[torch.dtype, list[str]] = {}
     for n, b in layout.buffers.items():

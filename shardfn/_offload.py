@@ -107,14 +107,20 @@ def to_device_into(out: torch.Tensor, shards: Sequence[torch.Tensor], to: Any, u
     emit(Transfer("to_device", offset * out.element_size(), unit, len(shards)), to)
 
 
-def pack_shards(out: torch.Tensor, shards: Sequence[torch.Tensor], offloaded: bool, to: Any, unit: str) -> None:
+def pack_shards(out: torch.Tensor, shards: Sequence[torch.Tensor], offloaded: bool, to: Any, unit: str,
+                pad: bool = False) -> None:
     """This rank's row of a unit's all-gather output (``out``, flat): its shards one after
     the other, cast to ``out``'s dtype; from host memory when ``offloaded`` (one counted copy
-    per shard), else one ``torch.cat`` (see [Note: copies])."""
+    per shard), else one ``torch.cat`` (see [Note: copies]). ``pad``: a flat unit's shards
+    fill less than the row on the last ranks: zeros after them."""
+    parts = [s.detach().reshape(-1) for s in shards]
+    rest = out.numel() - sum(p.numel() for p in parts) if pad else 0
     if offloaded:
-        to_device_into(out, shards, to, unit)
+        to_device_into(out[: out.numel() - rest], shards, to, unit)
+        if rest:
+            out[out.numel() - rest :].zero_()
     else:
-        torch.cat([s.detach().reshape(-1) for s in shards], out=out)
+        torch.cat(parts + ([out.new_zeros(rest)] if rest else []), out=out)
 
 
 def to_host(t: torch.Tensor, dtype: torch.dtype, to: Any, unit: str) -> torch.Tensor:

@@ -1,10 +1,9 @@
 """Plans: which strategy, and which parameters travel together (units).
 
 A plan is data. ``Strategy`` says where parameters live between uses (FSDP's
-``ShardingStrategy``); a unit policy groups parameters into *units*, each of which
-costs one collective per direction. Policies resolve against the module tree that
-:func:`shardfn.functionalize` keeps, or, for :func:`by_prefix` and the default,
-against parameter names alone.
+``ShardingStrategy``); a unit policy (shardfn._units) groups parameters into *units*,
+each of which costs one collective per direction; ``Placement`` says how a unit is cut
+into shards.
 """
 
 from __future__ import annotations
@@ -12,22 +11,20 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch.nn as nn
 
 from ._offload import Offload
 from ._precision import Precision
+from ._units import DefaultUnits, UnitPolicy, UnitsArg, as_policy
 
 __all__ = [
+    "Placement",
     "Plan",
     "Remat",
     "RematMode",
     "Strategy",
-    "UnitPolicy",
-    "by_module_type",
-    "by_param_count",
-    "by_prefix",
     "FullShard",
     "ShardGradOp",
     "NoShard",
@@ -87,203 +84,6 @@ class Strategy(enum.Enum):
         raise ValueError(f"Unknown strategy {value!r}. Use one of {names}, or a Plan.")
 
 
-# -- unit policies ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class UnitPolicy:
-    """Base of unit policies: ``resolve`` returns unit module paths, outermost only."""
-
-    def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
-        raise NotImplementedError
-
-
-@dataclasses.dataclass(frozen=True)
-class _ByModuleType(UnitPolicy):
-    types: tuple[type, ...]
-
-    def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
-        if module is None:
-            raise ValueError(_NEEDS_MODULE.format(policy=self))
-        paths = [p for p, m in module.named_modules() if p and isinstance(m, self.types)]
-        if not paths:
-            present = sorted({type(m).__name__ for p, m in module.named_modules() if p})
-            raise ValueError(
-                f"{self!r} matches no module of {type(module).__name__}: it has no "
-                f"{' or '.join(t.__name__ for t in self.types)}. Its module types are {present}; pass one of them "
-                f"(the class of the repeated block, usually)."
-            )
-        return _outermost(paths)
-
-    def __repr__(self) -> str:
-        return f"by_module_type({', '.join(t.__name__ for t in self.types)})"
-
-
-@dataclasses.dataclass(frozen=True)
-class _ByParamCount(UnitPolicy):
-    min_params: int
-
-    def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
-        if module is None:
-            raise ValueError(_NEEDS_MODULE.format(policy=self))
-        units: list[str] = []
-
-        def visit(path: str, m: nn.Module) -> int:
-            # Post-order: a module becomes a unit when the parameters not yet claimed
-            # by units below it reach the threshold (FSDP's size-based auto-wrap).
-            free = sum(p.numel() for p in m.parameters(recurse=False))
-            for name, child in m.named_children():
-                free += visit(f"{path}.{name}" if path else name, child)
-            if path and free >= self.min_params and not isinstance(m, _CONTAINERS):
-                units.append(path)
-                return 0
-            return free
-
-        visit("", module)
-        if not units:
-            total = sum(p.numel() for p in module.parameters())
-            raise ValueError(
-                f"{self!r} matches no module of {type(module).__name__}: no module holds {self.min_params:,} "
-                f"parameters of its own ({total:,} in the whole model), so every parameter would be in the root unit. "
-                f"Pass a smaller min_params, or units=by_module_type(...) with one of its module types "
-                f"{sorted({type(m).__name__ for p, m in module.named_modules() if p})}."
-            )
-        return units
-
-    def __repr__(self) -> str:
-        return f"by_param_count({self.min_params})"
-
-
-@dataclasses.dataclass(frozen=True)
-class _ByPrefix(UnitPolicy):
-    prefixes: tuple[str, ...]
-
-    def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
-        if module is not None:  # aliases of tied weights are module paths too
-            names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
-        for pre in self.prefixes:
-            if not any(n.startswith(pre + ".") for n in names):
-                raise ValueError(
-                    f"by_prefix: no parameter name starts with {pre + '.'!r}. "
-                    f"Parameter names look like {list(names)[:4]}; pass module paths such as 'blocks.0'."
-                )
-        return _outermost(list(self.prefixes))
-
-    def __repr__(self) -> str:
-        return f"by_prefix({', '.join(map(repr, self.prefixes))})"
-
-
-@dataclasses.dataclass(frozen=True)
-class _DefaultUnits(UnitPolicy):
-    """Each element of the outermost list of repeated blocks (``blocks.0``, ``blocks.1``...).
-
-    Outermost, not longest: every rank runs every element of the outermost list (the
-    blocks), while a list nested in them may be run in part, chosen by the data (the
-    experts of a mixture-of-experts block); units that only some ranks gather would not
-    meet in their collectives."""
-
-    def resolve(self, module: nn.Module | None, names: Sequence[str]) -> list[str]:
-        groups: dict[str, set[str]] = {}
-        for n in names:
-            parts = n.split(".")
-            for i in range(1, len(parts) - 1):
-                if parts[i].isdigit():
-                    groups.setdefault(".".join(parts[:i]), set()).add(parts[i])
-        if not groups:
-            return []
-        # The outermost list of two or more wins; then the longest, then the first seen.
-        groups = {g: ids for g, ids in groups.items() if len(ids) >= 2}
-        if not groups:
-            return []
-        best = max(groups, key=lambda g: (-g.count("."), len(groups[g])))
-        return [f"{best}.{i}" for i in sorted(groups[best], key=int)]
-
-    def __repr__(self) -> str:
-        return "default_units()"
-
-
-# Modules without a forward of their own: their children are called directly, so a
-# unit hook on the container would never fire.
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-
-
-def check_unit_modules(module: nn.Module | None, paths: Sequence[str]) -> None:
-    """A unit must be a module whose forward runs (hooks fire there), not a container."""
-    if module is None:
-        return
-    for p in paths:
-        try:
-            m = module.get_submodule(p)
-        except AttributeError:
-            raise ValueError(f"units: {p!r} is not a module path of {type(module).__name__}.") from None
-        if isinstance(m, _CONTAINERS):
-            raise ValueError(
-                f"units: {p!r} is a {type(m).__name__}, which has no forward of its own, so it cannot be a unit "
-                f"(its children are called directly). Use its elements instead, e.g. {p + '.0'!r}, ..."
-            )
-
-
-_NEEDS_MODULE = (
-    "{policy} needs the module tree, but the params were not made by shardfn.functionalize(model). "
-    "Pass the params that functionalize returned, or use units=shardfn.by_prefix('blocks.0', ...)."
-)
-
-
-def _outermost(paths: list[str]) -> list[str]:
-    """Drops paths nested inside another path: a unit owns everything below it."""
-    keep = []
-    for p in sorted(set(paths), key=lambda s: (s.count("."), s)):
-        if not any(p.startswith(k + ".") for k in keep):
-            keep.append(p)
-    order = {p: i for i, p in enumerate(paths)}
-    return sorted(keep, key=lambda p: order[p])
-
-
-def by_module_type(*types: type) -> UnitPolicy:
-    """Every module of one of ``types`` (outermost only) is a unit.
-
-    Example:
-        >>> shard(params, mesh, "FULL_SHARD", units=by_module_type(Block))
-    """
-    if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
-        raise TypeError(f"by_module_type expects nn.Module subclasses, got {types!r}")
-    return _ByModuleType(tuple(types))
-
-
-def by_param_count(min_params: int) -> UnitPolicy:
-    """Modules become units bottom-up once they hold ``min_params`` unclaimed parameters."""
-    if min_params < 1:
-        raise ValueError(f"by_param_count: min_params must be >= 1, got {min_params}")
-    return _ByParamCount(int(min_params))
-
-
-def by_prefix(*prefixes: str) -> UnitPolicy:
-    """Each given module path (a prefix of parameter names, e.g. ``"blocks.0"``) is a unit."""
-    if not prefixes or not all(isinstance(p, str) and p for p in prefixes):
-        raise TypeError(f"by_prefix expects non-empty module paths, got {prefixes!r}")
-    return _ByPrefix(tuple(p.rstrip(".") for p in prefixes))
-
-
-UnitsArg = Union[UnitPolicy, Sequence[type], None]
-
-
-def _as_policy(units: UnitsArg) -> UnitPolicy:
-    if units is None:
-        return _DefaultUnits()
-    if isinstance(units, UnitPolicy):
-        return units
-    if isinstance(units, type):
-        return by_module_type(units)
-    if isinstance(units, (list, tuple)) and all(isinstance(u, type) for u in units):
-        return by_module_type(*units)
-    if isinstance(units, (list, tuple)) and all(isinstance(u, str) for u in units):
-        return by_prefix(*units)
-    raise TypeError(
-        f"units={units!r}: pass a unit policy (shardfn.by_module_type(Block), by_param_count(n), "
-        "by_prefix('blocks.0', ...)), a module class or a list of module classes or of module paths."
-    )
-
-
 class RematMode(enum.Enum):
     """How a rematerialised unit recomputes (see :class:`Remat`)."""
 
@@ -293,6 +93,21 @@ class RematMode(enum.Enum):
     @classmethod
     def parse(cls, value: "RematMode | str") -> "RematMode":
         return parse_enum(cls, value, "Remat(mode=...)")
+
+
+class Placement(enum.Enum):
+    """How a unit is cut into shards ([Note: placements] in shardfn._layout). ``FLAT``
+    (``"flat"``): the unit's parameters end to end, cut into equal pieces anywhere (a shard
+    of a parameter is a 1-D piece of it, maybe empty); all-gathers copy nothing in or out.
+    ``ROWS`` (``"rows"``): each parameter cut on dim 0, ``ceil(rows / world)`` rows per rank,
+    zero-padded; each all-gather packs the shards and assembles the parameters (two copies)."""
+
+    FLAT = "flat"
+    ROWS = "rows"
+
+    @classmethod
+    def parse(cls, value: "Placement | str") -> "Placement":
+        return parse_enum(cls, value.lower() if isinstance(value, str) else value, "placement")
 
 
 def parse_enum(cls: type[enum.Enum], value: object, what: str) -> Any:
@@ -347,7 +162,7 @@ class Remat:
         object.__setattr__(self, "mode", RematMode.parse(self.mode))
         if not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"Remat(every={self.every!r}): a positive int.")
-        object.__setattr__(self, "units", None if self.units is None else _as_policy(self.units))
+        object.__setattr__(self, "units", None if self.units is None else as_policy(self.units))
         object.__setattr__(self, "save", tuple(self.save))
         unknown = [name for name in self.save if not _is_aten_op(name)]
         if unknown:
@@ -395,13 +210,14 @@ class Plan:
     """
 
     strategy: Strategy
-    units: UnitPolicy = dataclasses.field(default_factory=_DefaultUnits)
+    units: UnitPolicy = dataclasses.field(default_factory=DefaultUnits)
     precision: Precision = dataclasses.field(default_factory=Precision)
     remat: Remat | None = None
     optional: UnitPolicy | None = None
     offload: Offload = dataclasses.field(default_factory=Offload)
     # bool | int, or ((unit name, bool | int), ...): see shardfn._sharded.reshard_rules
     reshard_after_forward: Any = None
+    placement: Placement = Placement.ROWS
 
     def __init__(
         self,
@@ -413,9 +229,10 @@ class Plan:
         optional: UnitsArg = None,
         offload: Offload | None = None,
         reshard_after_forward: bool | int | Mapping[str, bool | int] | None = None,
+        placement: Placement | str | None = None,
     ):
         object.__setattr__(self, "strategy", Strategy.parse(strategy))
-        object.__setattr__(self, "units", _as_policy(units))
+        object.__setattr__(self, "units", as_policy(units))
         if precision is not None and not isinstance(precision, Precision):
             raise TypeError(f"precision={precision!r}: pass a shardfn.Precision(param=..., reduce=...).")
         object.__setattr__(self, "precision", precision or Precision())
@@ -423,7 +240,7 @@ class Plan:
         # Modules some ranks may skip in a step (a branch taken for some batches, experts
         # chosen by the data): units of their own that every rank gathers at the start of
         # the step and reduces at the end, whether it ran them or not.
-        object.__setattr__(self, "optional", _as_policy(optional) if optional is not None else None)
+        object.__setattr__(self, "optional", as_policy(optional) if optional is not None else None)
         if offload is not None and not isinstance(offload, Offload):
             raise TypeError(f"offload={offload!r}: pass a shardfn.Offload(params=True, optimizer=True).")
         object.__setattr__(self, "offload", offload or Offload())  # see [Note: offload]
@@ -436,6 +253,7 @@ class Plan:
             raise TypeError(f"reshard_after_forward={reshard_after_forward!r}: pass True, False, a sub-group size "
                             "(an int), or a dict unit name -> one of those, e.g. {'blocks.7': False}.")
         object.__setattr__(self, "reshard_after_forward", rule)
+        object.__setattr__(self, "placement", Placement.ROWS if placement is None else Placement.parse(placement))
 
     def __repr__(self) -> str:
         extra = f", precision={self.precision!r}" if self.precision != Precision() else ""
@@ -444,6 +262,7 @@ class Plan:
         extra += f", offload={self.offload!r}" if self.offload.enabled else ""
         rule = self.reshard_after_forward
         extra += f", reshard_after_forward={dict(rule) if isinstance(rule, tuple) else rule!r}" if rule is not None else ""
+        extra += f", placement={self.placement.value!r}" if self.placement is not Placement.ROWS else ""
         return f"Plan({self.strategy.value}, units={self.units!r}{extra})"
 
 
@@ -477,7 +296,7 @@ def HybridShardZero2(**fields: Any) -> Plan:
     return Plan(Strategy.HYBRID_SHARD_ZERO2, **fields)
 
 
-_FIELDS = ("units", "precision", "remat", "optional", "offload", "reshard_after_forward")
+_FIELDS = ("units", "precision", "remat", "optional", "offload", "reshard_after_forward", "placement")
 
 
 def make_plan(strategy: Plan | Strategy | str, **fields: Any) -> Plan:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._layout import Layout, LeafLayout, unit_owner
+from ._layout import Layout, unit_owner
 from ._materialize import unit_values, units_with_buffers
 from ._safetensors import Source
 
@@ -83,7 +83,7 @@ def read_weights(source: Source, layout: Layout, mesh: Any, params: Mapping[str,
     out: dict[str, torch.Tensor] = {}
     for unit in layout.units:
         for name in unit.leaves:
-            out[name] = _read_shard(source, found[name], layout.leaves[name], rank, device)
+            out[name] = _read_shard(source, found[name], layout, name, rank, device)
     rest = []
     for name, b in layout.buffers.items():
         if name in found:
@@ -97,7 +97,19 @@ def read_weights(source: Source, layout: Layout, mesh: Any, params: Mapping[str,
     return out
 
 
-def _read_shard(source: Source, key: str, leaf: LeafLayout, rank: int, device: torch.device) -> torch.Tensor:
+def _read_shard(source: Source, key: str, layout: Layout, name: str, rank: int, device: torch.device) -> torch.Tensor:
+    leaf = layout.leaves[name]
+    if leaf.flat:  # a run of the flattened parameter: the rows it touches, then the run ([Note: placements])
+        span = layout.units[leaf.unit].numel
+        off, n = leaf.piece(rank, span)
+        shard = torch.zeros(n, dtype=leaf.dtype, device=device)
+        if n:
+            lo = rank * span + off - leaf.start
+            inner = leaf.row_numel
+            first, end = lo // inner, -(-(lo + n) // inner)
+            rows = source.rows(key, first, end).reshape(-1)
+            shard.copy_(rows[lo - first * inner : lo - first * inner + n])
+        return shard
     shard = torch.zeros(leaf.shard_shape, dtype=leaf.dtype, device=device)
     k = leaf.local_rows(rank)
     if k:

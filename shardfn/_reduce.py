@@ -141,7 +141,7 @@ class UnitGrads:
             g if g is not None else torch.zeros(leaf.shape, dtype=u.param_dtype, device=device)
             for g, leaf in zip(grads, leaves)
             if leaf.grad_offset >= 0
-        ], lay.world)
+        ], lay.world, u.flat)
         self.acc = buf if self.acc is None else self.acc.add_(buf)
 
     def _own(self, grads: tuple[torch.Tensor | None, ...], leaves: list, device: torch.device) -> None:
@@ -159,17 +159,18 @@ class UnitGrads:
         for j, (g, leaf) in enumerate(zip(grads, leaves)):
             if leaf.grad_offset < 0:
                 continue
+            shape = self.unit.layout.shard_shape(leaf.path, self.unit.rank)
             if g is None:
-                g = torch.zeros(leaf.shard_shape, dtype=u.dtype, device=device)
+                g = torch.zeros(shape, dtype=u.dtype, device=device)
             else:
                 g = g.detach().to(u.reduce_dtype).to(u.dtype)
                 if acc[j] is None and (not g.is_contiguous() or id(g.untyped_storage()) in owned):
                     g = g.clone(memory_format=torch.contiguous_format)
             if acc[j] is None:
                 owned.add(id(g.untyped_storage()))
-                acc[j] = g.view(leaf.shard_shape)
+                acc[j] = g.view(shape)
             else:
-                acc[j].add_(g.view(leaf.shard_shape))
+                acc[j].add_(g.view(shape))
         self.acc = acc
 
     # -- the collectives ------------------------------------------------------------------
@@ -217,6 +218,9 @@ class UnitGrads:
         leaves = [lay.leaves[n] for n in u.leaves]
         if isinstance(out, list):
             return out
+        if u.flat:  # [Note: placements]: the gradient shard buffer is laid out as the shard buffer
+            pieces = [leaf.piece(self.unit.rank, u.numel) for leaf in leaves]
+            return [out[off : off + n] if leaf.grad_offset >= 0 else None for leaf, (off, n) in zip(leaves, pieces)]
         return [
             out[leaf.grad_offset : leaf.grad_offset + leaf.shard_numel].view(leaf.shard_shape)
             if leaf.grad_offset >= 0 else None

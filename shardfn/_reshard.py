@@ -21,11 +21,11 @@ import torch.utils._pytree as pytree
 
 from ._events import Purpose
 from ._functionalize import Params
-from ._layout import Layout, local_shard
+from ._layout import Layout
 from ._mesh import Mesh
 from ._offload import place_on_host
 from ._plan import Plan, Strategy, make_plan
-from ._sharded import ShardedParams, full_units, layout_for, make_subgroups, verify_agreement
+from ._sharded import ShardedParams, full_units, layout_for, make_subgroups, unit_views, verify_agreement
 
 __all__ = ["reshard"]
 
@@ -84,6 +84,7 @@ def reshard(
     verify_agreement(layout, mesh)
     make_subgroups(layout, mesh)
     params = _move(old, old_mesh, sharded.params(), layout, mesh)
+    params.update(unit_views(params, layout, layout.shard_rank(mesh)))
     for n, leaf in layout.leaves.items():
         params[n].requires_grad_(leaf.requires_grad)
     buffers = {n: sharded[n].detach().clone() for n in layout.buffers}
@@ -98,7 +99,7 @@ def _move(old: Layout, old_mesh: Mesh, values: dict[str, torch.Tensor], new: Lay
     with torch.no_grad():
         for _, full in full_units(old, old_mesh, values, Purpose.RESHARD):
             for n, t in full.items():
-                out[n] = local_shard(t, new.leaves[n], rank, t.device)
+                out[n] = new.local_shard(n, t, rank, t.device)
                 if new.offloaded:  # [Note: offload]
                     out[n] = place_on_host(out[n], mesh.device)
             del full
@@ -119,7 +120,7 @@ def _move_state(opt_state: Any, old: Layout, old_mesh: Mesh, new: Layout, mesh: 
             )
         key = path[-1] if path else None
         name = key.key if isinstance(key, pytree.MappingKey) else None
-        if name in old.leaves and tuple(leaf.shape) == old.leaves[name].shard_shape:
+        if name in old.leaves and tuple(leaf.shape) == old.shard_shape(name, old.shard_rank(old_mesh)):
             groups.setdefault(pytree.keystr(path[:-1]), {})[name] = i
     # New tensors throughout, moved or not (counts, the loss scale): a step that updates the
     # result in place must not reach into the state it came from.

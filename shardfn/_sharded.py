@@ -15,11 +15,12 @@ import torch.utils._pytree as pytree
 from . import _collectives as C
 from ._events import Purpose
 from ._guard import guarded
-from ._layout import Layout, build_layout, local_shard, unpack_leaf
+from ._layout import Layout, build_layout, unpack_leaf
 from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
 from ._offload import Offload, place_on_host, to_device_into
-from ._plan import Plan, RematMode, Strategy, check_unit_modules, make_plan
+from ._plan import Placement, Plan, RematMode, Strategy, make_plan
+from ._units import check_unit_modules
 from ._precision import Precision
 from ._pretrained import read_weights
 from ._safetensors import Source
@@ -113,6 +114,7 @@ def shard(
     remat: Any = None,
     optional: Any = None,
     offload: Offload | None = None,
+    placement: Placement | str | None = None,
     seed: int | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     src_rank: int | None = None,
@@ -146,6 +148,9 @@ def shard(
             memory (pinned on CUDA); each unit is copied to the compute device just before
             its all-gather, gradient shards come back after their reduction, and the
             optimizer runs on the host. Buffers stay on the device. See [Note: offload].
+        placement: how each unit is cut into shards: ``"rows"`` (each parameter on dim 0,
+            the default) or ``"flat"`` (the unit's parameters laid end to end and cut into
+            equal pieces: all-gathers with no copy in or out); see :class:`shardfn.Placement`.
         seed: deferred init: ``params`` may be meta tensors (a model built under
             ``torch.device("meta")``); each unit is materialised in turn on every rank,
             initialised by ``reset_parameters()`` (and ``init_fn(module)``) from a seed
@@ -181,7 +186,8 @@ def shard(
     if not isinstance(mesh, Mesh):
         raise TypeError(f"shard(): mesh must be a shardfn.Mesh (Mesh.from_env()), got {type(mesh).__name__}")
     with guarded(mesh):  # an argument refused on one rank reaches the others (at the layout agreement)
-        plan = make_plan(strategy, units=units, precision=precision, remat=remat, optional=optional, offload=offload)
+        plan = make_plan(strategy, units=units, precision=precision, remat=remat, optional=optional, offload=offload,
+                         placement=placement)
         return _shard(params, mesh, plan, seed, init_fn, src_rank, weights)
 
 
@@ -234,13 +240,35 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
             finally:
                 source.close()
         else:
-            data = {n: local_shard(params[n], leaf, rank, mesh.device) for n, leaf in layout.leaves.items()}
+            data = {n: layout.local_shard(n, params[n], rank, mesh.device) for n in layout.leaves}
             data.update({n: params[n].detach().to(mesh.device, copy=True) for n in layout.buffers})
+    data.update(unit_views(data, layout, rank))
     if layout.offloaded:  # [Note: offload]: the shards in host memory, the buffers on the device
         data.update({n: place_on_host(data[n], mesh.device) for n in layout.leaves})
     for n, leaf in layout.leaves.items():
         data[n].requires_grad_(leaf.requires_grad)
     return ShardedParams({n: data[n] for n in (*layout.leaves, *layout.buffers)}, layout, mesh, module)
+
+
+def unit_views(shards: Mapping[str, torch.Tensor], layout: Layout, rank: int) -> dict[str, torch.Tensor]:
+    """[Note: placements]: the shards of each flat unit copied into one shard buffer of the
+    unit, as views of it in order (so its all-gather sends the buffer as it is); the other
+    units' shards as they are."""
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for unit in layout.units:
+            if not unit.flat:
+                continue
+            first = shards[unit.leaves[0]]
+            buf = torch.zeros(unit.numel, dtype=unit.dtype, device=first.device)
+            at = 0
+            for n in unit.leaves:
+                off, length = layout.piece(n, rank)
+                at = off if length else at
+                view = buf[at : at + length]
+                view.copy_(shards[n].detach().reshape(-1))
+                out[n] = view
+    return out
 
 
 def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh: Mesh, plan: Plan) -> Layout:
@@ -431,15 +459,21 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
                                   torch.empty(layout.world * n_max, dtype=ref.dtype, device=mesh.device))
         send, receive = buffers[ref.dtype]
         flat, got = send[: unit.numel], receive[: layout.world * unit.numel]
-        parts = [(values[n].detach() if n in values else torch.zeros(layout.leaves[n].shard_shape, dtype=ref.dtype,
+        rank = layout.shard_rank(mesh)
+        parts = [(values[n].detach() if n in values else torch.zeros(layout.shard_shape(n, rank), dtype=ref.dtype,
                                                                      device=ref.device)).reshape(-1)
                  for n in unit.leaves]
+        pad = unit.numel - sum(p.numel() for p in parts)  # a flat unit's last ranks ([Note: placements])
         if ref.device == flat.device:
-            torch.cat(parts, out=flat)
+            torch.cat(parts + ([flat.new_zeros(pad)] if pad else []), out=flat)
         else:  # offloaded values (host memory): copied to the device, where the collective runs
-            to_device_into(flat, parts, (), unit.name)
+            to_device_into(flat[: unit.numel - pad], parts, (), unit.name)
+            flat[unit.numel - pad :].zero_()
         C.all_gather(got, flat, mesh.group("shard"), purpose, unit.name)
         if unpack:  # ranks that return nothing do not unpack
+            # (a flat leaf is a view of the receive buffer, which the next unit reuses: copied)
             full = {n: unpack_leaf(got.view(layout.world, unit.numel), layout.leaves[n], layout.world) for n in names}
+            if unit.flat:
+                full = {n: t.clone() for n, t in full.items()}
             yield unit, full
             del full  # not kept alive by this frame while the next unit is gathered

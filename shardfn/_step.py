@@ -182,18 +182,19 @@ def _signature(tree: Any) -> dict[str, str]:
 
 def check_opt_state(opt_state: Any, sharded: ShardedParams) -> None:
     """Every optimizer-state tensor under a parameter's key must be shaped like its shard."""
-    leaves = sharded.layout.leaves
+    layout = sharded.layout
+    rank = layout.shard_rank(sharded.mesh)
     problems = []
     for path, name, leaf in param_leaves(opt_state):
         if not isinstance(leaf, torch.Tensor) or name is None:
             continue
         where = f"opt_state{path}"
-        if name not in leaves:
+        if name not in layout.leaves:
             problems.append(f"  {where}: there is no parameter {name!r} in these shards")
-        elif tuple(leaf.shape) != leaves[name].shard_shape:
+        elif tuple(leaf.shape) != layout.shard_shape(name, rank):
             problems.append(
                 f"  {where}: shape {tuple(leaf.shape)}, but the shard of {name!r} has shape "
-                f"{leaves[name].shard_shape} on {sharded.mesh!r}"
+                f"{layout.shard_shape(name, rank)} on {sharded.mesh!r}"
             )
     if problems:
         raise ValueError(

@@ -131,7 +131,13 @@ def expected_copies(layout):
     gather, reduce = {}, {}
     for u in layout.units:
         p, r, m = u.param_dtype.itemsize, u.reduce_dtype.itemsize, u.dtype.itemsize
-        if W > 1:
+        if W > 1 and u.flat:
+            # [Note: placements]: the shard buffer is sent as it is and the leaves are views
+            # of the output; only a cast to the param dtype copies (n elements, each gather).
+            if u.param_dtype != u.dtype:
+                g = layout.unit_collectives(u)["all_gather"][0]
+                gather[u.name] = (g, g * u.numel * p)
+        elif W > 1:
             # Each gather: pack the shards into this rank's row of the output (n elements,
             # cast included), unpack the whole [W, n] output into the leaves.
             g = layout.unit_collectives(u)["all_gather"][0]
@@ -162,13 +168,13 @@ PATCHED = [("_gather", "Unit", "_issue", "gather"), ("_gather", "Unit", "all_gat
            ("_reduce", "UnitGrads", "to_master", "reduce")]
 
 
-def count_step(strategy, precision):
+def count_step(strategy, precision, placement="rows"):
     import importlib
 
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(GPT(CFG))
-    sharded = sf.shard(params, mesh, strategy, precision=precision)
+    sharded = sf.shard(params, mesh, strategy, precision=precision, placement=placement)
     opt = sf.optim.sgd(0.1)
     state = opt.init(sharded)
     log = CopyLog()
@@ -223,20 +229,22 @@ def count_step(strategy, precision):
 
 BF16 = sf.Precision(param=torch.bfloat16, reduce=torch.float32)
 BF16_REDUCE = sf.Precision(param=torch.bfloat16)  # reduced in bf16: the shard is cast back to fp32
-CONFIGS = [(s, p, 2) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for p in (None, BF16)] + [
-    ("FULL_SHARD", BF16_REDUCE, 2)
-] + [("FULL_SHARD", p, 1) for p in (None, BF16, BF16_REDUCE)]
-IDS = [f"{s}-{'fp32' if p is None else 'bf16/' + str(p.reduce or p.param)[6:]}-w{w}" for s, p, w in CONFIGS]
+CONFIGS = [(s, p, 2, "rows") for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for p in (None, BF16)] + [
+    ("FULL_SHARD", BF16_REDUCE, 2, "rows")
+] + [("FULL_SHARD", p, 1, "rows") for p in (None, BF16, BF16_REDUCE)] + [
+    (s, p, w, "flat") for s, w in (("FULL_SHARD", 2), ("SHARD_GRAD_OP", 3), ("NO_SHARD", 2)) for p in (None, BF16)
+] + [("FULL_SHARD", BF16_REDUCE, 3, "flat"), ("FULL_SHARD", BF16, 1, "flat")]
+IDS = [f"{s}-{'fp32' if p is None else 'bf16/' + str(p.reduce or p.param)[6:]}-w{w}-{pl}" for s, p, w, pl in CONFIGS]
 
 
 @pytest.fixture(scope="module")
 def counted(clusters):
-    return {(s, p, w): clusters[w].run(count_step, s, p)[0] for s, p, w in CONFIGS}
+    return {c: clusters[c[2]].run(count_step, c[0], c[1], c[3])[0] for c in CONFIGS}
 
 
-@pytest.mark.parametrize("strategy,precision,world", CONFIGS, ids=IDS)
-def test_copies_per_unit_and_direction_are_the_designed_ones(counted, strategy, precision, world):
-    r = counted[(strategy, precision, world)]
+@pytest.mark.parametrize("strategy,precision,world,placement", CONFIGS, ids=IDS)
+def test_copies_per_unit_and_direction_are_the_designed_ones(counted, strategy, precision, world, placement):
+    r = counted[(strategy, precision, world, placement)]
     print(f"\n{strategy} {precision}: machinery copies by unit:")
     for key, n in r["ops"]:
         print(f"  {n:3d} x {key}")
@@ -246,9 +254,9 @@ def test_copies_per_unit_and_direction_are_the_designed_ones(counted, strategy, 
     assert r["unexplained"] == []
 
 
-@pytest.mark.parametrize("strategy,precision,world", CONFIGS, ids=IDS)
-def test_the_rest_is_the_models_own_copies(counted, strategy, precision, world):
-    r = counted[(strategy, precision, world)]
+@pytest.mark.parametrize("strategy,precision,world,placement", CONFIGS, ids=IDS)
+def test_the_rest_is_the_models_own_copies(counted, strategy, precision, world, placement):
+    r = counted[(strategy, precision, world, placement)]
     # Outside the unit machinery, forward and backward copy exactly what the plain
     # model does on one device (here: the attention's head merge, a reshape of a
     # transposed tensor).

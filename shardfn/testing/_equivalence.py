@@ -101,7 +101,8 @@ def sharded_training(
 
     Returns ``{"losses", "state", "shards", "buffers"}``: the loss of every step, the final
     full state (:func:`full_state`), this rank's local shard of every parameter as
-    ``(shard, first row, real rows)`` and the names of the buffers. ``replicate=R`` trains
+    ``(shard, first row, real rows)`` (a flat shard: ``(shard, first element, -1)``) and the
+    names of the buffers. ``replicate=R`` trains
     on a 2-D mesh of R replicas (the hybrid strategies); ``step_options`` go to
     :func:`shardfn.jit_step` (``micro_batches=``, ...).
     """
@@ -119,10 +120,14 @@ def sharded_training(
         losses.append(metrics["loss"])
     layout = sharded.layout
     rank = layout.shard_rank(mesh)
-    shards = {
-        n: (sharded[n].detach(), rank * leaf.chunk if layout.world > 1 else 0, layout.local_rows(n, rank))
-        for n, leaf in layout.leaves.items()
-    }
+    shards = {}
+    for n, leaf in layout.leaves.items():
+        if leaf.flat:  # a 1-D piece of the flattened parameter ([Note: placements]): (shard, first element, -1)
+            span = layout.units[leaf.unit].numel
+            off, _ = leaf.piece(rank, span)
+            shards[n] = (sharded[n].detach(), max(0, rank * span + off - leaf.start), -1)
+        else:
+            shards[n] = (sharded[n].detach(), rank * leaf.chunk if layout.world > 1 else 0, layout.local_rows(n, rank))
     return {"losses": losses, "state": full_state(sharded), "shards": shards, "buffers": list(layout.buffers)}
 
 
@@ -191,6 +196,10 @@ def compare(report: EquivalenceReport, cfg: tuple[str, Any], results: Sequence[M
     for rank, result in enumerate(results):
         for name, (local, start, rows) in result["shards"].items():
             ref = ref_state[name] if ref_state[name].dim() else ref_state[name].reshape(1)  # a 0-d parameter: one row
+            if rows < 0:  # a flat shard: a run of the flattened parameter, no padding
+                diff, ratio = _difference(local, ref.reshape(-1)[start : start + local.numel()], report.rtol, report.atol)
+                shards[(rank, name)] = (diff, ratio, True)
+                continue
             diff, ratio = _difference(local[:rows], ref[start : start + rows], report.rtol, report.atol)
             shards[(rank, name)] = (diff, ratio, bool((local[rows:] == 0).all()))
     report.shards[cfg] = shards

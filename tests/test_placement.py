@@ -1,0 +1,187 @@
+"""Placement.FLAT: a unit's parameters laid end to end and cut into equal pieces ([Note: placements]).
+
+The same training as Placement.ROWS, bit for bit (the reduce-scatter sums every element in
+rank order whatever the layout), with no copy into or out of an all-gather (test_copies.py
+counts them), and checkpoints that either placement loads at any world size.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardfn as sf
+from shardfn._layout import build_layout, pack_unit, unpack_unit
+from shardfn._pieces import rectangles
+from shardfn._plan import Plan
+from shardfn._tree import tree_info
+from shardfn.testing import check_equivalence, split_batch
+from test_equivalence import OPTIMIZERS, gpt_batches, gpt_loss, gpt_model, mlp_batches, mlp_loss, mlp_model
+
+# -- the layout, single process ------------------------------------------------------------
+
+shapes = st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=80)
+@given(shapes=st.lists(shapes, min_size=1, max_size=5), world=st.integers(1, 5))
+def test_pieces_cut_the_unit_into_equal_shard_buffers(shapes, world):
+    params = {f"p{i}": torch.randn(s).requires_grad_() for i, s in enumerate(shapes)}
+    layout = build_layout(Plan("FULL_SHARD", placement="flat"), (world,), world, 1, params, [], tree_info(None, params))
+    (unit,) = layout.units
+    total = sum(t.numel() for t in params.values())
+    assert unit.flat and unit.numel == -(-total // world) and unit.grad_numel == unit.numel
+    # Every rank's shard buffer: its pieces end to end, in leaf order, then (last ranks only) padding.
+    rows = []
+    for r in range(world):
+        at = 0
+        pieces = [layout.local_shard(n, params[n], r, torch.device("cpu")) for n in unit.leaves]
+        for n, p in zip(unit.leaves, pieces):
+            off, length = layout.piece(n, r)
+            assert p.shape == (length,) == layout.shard_shape(n, r)
+            if length:
+                assert off == at
+                at += length
+        rows.append(torch.cat([*pieces, torch.zeros(unit.numel - at)]))
+        assert at == unit.numel or all(layout.piece(n, q)[1] == 0 for n in unit.leaves for q in range(r + 1, world))
+    # Each leaf's pieces over the ranks are the leaf, in order.
+    for n, t in params.items():
+        assert sum(layout.piece(n, r)[1] for r in range(world)) == t.numel()
+    gathered = torch.stack(rows)
+    full = unpack_unit(gathered, [layout.leaves[n] for n in unit.leaves], world)
+    for n, f in zip(unit.leaves, full):
+        assert torch.equal(f, params[n].detach()) and f.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()
+    # Gradients pack into the same global buffer, padding zero.
+    buf = torch.full((world, unit.numel), float("nan"))
+    pack_unit(buf, [params[n].detach() for n in unit.leaves], world, flat=True)
+    assert torch.equal(buf, gathered.detach())
+
+
+@settings(max_examples=200)
+@given(shape=st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple), data=st.data())
+def test_rectangles_cover_exactly_a_run_of_elements(shape, data):
+    n = math.prod(shape)
+    lo = data.draw(st.integers(0, n))
+    hi = data.draw(st.integers(lo, n))
+    full = torch.arange(n).reshape(shape or (1,))
+    rects = rectangles(tuple(full.shape), lo, hi)
+    assert len(rects) <= max(1, 2 * full.dim() - 1)
+    got = []
+    for offsets, sizes in rects:
+        assert all(o + s <= d for o, s, d in zip(offsets, sizes, full.shape))
+        got += full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1).tolist()
+    assert got == list(range(lo, hi))  # in element order, each a contiguous run
+
+
+def test_frozen_and_trainable_parameters_of_one_module_are_two_flat_units():
+    lin = torch.nn.Linear(3, 4)
+    lin.bias.requires_grad_(False)
+    params, _ = sf.functionalize(torch.nn.Sequential(lin, torch.nn.Linear(4, 2)))
+    layout = build_layout(Plan("FULL_SHARD", placement="flat"), (2,), 2, 1, params, ["0"], tree_info(params.module,
+                                                                                                     list(params)))
+    by_name = {u.name: u for u in layout.units}
+    assert set(by_name) == {"<root>", "0", "0[frozen]"}
+    assert by_name["0"].leaves == ("0.weight",) and by_name["0"].grad_numel == 6
+    assert by_name["0[frozen]"].leaves == ("0.bias",) and by_name["0[frozen]"].grad_numel == 0
+    rows = build_layout(Plan("FULL_SHARD"), (2,), 2, 1, params, ["0"], tree_info(params.module, list(params)))
+    assert [u.name for u in rows.units] == ["<root>", "0"]  # rows keep frozen leaves in the unit
+
+
+# -- training ----------------------------------------------------------------------------
+
+
+def _train(strategy, placement, steps=3):
+    mesh = sf.Mesh.from_group(replicate=2 if "HYBRID" in strategy else None)
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, strategy, placement=placement)
+    opt = OPTIMIZERS["adamw"]()
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    losses, comm = [], []
+    for b in gpt_batches(steps):
+        sharded, state, m = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+        losses.append(float(m["loss"]))
+        comm.append(dict(m["comm_bytes"]))
+    predicted = {k: b for k, (_, b) in sharded.layout.collectives_per_step().items()}
+    elements = sum(t.numel() for t in sharded.params().values())
+    return (losses, sf.gather(sharded), comm[-1], predicted, sharded.layout.shard_bytes(), elements,
+            sharded.layout.num_params)
+
+
+@pytest.mark.parametrize("strategy, world", [
+    ("FULL_SHARD", 2), ("FULL_SHARD", 3), ("SHARD_GRAD_OP", 3), ("NO_SHARD", 2), ("SHARD_OPTIMIZER", 3),
+    ("HYBRID_SHARD", 4), ("HYBRID_SHARD_ZERO2", 4),
+])
+def test_flat_trains_bit_for_bit_as_rows(clusters, strategy, world):
+    rows = clusters[world].run(_train, strategy, "rows")
+    flat = clusters[world].run(_train, strategy, "flat")
+    copies = 1 if strategy == "NO_SHARD" else (2 if "HYBRID" in strategy else 1)  # replicas of each element
+    for (losses, full, comm, predicted, shard_bytes, *_), (rl, rfull, _, _, rbytes, *_) in zip(flat, rows):
+        assert losses == rl
+        assert full.keys() == rfull.keys() and all(torch.equal(full[k], rfull[k]) for k in full)
+        # Bytes moved are the layout's prediction; a flat unit pads once, at its end, so it
+        # moves and keeps no more than rows do.
+        assert {k: v for k, v in comm.items() if k != "all_reduce"} == {
+            k: v for k, v in predicted.items() if k != "all_reduce"}
+        assert shard_bytes <= rbytes
+    # The shards hold every element once per replica, and no padding.
+    total = flat[0][6]
+    held = sum(r[5] for r in flat)
+    assert held == total * (world if strategy == "NO_SHARD" else copies), (held, total)
+
+
+def test_flat_equals_single_process_training(clusters):
+    plans = [sf.Plan(s, placement="flat") for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")]
+    for world in (1, 2, 3, 4):
+        check_equivalence(mlp_model, mlp_loss, mlp_batches(), optimizer=OPTIMIZERS["sgd_momentum"], strategies=plans,
+                          world_sizes=[world], clusters=clusters)
+    check_equivalence(gpt_model, gpt_loss, gpt_batches(), optimizer=OPTIMIZERS["adamw"], strategies=[
+        sf.Plan("HYBRID_SHARD", placement="flat"), sf.Plan("HYBRID_SHARD_ZERO2", placement="flat", remat=True)],
+        world_sizes=[(2, 2)], clusters=clusters)
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+def _save(path, placement):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, "FULL_SHARD", placement=placement)
+    opt = OPTIMIZERS["adamw"]()
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    for b in gpt_batches(2):
+        sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+    sf.checkpoint.save(path, sharded, state)
+    return sf.gather(sharded), {k: sf.gather(sharded.replace(dict(v))) for k, v in (("mu", state.mu), ("nu", state.nu))}
+
+
+def _load(path, placement, strategy):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(1)  # other values: the load must replace them all
+    params, apply = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, strategy, placement=placement)
+    opt = OPTIMIZERS["adamw"]()
+    sharded, state, _ = sf.checkpoint.load(path, sharded, opt.init(sharded))
+    loaded = sf.gather(sharded), {k: sf.gather(sharded.replace(dict(v))) for k, v in (("mu", state.mu), ("nu", state.nu))}
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    _, _, m = step(sharded, state, split_batch(gpt_batches(3)[2], mesh.rank, mesh.size))
+    return loaded, float(m["loss"])
+
+
+@pytest.mark.parametrize("saved", ["flat", "rows"])
+def test_a_checkpoint_of_either_placement_loads_into_the_other_at_any_world_size(clusters, tmp_path, saved):
+    path = str(tmp_path / "ckpt")
+    params, moments = clusters[2].run(_save, path, saved)[0]
+    next_loss = {}
+    for world, strategy in ((1, "FULL_SHARD"), (3, "FULL_SHARD"), (3, "SHARD_GRAD_OP"), (4, "NO_SHARD")):
+        for placement in ("flat", "rows"):
+            (lp, lm), loss = clusters[world].run(_load, path, placement, strategy)[0]
+            assert all(torch.equal(lp[k], params[k]) for k in params), (world, placement)
+            assert all(torch.equal(lm[k][n], moments[k][n]) for k in moments for n in moments[k]), (world, placement)
+            next_loss.setdefault(world, set()).add(loss)
+    assert all(len(losses) == 1 for losses in next_loss.values()), next_loss  # either placement trains on alike
