@@ -142,6 +142,7 @@ class Spec:
     reshard: bool = True  # fsdp2
     bf16: bool = False  # parameters gathered and computed in bfloat16, gradients reduced in fp32
     compiled: bool = False  # shardfn: jit_step(compile=True); fsdp2: each Block's forward compiled (regional)
+    placement: str = "rows"  # shardfn: Plan(placement=...)
 
 
 SPECS = {
@@ -158,6 +159,10 @@ SPECS = {
     "shardfn_no_shard": Spec("shardfn", strategy="NO_SHARD"),
     "shardfn_w1": Spec("shardfn", world1=True),
     "shardfn_full_compiled": Spec("shardfn", compiled=True),
+    "shardfn_full_flat": Spec("shardfn", placement="flat"),
+    "shardfn_grad_op_flat": Spec("shardfn", strategy="SHARD_GRAD_OP", placement="flat"),
+    "shardfn_bf16_flat": Spec("shardfn", bf16=True, placement="flat"),
+    "shardfn_no_shard_flat": Spec("shardfn", strategy="NO_SHARD", placement="flat"),
 }
 CONFIGS = tuple(SPECS)
 # The compared pairs (configuration, peer) and the target for each: the largest
@@ -307,7 +312,8 @@ def build_shardfn_step(spec: Spec, model: torch.nn.Module, lr: float):
     params, apply = sf.functionalize(model)
     opt = sf.optim.adamw(lr)
     precision = sf.Precision(param=torch.bfloat16, reduce=torch.float32) if spec.bf16 else None
-    state = {"sharded": sf.shard(params, mesh, spec.strategy, precision=precision)}
+    placement = {"placement": spec.placement} if spec.placement != "rows" else {}  # (an older shardfn has none)
+    state = {"sharded": sf.shard(params, mesh, spec.strategy, precision=precision, **placement)}
     del params  # the full parameters are not part of the trained state
     state["opt"] = opt.init(state["sharded"])
     compiled = {"compile": True} if spec.compiled else {}  # (so that an older shardfn can be measured too)

@@ -157,7 +157,9 @@ class Unit:
             return work, self.secondary, out
         with torch.no_grad(), copy_stream(self.device) if self.layout.offloaded else nullcontext():
             out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
-            mine = shard_buffer(self.shards, numel, self.unit.param_dtype) if self.unit.flat else None
+            # offloaded shards live in host memory: copied to the device (counted) in any case
+            flat = self.unit.flat and not self.layout.offloaded
+            mine = shard_buffer(self.shards, numel, self.unit.param_dtype) if flat else None
             if mine is None:  # ROWS, or shards that are not views of one buffer: one pack (see [Note: copies])
                 mine = out[self.rank]
                 pack_shards(mine, self.shards, self.layout.offloaded, self.runtime.observers, self.unit.name,

@@ -84,7 +84,8 @@ def reshard(
     verify_agreement(layout, mesh)
     make_subgroups(layout, mesh)
     params = _move(old, old_mesh, sharded.params(), layout, mesh)
-    params.update(unit_views(params, layout, layout.shard_rank(mesh)))
+    if not layout.offloaded:
+        unit_views(params, layout, layout.shard_rank(mesh))
     for n, leaf in layout.leaves.items():
         params[n].requires_grad_(leaf.requires_grad)
     buffers = {n: sharded[n].detach().clone() for n in layout.buffers}

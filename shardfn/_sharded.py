@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from . import _collectives as C
 from ._events import Purpose
 from ._guard import guarded
-from ._layout import Layout, build_layout, unpack_leaf
+from ._layout import Layout, build_layout, shard_buffer, unpack_leaf
 from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
 from ._offload import Offload, place_on_host, to_device_into
@@ -70,6 +70,17 @@ class ShardedParams(TensorTree):
         """Tensors the tree holds besides its leaves: SHARD_OPTIMIZER's replica of the full
         parameters (counted by :func:`shardfn.track_live_bytes`)."""
         return [t for full, _ in (self.replicas or {}).values() for t in full]
+
+    def flat_units(self) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+        """``(shard buffer, leaf names)`` of each trainable flat unit whose shards are still
+        views of one buffer (see [Note: placements]; shardfn.optim [Note: fused updates])."""
+        out = []
+        for unit in self.layout.units:
+            if unit.flat and unit.grad_numel and not self.layout.offloaded:
+                base = shard_buffer([self._data[n] for n in unit.leaves], unit.numel, unit.dtype)
+                if base is not None:
+                    out.append((base, unit.leaves))
+        return out
 
     def params(self) -> dict[str, torch.Tensor]:
         """The parameter shards only (no buffers)."""
@@ -242,7 +253,8 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
         else:
             data = {n: layout.local_shard(n, params[n], rank, mesh.device) for n in layout.leaves}
             data.update({n: params[n].detach().to(mesh.device, copy=True) for n in layout.buffers})
-    data.update(unit_views(data, layout, rank))
+    if not layout.offloaded:  # offloaded shards are copied to the device in any case ([Note: offload])
+        unit_views(data, layout, rank)
     if layout.offloaded:  # [Note: offload]: the shards in host memory, the buffers on the device
         data.update({n: place_on_host(data[n], mesh.device) for n in layout.leaves})
     for n, leaf in layout.leaves.items():
@@ -250,15 +262,15 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
     return ShardedParams({n: data[n] for n in (*layout.leaves, *layout.buffers)}, layout, mesh, module)
 
 
-def unit_views(shards: Mapping[str, torch.Tensor], layout: Layout, rank: int) -> dict[str, torch.Tensor]:
+def unit_views(shards: dict[str, torch.Tensor], layout: Layout, rank: int) -> dict[str, torch.Tensor]:
     """[Note: placements]: the shards of each flat unit copied into one shard buffer of the
     unit, as views of it in order (so its all-gather sends the buffer as it is); the other
-    units' shards as they are."""
-    out: dict[str, torch.Tensor] = {}
+    units' shards as they are. ``shards`` is updated unit by unit, so that (when nothing else
+    holds them) each unit's separate shards are freed before the next unit's buffer exists."""
     with torch.no_grad():
         for unit in layout.units:
-            if not unit.flat:
-                continue
+            if not unit.flat or shard_buffer([shards[n] for n in unit.leaves], unit.numel, unit.dtype) is not None:
+                continue  # (already laid out so)
             first = shards[unit.leaves[0]]
             buf = torch.zeros(unit.numel, dtype=unit.dtype, device=first.device)
             at = 0
@@ -267,8 +279,8 @@ def unit_views(shards: Mapping[str, torch.Tensor], layout: Layout, rank: int) ->
                 at = off if length else at
                 view = buf[at : at + length]
                 view.copy_(shards[n].detach().reshape(-1))
-                out[n] = view
-    return out
+                shards[n] = view
+    return shards
 
 
 def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh: Mesh, plan: Plan) -> Layout:

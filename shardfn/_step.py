@@ -19,7 +19,7 @@ from ._plan import Strategy
 from ._replica import refresh
 from ._precision import DynamicLossScale, LossScaleState
 from ._runtime import Accumulate, current
-from ._sharded import ShardedParams
+from ._sharded import ShardedParams, unit_views
 from .optim import GradientTransformation, apply_updates, apply_updates_, hyperparams
 from .optim._protocol import param_leaves
 
@@ -112,6 +112,10 @@ class Step:
                 if sharded.layout.offloaded:  # new shards, in host memory like the old ones ([Note: offload])
                     params = {n: place_on_host(t.detach(), self.mesh.device).requires_grad_(t.requires_grad)
                               for n, t in params.items()}
+                else:  # a flat unit's new shards as views of one buffer again ([Note: placements])
+                    params = unit_views(params, sharded.layout, sharded.layout.shard_rank(self.mesh))
+                    for n, t in params.items():
+                        t.requires_grad_(sharded.layout.leaves[n].requires_grad)
                 new = sharded.replace({**params, **buffers.work})
             if sharded.layout.strategy is Strategy.SHARD_OPTIMIZER:  # [Note: replicated parameters]
                 refresh(new, current().observers)

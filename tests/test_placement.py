@@ -185,3 +185,68 @@ def test_a_checkpoint_of_either_placement_loads_into_the_other_at_any_world_size
             assert all(torch.equal(lm[k][n], moments[k][n]) for k in moments for n in moments[k]), (world, placement)
             next_loss.setdefault(world, set()).add(loss)
     assert all(len(losses) == 1 for losses in next_loss.values()), next_loss  # either placement trains on alike
+
+
+# -- the optimizer on the buffers (shardfn.optim [Note: fused updates]) ------------------------
+
+
+def _optimizer_ops(placement, opt_name, donate):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.inside, self.ops = False, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.inside:
+                lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+                self.ops.append((func.overloadpacket.__name__, len(lists[0]) if lists else 1))
+            return func(*args, **(kwargs or {}))
+
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, "FULL_SHARD", placement=placement)
+    opt = OPTIMIZERS[opt_name]()
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, donate=donate)
+    update_, ops = opt.update_, Ops()
+
+    def counted(*args, **kwargs):
+        ops.inside = True
+        try:
+            return update_(*args, **kwargs)
+        finally:
+            ops.inside = False
+
+    opt_counted = opt._replace(update_=counted)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt_counted, donate=donate)
+    losses = []
+    with ops:
+        for b in gpt_batches(3):
+            sharded, state, m = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+            losses.append(float(m["loss"]))
+    trainable = [u for u in sharded.layout.units if u.grad_numel]
+    views = all(sharded[n]._base is not None for u in trainable for n in u.leaves) if placement == "flat" else None
+    return ops.ops, losses, sf.gather(sharded), len(trainable), sum(len(u.leaves) for u in trainable), views
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum"])
+def test_the_optimizer_runs_once_per_flat_unit(clusters, opt_name):
+    (rows_ops, rows_losses, rows_full, units, leaves, _), = clusters[2].run(_optimizer_ops, "rows", opt_name, True)[:1]
+    flat_ops, flat_losses, flat_full, _, _, views = clusters[2].run(_optimizer_ops, "flat", opt_name, True)[0]
+    assert flat_losses == rows_losses and all(torch.equal(flat_full[k], rows_full[k]) for k in rows_full)
+    assert views  # the in-place update kept every shard a view of its unit's buffer
+    # Each foreach op takes one tensor per unit instead of one per leaf; AdamW's per-tensor sqrt runs once per unit.
+    assert {n for op, n in flat_ops if op.startswith("_foreach")} == {units}
+    assert {n for op, n in rows_ops if op.startswith("_foreach")} == {leaves}
+    assert sum(op == "sqrt" for op, _ in flat_ops) == 3 * units * (opt_name == "adamw")
+    assert units < leaves
+
+
+def test_an_update_out_of_place_lays_the_new_shards_out_as_views_again(clusters):
+    flat_ops, flat_losses, flat_full, _, _, views = clusters[2].run(_optimizer_ops, "flat", "adamw", False)[0]
+    _, rows_losses, rows_full, _, _, _ = clusters[2].run(_optimizer_ops, "rows", "adamw", False)[0]
+    assert flat_ops == [] and views  # donate=False: update + apply_updates, then one buffer per unit again
+    assert flat_losses == rows_losses and all(torch.equal(flat_full[k], rows_full[k]) for k in rows_full)

@@ -9,6 +9,7 @@ import torch
 from ._checks import _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
 from .._compile import compilable
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
+from ._fused import fused_groups, zeros_like_views
 from ._masked import Mask, _check_mask, _selected
 
 
@@ -87,9 +88,8 @@ def adamw(
     def init(params: Params) -> AdamWState:
         trainable = _trainable(params)
         decays(trainable)  # a Mapping mask that lacks a name fails here, not mid-training
-        mu = {k: torch.zeros_like(p) for k, p in trainable.items()}
-        nu = {k: torch.zeros_like(p) for k, p in trainable.items()}
-        return AdamWState(_new_count(), mu, nu)
+        # laid out like the shards, so that update_ can run on a flat unit's buffers ([Note: fused updates])
+        return AdamWState(_new_count(), zeros_like_views(trainable), zeros_like_views(trainable))
 
     def update(
         grads: Params, state: AdamWState, params: Params | None = None
@@ -148,10 +148,17 @@ def adamw(
             state.count.add_(1)
             if not keys:
                 return state
-            mus = [state.mu[k] for k in keys]
-            _adamw_kernel([params[k] for k in keys], [params[k] for k in keys if k in decayed], mus,
-                          [state.nu[k] for k in keys], [_scratch(grads[k], mu.dtype) for k, mu in zip(keys, mus)],
-                          1 - lr * weight_decay, 1 - b1, b2, bias_correction2_sqrt, eps, -step_size)
+            # a flat unit's leaves as one tensor each where that is exact ([Note: fused updates])
+            groups, rest = fused_groups(keys, params, grads, [state.mu, state.nu], state.mu[keys[0]].dtype)
+            ps = [b[0] for _, b in groups] + [params[k] for k in rest]
+            gs = [b[1] for _, b in groups] + [_scratch(grads[k], state.mu[k].dtype) for k in rest]
+            mus = [b[2] for _, b in groups] + [state.mu[k] for k in rest]
+            nus = [b[3] for _, b in groups] + [state.nu[k] for k in rest]
+            to_decay = [b[0] for names, b in groups if decayed.issuperset(names)]
+            to_decay += [params[k] for names, _ in groups if not decayed.issuperset(names) for k in names if k in decayed]
+            to_decay += [params[k] for k in rest if k in decayed]
+            _adamw_kernel(ps, to_decay, mus, nus, gs, 1 - lr * weight_decay, 1 - b1, b2, bias_correction2_sqrt, eps,
+                          -step_size)
         return state
 
     def adamw_hyperparams(state: AdamWState) -> dict[str, float]:

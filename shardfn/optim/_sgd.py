@@ -8,6 +8,7 @@ import torch
 
 from ._checks import _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
 from ._combinators import _add_
+from ._fused import fused_groups, zeros_like_views
 from .._compile import compilable
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 
@@ -78,7 +79,8 @@ def sgd(
 
     def init(params: Params) -> SgdState:
         trainable = _trainable(params)
-        buffers = {k: torch.zeros_like(p) for k, p in trainable.items()} if momentum else {}
+        # laid out like the shards, so that update_ can run on a flat unit's buffers ([Note: fused updates])
+        buffers = zeros_like_views(trainable) if momentum else {}
         return SgdState(_new_count(), buffers)
 
     def update(
@@ -119,9 +121,13 @@ def sgd(
             state.count.add_(1)
             if not keys:
                 return state
-            bufs = [state.momentum_buffer[k] for k in keys] if momentum else []
-            _sgd_kernel([params[k] for k in keys], [grads[k] for k in keys], bufs, -lr, weight_decay=weight_decay,
-                        momentum=momentum, nesterov=nesterov)
+            states = [state.momentum_buffer] if momentum else []
+            dtype = state.momentum_buffer[keys[0]].dtype if momentum else params[keys[0]].dtype
+            groups, rest = fused_groups(keys, params, grads, states, dtype)  # [Note: fused updates]
+            ps = [b[0] for _, b in groups] + [params[k] for k in rest]
+            gs = [b[1] for _, b in groups] + [grads[k] for k in rest]
+            bufs = ([b[2] for _, b in groups] + [state.momentum_buffer[k] for k in rest]) if momentum else []
+            _sgd_kernel(ps, gs, bufs, -lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
         return state
 
     def sgd_hyperparams(state: SgdState) -> dict[str, float]:
