@@ -57,7 +57,7 @@ def measure(path: str, out_dir: str, d_model: int, layers: int) -> dict:
         "model_bytes": layout.full_bytes(),
         "shard_bytes": layout.shard_bytes() + layout.buffer_bytes(),
         "largest_unit_bytes": max(u.numel * layout.world * u.dtype.itemsize for u in layout.units),
-        "largest_param_bytes": max(leaf.shard_numel * layout.world * leaf.dtype.itemsize
+        "largest_param_bytes": max((leaf.numel if leaf.flat else leaf.shard_numel * layout.world) * leaf.dtype.itemsize
                                    for leaf in layout.leaves.values()),
     }
 

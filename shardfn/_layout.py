@@ -263,7 +263,7 @@ class Layout:
             f"Layout({self.strategy.value}, mesh {self.mesh_shape}, units={self.plan.units!r}"
             + (f", precision={self.plan.precision!r}" if self.plan.precision.param or self.plan.precision.reduce else "")
             + (f", offload={self.plan.offload!r}" if self.offloaded else "")
-            + "): "
+            + f", placement {self.plan.placement.value}): "
             f"{self.num_params:,} params, {self.full_bytes() * mb:.2f} MiB full, "
             f"{self.shard_bytes() * mb:.2f} MiB of shards per rank"
             + (f", {len(self.buffers)} buffers ({self.buffer_bytes() * mb:.2f} MiB, replicated)" if self.buffers else ""),

@@ -217,7 +217,7 @@ class Plan:
     offload: Offload = dataclasses.field(default_factory=Offload)
     # bool | int, or ((unit name, bool | int), ...): see shardfn._sharded.reshard_rules
     reshard_after_forward: Any = None
-    placement: Placement = Placement.ROWS
+    placement: Placement = Placement.FLAT  # see [Note: placements]
 
     def __init__(
         self,
@@ -253,7 +253,7 @@ class Plan:
             raise TypeError(f"reshard_after_forward={reshard_after_forward!r}: pass True, False, a sub-group size "
                             "(an int), or a dict unit name -> one of those, e.g. {'blocks.7': False}.")
         object.__setattr__(self, "reshard_after_forward", rule)
-        object.__setattr__(self, "placement", Placement.ROWS if placement is None else Placement.parse(placement))
+        object.__setattr__(self, "placement", Placement.FLAT if placement is None else Placement.parse(placement))
 
     def __repr__(self) -> str:
         extra = f", precision={self.precision!r}" if self.precision != Precision() else ""
@@ -262,7 +262,7 @@ class Plan:
         extra += f", offload={self.offload!r}" if self.offload.enabled else ""
         rule = self.reshard_after_forward
         extra += f", reshard_after_forward={dict(rule) if isinstance(rule, tuple) else rule!r}" if rule is not None else ""
-        extra += f", placement={self.placement.value!r}" if self.placement is not Placement.ROWS else ""
+        extra += f", placement={self.placement.value!r}" if self.placement is not Placement.FLAT else ""
         return f"Plan({self.strategy.value}, units={self.units!r}{extra})"
 
 

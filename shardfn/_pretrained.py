@@ -82,8 +82,16 @@ def read_weights(source: Source, layout: Layout, mesh: Any, params: Mapping[str,
     rank, device = layout.shard_rank(mesh), mesh.device
     out: dict[str, torch.Tensor] = {}
     for unit in layout.units:
+        # a flat unit's pieces are read straight into its shard buffer ([Note: placements])
+        buf = torch.zeros(unit.numel, dtype=unit.dtype, device=device) if unit.flat else None
+        at = 0
         for name in unit.leaves:
-            out[name] = _read_shard(source, found[name], layout, name, rank, device)
+            if buf is not None:
+                off, n = layout.piece(name, rank)
+                at = off if n else at
+                out[name] = _read_shard(source, found[name], layout, name, rank, device, buf[at : at + n])
+            else:
+                out[name] = _read_shard(source, found[name], layout, name, rank, device)
     rest = []
     for name, b in layout.buffers.items():
         if name in found:
@@ -97,12 +105,14 @@ def read_weights(source: Source, layout: Layout, mesh: Any, params: Mapping[str,
     return out
 
 
-def _read_shard(source: Source, key: str, layout: Layout, name: str, rank: int, device: torch.device) -> torch.Tensor:
+def _read_shard(source: Source, key: str, layout: Layout, name: str, rank: int, device: torch.device,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's shard of ``name`` from ``key`` of the file (a flat one written into ``out``)."""
     leaf = layout.leaves[name]
     if leaf.flat:  # a run of the flattened parameter: the rows it touches, then the run ([Note: placements])
         span = layout.units[leaf.unit].numel
         off, n = leaf.piece(rank, span)
-        shard = torch.zeros(n, dtype=leaf.dtype, device=device)
+        shard = torch.zeros(n, dtype=leaf.dtype, device=device) if out is None else out
         if n:
             lo = rank * span + off - leaf.start
             inner = leaf.row_numel

@@ -39,14 +39,16 @@ class ShardedParams(TensorTree):
     """This rank's state: a read-only mapping name -> tensor, plus its layout and mesh.
 
     Keys are the names of the model's state tree (see [Note: the state tree]): for each
-    parameter, this rank's dim-0 chunk of it, zero-padded to
-    ``layout.leaves[name].shard_shape``; for each buffer (``layout.buffers``), the whole
-    buffer, replicated on every rank. It is a pytree node (``torch.utils._pytree``), so
-    tree utilities see every tensor as a leaf.
+    parameter, this rank's shard of it, shaped ``layout.shard_shape(name, rank)``: under
+    ``Placement.FLAT`` (the default) a 1-D run of its elements (maybe empty), a view of its
+    unit's shard buffer; under ``Placement.ROWS`` its dim-0 chunk, zero-padded (see
+    [Note: placements]). For each buffer (``layout.buffers``), the whole buffer, replicated
+    on every rank. It is a pytree node (``torch.utils._pytree``), so tree utilities see
+    every tensor as a leaf.
 
     Example:
         >>> sharded = shard(params, mesh, "FULL_SHARD")
-        >>> sharded["blocks.0.attn.qkv.weight"].shape     # ceil(rows / world) rows
+        >>> sharded["blocks.0.attn.qkv.weight"].shape     # (elements on this rank,)
         >>> print(sharded.layout)                          # units, bytes per rank, collectives
     """
 
@@ -159,9 +161,11 @@ def shard(
             memory (pinned on CUDA); each unit is copied to the compute device just before
             its all-gather, gradient shards come back after their reduction, and the
             optimizer runs on the host. Buffers stay on the device. See [Note: offload].
-        placement: how each unit is cut into shards: ``"rows"`` (each parameter on dim 0,
-            the default) or ``"flat"`` (the unit's parameters laid end to end and cut into
-            equal pieces: all-gathers with no copy in or out); see :class:`shardfn.Placement`.
+        placement: how each unit is cut into shards: ``"flat"`` (the default: the unit's
+            parameters laid end to end and cut into equal pieces, so a shard of a parameter
+            is a 1-D piece of it; all-gathers with no copy in or out) or ``"rows"`` (each
+            parameter cut on dim 0, ``ceil(rows / world)`` rows per rank, zero-padded); see
+            :class:`shardfn.Placement`.
         seed: deferred init: ``params`` may be meta tensors (a model built under
             ``torch.device("meta")``); each unit is materialised in turn on every rank,
             initialised by ``reset_parameters()`` (and ``init_fn(module)``) from a seed

@@ -275,7 +275,7 @@ shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 @given(shapes=st.lists(shapes, min_size=1, max_size=4), world=st.integers(1, 5), cast=st.booleans())
 def test_unit_packing_equals_leaf_packing_in_one_copy(shapes, world, cast):
     params = {f"p{i}": torch.randn(s) for i, s in enumerate(shapes)}
-    layout = build_layout(Plan("FULL_SHARD"), (world,), world, 1, params, [], tree_info(None, params))
+    layout = build_layout(Plan("FULL_SHARD", placement="rows"), (world,), world, 1, params, [], tree_info(None, params))
     (unit,) = layout.units
     leaves = [layout.leaves[n] for n in unit.leaves]
     rows = [torch.cat([local_shard(params[n], layout.leaves[n], r, torch.device("cpu")).reshape(-1) for n in unit.leaves])

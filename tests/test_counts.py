@@ -14,14 +14,14 @@ CFG = GPTConfig(vocab_size=31, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 FOUR = 4  # bytes per fp32 element
 
 
-def _setup(strategy, optimizer=None, prefetch=False):
+def _setup(strategy, optimizer=None, prefetch=False, placement="flat"):
     """One step's setup; ``prefetch=False`` so that the exact gather/free order below holds."""
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(GPT(CFG))
     full_numel = {n: p.numel() for n, p in params.items()}
     rows = {n: (p.shape[0] if p.dim() else 1) for n, p in params.items()}
-    sharded = sf.shard(params, mesh, strategy)
+    sharded = sf.shard(params, mesh, strategy, placement=placement)
     opt = optimizer or sf.optim.sgd(0.1)
     state = opt.init(sharded)
     step = sf.jit_step(lambda p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=opt, prefetch=prefetch)
@@ -30,13 +30,22 @@ def _setup(strategy, optimizer=None, prefetch=False):
     return mesh, sharded, state, step, split_batch(batch, mesh.rank, mesh.size), full_numel, rows
 
 
-def padded_bytes(names, full_numel, rows, world):
-    """Bytes of `names` after padding each leaf's dim 0 to a multiple of `world` (all ranks)."""
+def padded_bytes(names, full_numel, rows, world, placement="flat"):
+    """Bytes of the unit of `names` on all ranks: `flat`, laid end to end and padded at the end to
+    a multiple of `world` elements; `rows`, each leaf's dim 0 padded to a multiple of `world`."""
+    if placement == "flat":
+        return math.ceil(sum(full_numel[n] for n in names) / world) * world * FOUR
     return sum(math.ceil(rows[n] / world) * world * (full_numel[n] // rows[n]) * FOUR for n in names)
 
 
-def count_one_step(strategy):
-    mesh, sharded, state, step, batch, full_numel, rows = _setup(strategy)
+def storage_bytes(tensors):
+    """Bytes of the distinct storages the tensors live in (a flat unit's shards share one)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
+    return sum(storages.values())
+
+
+def count_one_step(strategy, placement="flat"):
+    mesh, sharded, state, step, batch, full_numel, rows = _setup(strategy, placement=placement)
     step(sharded, state, batch)  # a first step, then count a steady-state one
     with sf.record_collectives() as log, sf.track_residency() as res:
         step(sharded, state, batch)
@@ -53,17 +62,19 @@ def count_one_step(strategy):
         "bytes": dict(log.bytes()),
         "calls": per_kind,
         "groups_ok": groups <= {ranks},
-        "expected_block_bytes": [padded_bytes(b, full_numel, rows, N if strategy != "NO_SHARD" else 1) for b in blocks],
-        "expected_root_bytes": padded_bytes(root, full_numel, rows, N if strategy != "NO_SHARD" else 1),
+        "expected_block_bytes": [padded_bytes(b, full_numel, rows, N if strategy != "NO_SHARD" else 1, placement)
+                                 for b in blocks],
+        "expected_root_bytes": padded_bytes(root, full_numel, rows, N if strategy != "NO_SHARD" else 1, placement),
         "layout_expectation": sharded.layout.collectives_per_step(),
         "max_live": res.max_live,
         "events": res.events,
     }
 
 
+@pytest.mark.parametrize("placement", ["flat", "rows"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_full_shard_two_gathers_one_reduce_scatter_per_unit(clusters, world):
-    r = clusters[world].run(count_one_step, "FULL_SHARD")[0]
+def test_full_shard_two_gathers_one_reduce_scatter_per_unit(clusters, world, placement):
+    r = clusters[world].run(count_one_step, "FULL_SHARD", placement)[0]
     blocks, root = r["expected_block_bytes"], r["expected_root_bytes"]
     # 3 blocks gathered twice (forward, backward), the root once; one reduce-scatter per unit;
     # plus one all-reduce of two floats: the loss metric and the gradients' sum of squares.
@@ -85,8 +96,9 @@ def test_full_shard_two_gathers_one_reduce_scatter_per_unit(clusters, world):
     ]
 
 
-def test_shard_grad_op_one_gather_one_reduce_scatter_per_unit(clusters):
-    r = clusters[2].run(count_one_step, "SHARD_GRAD_OP")[0]
+@pytest.mark.parametrize("placement", ["flat", "rows"])
+def test_shard_grad_op_one_gather_one_reduce_scatter_per_unit(clusters, placement):
+    r = clusters[2].run(count_one_step, "SHARD_GRAD_OP", placement)[0]
     blocks, root = r["expected_block_bytes"], r["expected_root_bytes"]
     assert r["counts"] == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1}
     assert r["bytes"] == {"all_gather": sum(blocks) + root, "reduce_scatter": sum(blocks) + root, "all_reduce": 8}
@@ -105,24 +117,27 @@ def test_no_shard_one_all_reduce_per_unit(clusters):
     assert r["max_live"] == 3
 
 
-def persistent_bytes(strategy):
-    mesh, sharded, state, step, batch, full_numel, rows = _setup(strategy, sf.optim.adamw(1e-3))
+def persistent_bytes(strategy, placement="flat"):
+    mesh, sharded, state, step, batch, full_numel, rows = _setup(strategy, sf.optim.adamw(1e-3), placement=placement)
     sharded, state, _ = step(sharded, state, batch)
-    shard_bytes = sum(t.numel() * t.element_size() for t in sharded.values())
-    state_bytes = sum(t.numel() * t.element_size() for d in (state.mu, state.nu) for t in d.values())
+    shard_bytes = storage_bytes(sharded.values())
+    state_bytes = storage_bytes([t for d in (state.mu, state.nu) for t in d.values()])
     N = mesh.size if strategy != "NO_SHARD" else 1
-    expected = padded_bytes(list(full_numel), full_numel, rows, N) // N
+    units = [[n for n in full_numel if n.startswith(f"blocks.{i}.")] for i in range(CFG.n_layers)]
+    units.append([n for n in full_numel if not n.startswith("blocks.")])
+    expected = sum(padded_bytes(u, full_numel, rows, N, placement) for u in units) // N
     return shard_bytes, state_bytes, expected, sharded.layout.shard_bytes(), sum(full_numel.values()) * FOUR
 
 
+@pytest.mark.parametrize("placement", ["flat", "rows"])
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_persistent_state_is_the_padded_one_nth_share(clusters, world):
-    results = clusters[world].run(persistent_bytes, "FULL_SHARD")
+def test_persistent_state_is_the_padded_one_nth_share(clusters, world, placement):
+    results = clusters[world].run(persistent_bytes, "FULL_SHARD", placement)
     for shard_bytes, state_bytes, expected, layout_bytes, full_bytes in results:
         assert shard_bytes == expected == layout_bytes
         assert state_bytes == 2 * expected  # AdamW: mu and nu, fp32, shard-sized
     # NO_SHARD replicates: every rank holds everything.
-    shard_bytes, state_bytes, expected, _, full_bytes = clusters[world].run(persistent_bytes, "NO_SHARD")[0]
+    shard_bytes, state_bytes, expected, _, full_bytes = clusters[world].run(persistent_bytes, "NO_SHARD", placement)[0]
     assert shard_bytes == full_bytes and state_bytes == 2 * full_bytes
 
 

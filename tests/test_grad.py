@@ -42,8 +42,10 @@ def grads_of_one_batch(strategy, micro_batches):
     loss, grads, metrics = grad_fn(sharded, batch)
     layout = sharded.layout
     shard_rank = layout.shard_rank(mesh)
-    # Padding rows (past this rank's real rows) are zero; shapes are the shards'.
-    padding_zero = all(g[layout.local_rows(n, shard_rank):].abs().sum() == 0 for n, g in grads.items())
+    # Padding rows (past this rank's real rows) are zero; shapes are the shards'. (A flat
+    # shard has no padding: it is a run of the parameter's elements.)
+    padding_zero = all(g[layout.local_rows(n, shard_rank):].abs().sum() == 0 for n, g in grads.items()
+                       if not layout.leaves[n].flat)
     shapes = all(g.shape == sharded[n].shape for n, g in grads.items())
     full = sf.gather(sharded.replace(dict(grads)))  # the gradient shards assembled like parameters
     with sf.on_shards(sharded), sf.record_collectives() as log:  # per-parameter norms: over the shards

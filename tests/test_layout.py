@@ -20,9 +20,10 @@ shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 @given(shapes=st.lists(shapes, min_size=1, max_size=4), world=st.integers(1, 5))
 def test_shard_pack_unpack_round_trip(shapes, world):
     params = {f"p{i}": torch.randn(s) for i, s in enumerate(shapes)}
-    layout = build_layout(Plan("FULL_SHARD"), (world,), world, 1, params, [], tree_info(None, params))
+    layout = build_layout(Plan("FULL_SHARD", placement="rows"), (world,), world, 1, params, [], tree_info(None, params))
     (unit,) = layout.units
-    # What each rank would hold, laid end to end, is what an all-gather returns.
+    # What each rank would hold, laid end to end, is what an all-gather returns (Placement.FLAT:
+    # tests/test_placement.py).
     rows = []
     for r in range(world):
         shards = [local_shard(params[n], layout.leaves[n], r, torch.device("cpu")) for n in unit.leaves]
@@ -70,15 +71,23 @@ def test_unit_policies_resolve():
 
 def test_layout_printout_and_costs():
     params, _ = sf.functionalize(MLP([8, 8, 8]))
-    layout = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], tree_info(None, params))
+    layout = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer), placement="rows"), (3,), 3, 1, params,
+                          ["layers.0", "layers.1"], tree_info(None, params))
     text = str(layout)
     assert "FULL_SHARD" in text and "layers.0" in text and "all_gather" in text
     # 8x8 weight + 8 bias per layer, padded to 9 rows: 9*8 + 9 = 81 elements over 3 ranks = 27 per rank.
     assert [u.numel for u in layout.units] == [27, 27]
     assert layout.collectives_per_step() == {"all_gather": (4, 4 * 81 * 4), "reduce_scatter": (2, 2 * 81 * 4)}
-    same = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], tree_info(None, params))
-    assert same.fingerprint() == layout.fingerprint()
-    other = build_layout(Plan("SHARD_GRAD_OP", units=sf.by_module_type(Layer)), (3,), 3, 1, params, ["layers.0", "layers.1"], tree_info(None, params))
+    # Flat (the default): the 72 elements of a layer end to end, 24 per rank, no padding.
+    flat = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer)), (3,), 3, 1, params,
+                        ["layers.0", "layers.1"], tree_info(None, params))
+    assert [u.numel for u in flat.units] == [24, 24] and "placement flat" in str(flat) and "placement rows" in text
+    assert flat.collectives_per_step() == {"all_gather": (4, 4 * 72 * 4), "reduce_scatter": (2, 2 * 72 * 4)}
+    same = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer), placement="rows"), (3,), 3, 1, params,
+                        ["layers.0", "layers.1"], tree_info(None, params))
+    assert same.fingerprint() == layout.fingerprint() != flat.fingerprint()
+    other = build_layout(Plan("SHARD_GRAD_OP", units=sf.by_module_type(Layer), placement="rows"), (3,), 3, 1, params,
+                         ["layers.0", "layers.1"], tree_info(None, params))
     assert other.fingerprint() != layout.fingerprint()
 
 

@@ -92,7 +92,10 @@ def train(strategy, remat):
         sharded, state, metrics = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
     lay = sharded.layout
     units = [(u.path, u.name, u.dtype, u.param_dtype, u.numel, u.grad_numel) for u in lay.units]
-    shard_bytes = sum(t.numel() * t.element_size() for t in sharded.params().values())
+    # the memory the shards occupy: a flat unit's shards share one buffer, its padding included
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in sharded.params().values()
+                if t.numel()}
+    shard_bytes = sum(storages.values())
     full = sf.gather(sharded)
     # Dtypes are read here: the cluster sends bf16 tensors back as fp32 (numpy has no bf16).
     return (full, {n: t.dtype for n, t in full.items()}, units, shard_bytes, lay.shard_bytes(),

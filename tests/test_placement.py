@@ -85,7 +85,8 @@ def test_frozen_and_trainable_parameters_of_one_module_are_two_flat_units():
     assert set(by_name) == {"<root>", "0", "0[frozen]"}
     assert by_name["0"].leaves == ("0.weight",) and by_name["0"].grad_numel == 6
     assert by_name["0[frozen]"].leaves == ("0.bias",) and by_name["0[frozen]"].grad_numel == 0
-    rows = build_layout(Plan("FULL_SHARD"), (2,), 2, 1, params, ["0"], tree_info(params.module, list(params)))
+    rows = build_layout(Plan("FULL_SHARD", placement="rows"), (2,), 2, 1, params, ["0"],
+                        tree_info(params.module, list(params)))
     assert [u.name for u in rows.units] == ["<root>", "0"]  # rows keep frozen leaves in the unit
 
 

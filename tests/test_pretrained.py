@@ -163,7 +163,8 @@ def load_peak(path):
     with sf.track_live_bytes() as live:
         sharded = sf.shard(params, mesh, "FULL_SHARD", weights=path)
     layout = sharded.layout
-    biggest = max(leaf.shard_numel * leaf.dtype.itemsize for leaf in layout.leaves.values())
+    rank = layout.shard_rank(mesh)
+    biggest = max(layout.piece(n, rank)[1] * leaf.dtype.itemsize for n, leaf in layout.leaves.items())
     return live.peak, layout.shard_bytes() + layout.buffer_bytes(), biggest
 
 
@@ -191,9 +192,9 @@ def export(directory, kind, world_strategy, **kw):
     with torch.no_grad():
         logits = apply(sharded, tokens()).logits
     layout = sharded.layout
-    biggest_unit = max(sum(layout.leaves[n].shard_numel for n in u.leaves) * u.dtype.itemsize * layout.world
-                       for u in layout.units)
-    biggest_leaf = max(leaf.shard_numel * leaf.dtype.itemsize * layout.world for leaf in layout.leaves.values())
+    biggest_unit = max(u.numel * u.dtype.itemsize * layout.world for u in layout.units)
+    biggest_leaf = max((leaf.numel if leaf.flat else leaf.shard_numel * layout.world) * leaf.dtype.itemsize
+                       for leaf in layout.leaves.values())
     # what rank 0 may hold beyond its shards: the gathered unit, its unpacked copy, the send
     # buffer (a unit's shard) and one parameter being unpacked; never the model
     return files, logits, live.peak, layout.shard_bytes() + layout.buffer_bytes(), (
