@@ -46,6 +46,7 @@ from ._plan import RematMode as RematMode
 from ._plan import ShardGradOp as ShardGradOp
 from ._plan import ShardOptimizer as ShardOptimizer
 from ._plan import Strategy as Strategy
+from ._plan import whole as whole
 from ._units import UnitPolicy as UnitPolicy
 from ._units import by_module_type as by_module_type
 from ._units import by_param_count as by_param_count
@@ -126,4 +127,5 @@ __all__ = [
     "shard",
     "track_live_bytes",
     "track_residency",
+    "whole",
 ]

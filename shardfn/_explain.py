@@ -57,6 +57,8 @@ class UnitCost:
     optim_bytes: int  # this rank's optimizer state for the unit's parameters
     gather_bytes: int  # all-gather output per step
     reduce_bytes: int  # reduce-scatter input + all-reduce tensor per step
+    placement: str = "flat"  # "flat", "rows" or "whole" ([Note: placements])
+    padding: int = 0  # elements of padding, all ranks together: what the placement costs beyond the parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +91,7 @@ class Explanation:
         head = (f"shardfn.explain: {self.strategy} on mesh {self.mesh_shape} ({ranks} ranks), "
                 f"{self.params:,} parameters; MiB per rank, communication per step and rank")
         cols = f"  {'unit':<22} {'params':>15} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} " \
-               f"{'gather MiB':>11} {'reduce MiB':>11}"
+               f"{'gather MiB':>11} {'reduce MiB':>11}  {'placement':<9} {'padding':>9}"
         rows = [head, cols]
         shown = self.units if len(self.units) <= 12 else self.units[:5] + (None,) + self.units[-5:]
         for u in shown:
@@ -97,7 +99,8 @@ class Explanation:
                 rows.append(f"  {'... ' + str(len(self.units) - 10) + ' more units':<22}")
                 continue
             rows.append(f"  {u.name:<22} {u.params:>15,} {mib(u.param_bytes):>11} {mib(u.grad_bytes):>10} "
-                        f"{mib(u.optim_bytes):>10} {mib(u.gather_bytes):>11} {mib(u.reduce_bytes):>11}")
+                        f"{mib(u.optim_bytes):>10} {mib(u.gather_bytes):>11} {mib(u.reduce_bytes):>11}  "
+                        f"{u.placement:<9} {u.padding:>9,}")
         rows.append(f"  {'total':<22} {self.params:>15,} {mib(self.total('param_bytes')):>11} "
                     f"{mib(self.total('grad_bytes')):>10} {mib(self.total('optim_bytes')):>10} "
                     f"{mib(self.total('gather_bytes')):>11} {mib(self.total('reduce_bytes')):>11}")
@@ -289,6 +292,8 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
             optim_bytes=optim_bytes.get(u.name, 0),
             gather_bytes=moved.get(u.name, {}).get("gather", 0),
             reduce_bytes=moved.get(u.name, {}).get("reduce", 0),
+            placement="whole" if u.whole else "flat" if u.flat else "rows",
+            padding=u.numel * layout.world - sum(math.prod(leaf.shape) for leaf in leaves),
         ))
     transfers = {d: (log.transfer_copies()[d], b) for d, b in log.transfer_bytes().items()} if log is not None else {}
     return Explanation(layout.strategy.value, tuple(layout.mesh_shape), tuple(units), collectives, persistent, peak,

@@ -50,7 +50,8 @@ import torch.nn as nn
 
 from . import _collectives as C
 from ._events import Purpose, ResidencyEvent, UnitEvent, emit
-from ._layout import Layout, UnitLayout, shard_buffer, unpack_unit
+from ._layout import Layout, UnitLayout
+from ._packing import shard_buffer, unpack_unit
 from ._offload import copy_stream, join_stream, pack_shards, to_device
 from ._plan import RematMode
 from ._reduce import UnitGrads
@@ -159,11 +160,11 @@ class Unit:
             out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
             # offloaded shards live in host memory: copied to the device (counted) in any case
             flat = self.unit.flat and not self.layout.offloaded
-            mine = shard_buffer(self.shards, numel, self.unit.param_dtype) if flat else None
+            offsets = self.layout.offsets(self.unit, self.rank) if self.unit.flat else None
+            mine = shard_buffer(self.shards, numel, self.unit.param_dtype, offsets) if flat else None
             if mine is None:  # ROWS, or shards that are not views of one buffer: one pack (see [Note: copies])
                 mine = out[self.rank]
-                pack_shards(mine, self.shards, self.layout.offloaded, self.runtime.observers, self.unit.name,
-                            pad=self.unit.flat)
+                pack_shards(mine, self.shards, self.layout.offloaded, self.runtime.observers, self.unit.name, offsets)
             work = C.all_gather(out.view(-1), mine, self.group, purpose, self.unit.name, async_op=async_op,
                                 to=self.runtime.observers)
         return work, mine, out

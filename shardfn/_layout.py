@@ -27,6 +27,12 @@ leaf's shard gradient is a view of it (one copy per unit: autograd's per-paramet
 gradients into the buffer). For a leaf's shard and its gradient to be the same elements,
 a flat unit holds only trainable or only frozen parameters: a module with both is one
 unit per (dtype, trainable) group, named ``path[float32,frozen]`` and the like.
+
+Under ``whole(select)`` the parameters ``select`` picks form a unit of their own per module
+(``path[whole]``), laid out in the same global buffer but each inside one rank's range:
+the largest first, each to the rank whose range holds least so far, so ``unit.numel`` is
+the largest rank's share and the others end in padding. The buffer then has gaps between
+leaves; every packing below places each piece at its offset and zeros the rest.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from typing import Any
 import torch
 
 from ._guard import unit_id
-from ._plan import Placement, Plan, RematMode, Strategy
+from ._packing import local_shard
+from ._plan import Placement, Plan, RematMode, Strategy, Whole
 from ._tree import TreeInfo
 
 __all__ = ["BufferLayout", "LeafLayout", "Layout", "UnitLayout", "unit_owner"]
@@ -120,6 +127,7 @@ class UnitLayout:
     reshard: bool | int = False
     flat: bool = False  # Placement.FLAT ([Note: placements])
     frozen_split: bool = False  # a flat unit of a module that also has trainable (or frozen) leaves of its dtype
+    whole: bool = False  # its leaves live whole on one rank each (shardfn.whole)
 
     @property
     def subgroup(self) -> int | None:
@@ -130,6 +138,7 @@ class UnitLayout:
     def name(self) -> str:
         base = self.path or "<root>"
         tags = [str(self.dtype).removeprefix("torch.")] if self.split else []
+        tags += ["whole"] if self.whole else []
         tags += ["frozen"] if self.frozen_split and not self.grad_numel else []
         return f"{base}[{','.join(tags)}]" if tags else base
 
@@ -193,6 +202,10 @@ class Layout:
         buffer of its unit (``length`` elements, padding rows included under ROWS)."""
         leaf = self.leaves[name]
         return leaf.piece(rank, self.units[leaf.unit].numel)
+
+    def offsets(self, unit: UnitLayout, rank: int) -> list[int]:
+        """Where each of ``unit``'s leaves' shards starts in ``rank``'s shard buffer, in unit order."""
+        return [self.leaves[n].piece(rank, unit.numel)[0] for n in unit.leaves]
 
     def unit_of(self, path: str) -> UnitLayout:
         return self.units[self.leaves[path].unit]
@@ -263,7 +276,7 @@ class Layout:
             f"Layout({self.strategy.value}, mesh {self.mesh_shape}, units={self.plan.units!r}"
             + (f", precision={self.plan.precision!r}" if self.plan.precision.param or self.plan.precision.reduce else "")
             + (f", offload={self.plan.offload!r}" if self.offloaded else "")
-            + f", placement {self.plan.placement.value}): "
+            + f", placement {getattr(self.plan.placement, 'value', self.plan.placement)}): "
             f"{self.num_params:,} params, {self.full_bytes() * mb:.2f} MiB full, "
             f"{self.shard_bytes() * mb:.2f} MiB of shards per rank"
             + (f", {len(self.buffers)} buffers ({self.buffer_bytes() * mb:.2f} MiB, replicated)" if self.buffers else ""),
@@ -331,12 +344,15 @@ def build_layout(
         # one unit per dtype group, all on the same module, in order of first appearance.
         # Each group is gathered, reduced and accounted for on its own (one collective per
         # group and direction), in its own dtype unless the Precision says otherwise.
-        flat = plan.placement is Placement.FLAT
-        groups: dict[tuple[torch.dtype, bool], list[str]] = {}
+        flat = plan.placement is not Placement.ROWS
+        pick = plan.placement.picks if isinstance(plan.placement, Whole) else None
+        groups: dict[tuple[torch.dtype, bool, bool], list[str]] = {}
         for n in names:  # a flat unit is all trainable or all frozen ([Note: placements])
-            groups.setdefault((state[n].dtype, flat and not state[n].requires_grad), []).append(n)
-        dtypes = {dt for dt, _ in groups}
-        for (master, frozen), group in groups.items():
+            whole = pick is not None and pick(n, tuple(state[n].shape))
+            groups.setdefault((state[n].dtype, flat and not state[n].requires_grad, whole), []).append(n)
+        dtypes = {dt for dt, _, _ in groups}
+        for (master, frozen, whole), group in groups.items():
+            starts = _whole_starts(group, state, world) if whole else {}
             offset = grad_offset = 0
             for n in group:
                 t = state[n]
@@ -346,24 +362,25 @@ def build_layout(
                 # Frozen leaves are gathered with their unit but have no gradient: they take
                 # no space in the reduce-scatter (or all-reduce) buffer.
                 goff = grad_offset if t.requires_grad else -1
-                if flat:  # laid end to end in the global buffer; chunk and offset unused
+                if flat:  # laid end to end in the global buffer (whole: in one rank's range); chunk and offset unused
                     numel = math.prod(t.shape)
-                    leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), 0, -1, goff,
-                                           offset)
+                    start = starts.get(n, offset)
+                    leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), 0, -1,
+                                           start if t.requires_grad else -1, start)
                 else:
                     leaves[n] = LeafLayout(n, tuple(t.shape), t.dtype, t.requires_grad, len(units), chunk, offset,
                                            goff)
                 offset += numel
                 grad_offset += numel if t.requires_grad else 0
             if flat:  # offsets so far are global; a rank's shard buffer is 1 / world of it, padded at the end
-                offset = -(-offset // world)
+                offset = starts.pop("", 0) if whole else -(-offset // world)
                 grad_offset = offset if not frozen else 0
             param_dtype, reduce_dtype = plan.precision.unit_dtypes(path, unit_modules.get(path), master)
             units.append(UnitLayout(
                 len(units), path, tuple(group), offset, master, grad_offset, param_dtype, reduce_dtype,
                 (remat or {}).get(path), len(dtypes) > 1, path in optional,
                 (reshard or {}).get(path, plan.strategy.reshard_after_forward and path != ""), flat,
-                flat and (master, not frozen) in groups,
+                flat and any((master, not frozen, w) in groups for w in (False, True)), whole,
             ))
     buffers = {
         n: BufferLayout(n, tuple(state[n].shape), state[n].dtype, n in info.persistent) for n in info.buffers
@@ -376,113 +393,15 @@ def build_layout(
     )
 
 
-# -- packing (see [Note: dim-0 shards and unit buffers]) ----------------------------------
-
-
-def unpack_leaf(gathered: torch.Tensor, leaf: LeafLayout, world: int) -> torch.Tensor:
-    """Full parameter from a ``[world, unit.numel]`` all-gather result (one copy; a flat
-    leaf's is a view of it, see [Note: placements])."""
-    if leaf.flat:
-        return gathered.reshape(-1)[leaf.start : leaf.start + leaf.numel].view(leaf.shape)
-    cols = gathered[:, leaf.offset : leaf.offset + leaf.shard_numel].view(world, leaf.chunk, leaf.row_numel)
-    out = torch.empty((leaf.rows, leaf.row_numel), dtype=gathered.dtype, device=gathered.device)
-    if leaf.chunk:
-        q, rem = divmod(leaf.rows, leaf.chunk)
-        out[: q * leaf.chunk].view(q, leaf.chunk, leaf.row_numel).copy_(cols[:q])
-        if rem:
-            out[q * leaf.chunk :].copy_(cols[q, :rem])
-    return out.view(leaf.shape)
-
-
-def unpack_unit(gathered: torch.Tensor, leaves: Sequence[LeafLayout], world: int) -> list[torch.Tensor]:
-    """Every leaf's full parameter from a ``[world, unit.numel]`` all-gather result, in one copy.
-
-    One ``split_with_sizes_copy`` moves each leaf's columns into a ``[world, shard_numel]``
-    tensor of its own: rank after rank, that is the leaf's rows followed by its padding
-    rows, so the full parameter is a view of its first ``rows`` rows (a few padding rows
-    of memory per leaf, one kernel per unit). ``leaves`` are the unit's leaves in order.
-    A flat unit's are views of ``gathered``, no copy ([Note: placements]).
-    """
-    if leaves and leaves[0].flat:
-        return [unpack_leaf(gathered, leaf, world) for leaf in leaves]
-    outs = [gathered.new_empty((world, leaf.shard_numel)) for leaf in leaves]
-    if outs:
-        torch.split_with_sizes_copy(gathered, [leaf.shard_numel for leaf in leaves], dim=1, out=outs)
-    return [t.view(-1)[: math.prod(leaf.shape)].view(leaf.shape) for t, leaf in zip(outs, leaves)]
-
-
-def pack_unit(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], world: int, flat: bool = False) -> None:
-    """Writes full-shaped tensors, laid end to end, into a ``[world, n]`` buffer, in one copy.
-
-    The inverse of :func:`unpack_unit` (``n`` is the sum of their shard sizes): one
-    ``_chunk_cat`` splits each tensor into ``world`` dim-0 chunks of ``ceil(rows / world)``
-    rows, zero padding included, writes chunk ``r`` into row ``r``, and casts to the
-    buffer's dtype on the way. The tensors need not be contiguous. ``flat``: the unit's
-    global flat buffer ([Note: placements]): one ``cat`` of the flattened tensors and the
-    padding's zeros.
-    """
-    if flat:
-        out = buffer.view(-1)
-        parts = [t.reshape(-1) for t in tensors]
-        pad = out.numel() - sum(t.numel() for t in parts)
-        if pad:
-            parts.append(out.new_zeros(pad))
-        if parts:
-            torch.cat(parts, out=out)
-        return
-    parts = [t.reshape(1) if t.dim() == 0 else t for t in tensors if t.numel()]  # empty: no columns
-    if parts:
-        torch._chunk_cat(parts, dim=0, num_chunks=world, out=buffer)
-
-
-def pack_leaf(buffer: torch.Tensor, full: torch.Tensor, leaf: LeafLayout, world: int, offset: int) -> None:
-    """Writes a full-shaped tensor at column ``offset`` of a ``[world, n]`` buffer, zero
-    padding (a flat leaf: at its place in the global buffer; ``offset`` unused)."""
-    if leaf.flat:
-        buffer.view(-1)[leaf.start : leaf.start + leaf.numel].copy_(full.reshape(-1))
-        return
-    cols = buffer[:, offset : offset + leaf.shard_numel].view(world, leaf.chunk, leaf.row_numel)
-    if not leaf.chunk:
-        return
-    src = full.reshape(leaf.rows, leaf.row_numel)
-    q, rem = divmod(leaf.rows, leaf.chunk)
-    cols[:q].copy_(src[: q * leaf.chunk].view(q, leaf.chunk, leaf.row_numel))
-    if q < world:
-        cols[q, :rem].copy_(src[q * leaf.chunk :])
-        cols[q, rem:].zero_()
-        cols[q + 1 :].zero_()
-
-
-def local_shard(full: torch.Tensor, leaf: LeafLayout, rank: int, device: torch.device, span: int = 0) -> torch.Tensor:
-    """This rank's zero-padded dim-0 chunk of ``full``, as a new tensor on ``device``; a
-    flat leaf's 1-D piece, in a unit of shard buffers of ``span`` elements."""
-    if leaf.flat:
-        off, n = leaf.piece(rank, span)
-        lo = rank * span + off - leaf.start
-        return full.detach().reshape(-1)[lo : lo + n].to(device, copy=True)
-    shard = torch.zeros(leaf.shard_shape, dtype=full.dtype, device=device)
-    k = leaf.local_rows(rank)
-    if k:
-        start = rank * leaf.chunk
-        src = full.reshape(leaf.rows, *leaf.shape[1:])[start : start + k]
-        shard[:k].copy_(src)
-    return shard
-
-
-def shard_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """The flat unit's shard buffer that ``shards`` are views of, in order, when it is one
-    contiguous tensor of ``numel`` elements in ``dtype`` (as :func:`shardfn.shard` lays them
-    out, and in-place updates keep them); else None, and the caller packs them.
-
-    The all-gather then sends it as it is: no copy ([Note: placements])."""
-    base = shards[0]._base if shards else None
-    if base is None or base.dtype != dtype or base.dim() != 1 or base.numel() != numel or not base.is_contiguous():
-        return None
-    at = base.storage_offset()
-    for s in shards:
-        if not s.numel():  # a leaf with no elements on this rank
-            continue
-        if s._base is not base or s.storage_offset() != at or (s.numel() > 1 and s.stride() != (1,)):
-            return None
-        at += s.numel()
-    return base
+def _whole_starts(names: Sequence[str], state: Mapping[str, torch.Tensor], world: int) -> dict[str, int]:
+    """Each leaf's start in the global buffer of a whole unit ([Note: placements]), and under
+    the key ``""`` the shard buffers' size: the largest leaves first, each to the rank whose
+    range holds least so far (the lowest such rank), placed after what that range holds."""
+    loads = [0] * world
+    at: dict[str, tuple[int, int]] = {}
+    for n in sorted(names, key=lambda n: -math.prod(state[n].shape)):  # (stable: ties keep unit order)
+        r = loads.index(min(loads))
+        at[n] = (r, loads[r])
+        loads[r] += math.prod(state[n].shape)
+    span = max(loads)
+    return {"": span, **{n: r * span + off for n, (r, off) in at.items()}}

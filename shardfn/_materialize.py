@@ -31,7 +31,8 @@ import torch.nn as nn
 
 from . import _collectives as C
 from ._events import Purpose
-from ._layout import Layout, UnitLayout, build_layout, pack_leaf, unit_owner
+from ._layout import Layout, UnitLayout, build_layout, unit_owner
+from ._packing import pack_leaf
 from ._plan import Plan
 from ._tree import tree_info
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.nn as nn
@@ -22,6 +22,8 @@ from ._units import DefaultUnits, UnitPolicy, UnitsArg, as_policy
 __all__ = [
     "Placement",
     "Plan",
+    "Whole",
+    "whole",
     "Remat",
     "RematMode",
     "Strategy",
@@ -106,8 +108,42 @@ class Placement(enum.Enum):
     ROWS = "rows"
 
     @classmethod
-    def parse(cls, value: "Placement | str") -> "Placement":
+    def parse(cls, value: "Placement | str | Whole") -> "Placement | Whole":
+        if isinstance(value, Whole):
+            return value
         return parse_enum(cls, value.lower() if isinstance(value, str) else value, "placement")
+
+
+@dataclasses.dataclass(frozen=True)
+class Whole:
+    """A placement (``placement=shardfn.whole(select)``): the parameters ``select(name,
+    shape)`` picks each live whole on one rank of the shard axis, spread so that the ranks'
+    shares are as even as their sizes allow (largest first, each to the least loaded rank);
+    the others are cut flat. A module's whole parameters are a unit of their own, gathered
+    with no copy like a flat unit (each a view of the gathered buffer); its shard buffer is
+    the largest rank's share, the others padded to it. An optimizer that needs a whole
+    matrix (Muon, Adafactor) finds it on one rank. See [Note: placements].
+
+    Example:
+        >>> shard(params, mesh, "FULL_SHARD", placement=shardfn.whole(lambda name, shape: len(shape) == 2))
+    """
+
+    select: Callable[[str, tuple[int, ...]], bool] | None = None
+
+    def picks(self, name: str, shape: tuple[int, ...]) -> bool:
+        return True if self.select is None else bool(self.select(name, tuple(shape)))
+
+    def __repr__(self) -> str:
+        return f"whole({getattr(self.select, '__name__', repr(self.select)) if self.select is not None else ''})"
+
+
+def whole(select: Callable[[str, tuple[int, ...]], bool] | None = None) -> Whole:
+    """The :class:`Whole` placement: ``select(name, shape) -> bool`` picks the parameters that
+    live whole on one rank (default: every parameter); the rest are cut flat."""
+    if select is not None and not callable(select):
+        raise TypeError(f"whole(select={select!r}): pass a function (name, shape) -> bool, e.g. "
+                        "lambda name, shape: len(shape) == 2.")
+    return Whole(select)
 
 
 def parse_enum(cls: type[enum.Enum], value: object, what: str) -> Any:
@@ -217,7 +253,7 @@ class Plan:
     offload: Offload = dataclasses.field(default_factory=Offload)
     # bool | int, or ((unit name, bool | int), ...): see shardfn._sharded.reshard_rules
     reshard_after_forward: Any = None
-    placement: Placement = Placement.FLAT  # see [Note: placements]
+    placement: Placement | Whole = Placement.FLAT  # see [Note: placements]
 
     def __init__(
         self,
@@ -229,7 +265,7 @@ class Plan:
         optional: UnitsArg = None,
         offload: Offload | None = None,
         reshard_after_forward: bool | int | Mapping[str, bool | int] | None = None,
-        placement: Placement | str | None = None,
+        placement: Placement | Whole | str | None = None,
     ):
         object.__setattr__(self, "strategy", Strategy.parse(strategy))
         object.__setattr__(self, "units", as_policy(units))
@@ -262,7 +298,8 @@ class Plan:
         extra += f", offload={self.offload!r}" if self.offload.enabled else ""
         rule = self.reshard_after_forward
         extra += f", reshard_after_forward={dict(rule) if isinstance(rule, tuple) else rule!r}" if rule is not None else ""
-        extra += f", placement={self.placement.value!r}" if self.placement is not Placement.FLAT else ""
+        shown = self.placement.value if isinstance(self.placement, Placement) else self.placement
+        extra += f", placement={shown!r}" if self.placement is not Placement.FLAT else ""
         return f"Plan({self.strategy.value}, units={self.units!r}{extra})"
 
 

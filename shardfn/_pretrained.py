@@ -84,12 +84,10 @@ def read_weights(source: Source, layout: Layout, mesh: Any, params: Mapping[str,
     for unit in layout.units:
         # a flat unit's pieces are read straight into its shard buffer ([Note: placements])
         buf = torch.zeros(unit.numel, dtype=unit.dtype, device=device) if unit.flat else None
-        at = 0
         for name in unit.leaves:
             if buf is not None:
                 off, n = layout.piece(name, rank)
-                at = off if n else at
-                out[name] = _read_shard(source, found[name], layout, name, rank, device, buf[at : at + n])
+                out[name] = _read_shard(source, found[name], layout, name, rank, device, buf[off : off + n])
             else:
                 out[name] = _read_shard(source, found[name], layout, name, rank, device)
     rest = []

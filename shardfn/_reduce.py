@@ -61,7 +61,7 @@ import torch
 
 from . import _collectives as C
 from ._events import Purpose
-from ._layout import pack_unit
+from ._packing import pack_unit
 from ._offload import to_host
 
 __all__ = ["UnitGrads"]
@@ -141,7 +141,7 @@ class UnitGrads:
             g if g is not None else torch.zeros(leaf.shape, dtype=u.param_dtype, device=device)
             for g, leaf in zip(grads, leaves)
             if leaf.grad_offset >= 0
-        ], lay.world, u.flat)
+        ], lay.world, [leaf.start for leaf in leaves if leaf.grad_offset >= 0] if u.flat else None)
         self.acc = buf if self.acc is None else self.acc.add_(buf)
 
     def _own(self, grads: tuple[torch.Tensor | None, ...], leaves: list, device: torch.device) -> None:

@@ -15,10 +15,11 @@ import torch.utils._pytree as pytree
 from . import _collectives as C
 from ._events import Purpose
 from ._guard import guarded
-from ._layout import Layout, build_layout, shard_buffer, unpack_leaf
+from ._layout import Layout, build_layout
+from ._packing import shard_buffer, unpack_leaf
 from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
-from ._offload import Offload, place_on_host, to_device_into
+from ._offload import Offload, place_on_host, to_device_into, with_gaps
 from ._plan import Placement, Plan, RematMode, Strategy, make_plan
 from ._units import check_unit_modules
 from ._precision import Precision
@@ -79,7 +80,8 @@ class ShardedParams(TensorTree):
         out = []
         for unit in self.layout.units:
             if unit.flat and unit.grad_numel and not self.layout.offloaded:
-                base = shard_buffer([self._data[n] for n in unit.leaves], unit.numel, unit.dtype)
+                base = shard_buffer([self._data[n] for n in unit.leaves], unit.numel, unit.dtype,
+                                    self.layout.offsets(unit, self.layout.shard_rank(self.mesh)))
                 if base is not None:
                     out.append((base, unit.leaves))
         return out
@@ -273,15 +275,14 @@ def unit_views(shards: dict[str, torch.Tensor], layout: Layout, rank: int) -> di
     holds them) each unit's separate shards are freed before the next unit's buffer exists."""
     with torch.no_grad():
         for unit in layout.units:
-            if not unit.flat or shard_buffer([shards[n] for n in unit.leaves], unit.numel, unit.dtype) is not None:
+            if not unit.flat or shard_buffer([shards[n] for n in unit.leaves], unit.numel, unit.dtype,
+                                             layout.offsets(unit, rank)) is not None:
                 continue  # (already laid out so)
             first = shards[unit.leaves[0]]
             buf = torch.zeros(unit.numel, dtype=unit.dtype, device=first.device)
-            at = 0
             for n in unit.leaves:
                 off, length = layout.piece(n, rank)
-                at = off if length else at
-                view = buf[at : at + length]
+                view = buf[off : off + length]
                 view.copy_(shards[n].detach().reshape(-1))
                 shards[n] = view
     return shards
@@ -479,12 +480,13 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
         parts = [(values[n].detach() if n in values else torch.zeros(layout.shard_shape(n, rank), dtype=ref.dtype,
                                                                      device=ref.device)).reshape(-1)
                  for n in unit.leaves]
-        pad = unit.numel - sum(p.numel() for p in parts)  # a flat unit's last ranks ([Note: placements])
-        if ref.device == flat.device:
-            torch.cat(parts + ([flat.new_zeros(pad)] if pad else []), out=flat)
+        if unit.flat:  # each piece at its offset, zeros between and after ([Note: placements])
+            parts = [p.to(flat.device) for p in parts]
+            torch.cat(with_gaps(list(zip(layout.offsets(unit, rank), parts)), unit.numel, flat), out=flat)
+        elif ref.device == flat.device:
+            torch.cat(parts, out=flat)
         else:  # offloaded values (host memory): copied to the device, where the collective runs
-            to_device_into(flat[: unit.numel - pad], parts, (), unit.name)
-            flat[unit.numel - pad :].zero_()
+            to_device_into(flat, parts, (), unit.name)
         C.all_gather(got, flat, mesh.group("shard"), purpose, unit.name)
         if unpack:  # ranks that return nothing do not unpack
             # (a flat leaf is a view of the receive buffer, which the next unit reuses: copied)

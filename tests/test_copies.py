@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardfn as sf
-from shardfn._layout import build_layout, local_shard, pack_leaf, pack_unit, unpack_leaf, unpack_unit
+from shardfn._layout import build_layout
+from shardfn._packing import local_shard, pack_leaf, pack_unit, unpack_leaf, unpack_unit
 from shardfn._plan import Plan
 from shardfn._tree import tree_info
 from shardfn.testing import split_batch

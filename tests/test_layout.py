@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardfn as sf
-from shardfn._layout import build_layout, local_shard, pack_leaf, unpack_leaf
+from shardfn._layout import build_layout
+from shardfn._packing import local_shard, pack_leaf, unpack_leaf
 from shardfn._plan import Plan
 from shardfn._tree import tree_info
 from shardfn.testing.models import GPT, MLP, Block, GPTConfig, Layer

@@ -202,7 +202,7 @@ def zero1_step(precision=None):
         held = mem.current
         sharded, state, _ = step(sharded, state, batch)
     lay = sharded.layout
-    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in [*sharded.params().values(), *torch.utils._pytree.tree_leaves(state), *batch.values()]}
     # a shard changed outside the step (in place): the kept replica no longer holds, the next use gathers again
     name = "blocks.0.mlp.0.weight"

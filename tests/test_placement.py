@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardfn as sf
-from shardfn._layout import build_layout, pack_unit, unpack_unit
+from shardfn._layout import build_layout
+from shardfn._packing import pack_unit, unpack_unit
 from shardfn._pieces import rectangles
 from shardfn._plan import Plan
 from shardfn._tree import tree_info
@@ -55,7 +56,7 @@ def test_pieces_cut_the_unit_into_equal_shard_buffers(shapes, world):
         assert torch.equal(f, params[n].detach()) and f.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()
     # Gradients pack into the same global buffer, padding zero.
     buf = torch.full((world, unit.numel), float("nan"))
-    pack_unit(buf, [params[n].detach() for n in unit.leaves], world, flat=True)
+    pack_unit(buf, [params[n].detach() for n in unit.leaves], world, [layout.leaves[n].start for n in unit.leaves])
     assert torch.equal(buf, gathered.detach())
 
 
@@ -251,3 +252,138 @@ def test_an_update_out_of_place_lays_the_new_shards_out_as_views_again(clusters)
     _, rows_losses, rows_full, _, _, _ = clusters[2].run(_optimizer_ops, "rows", "adamw", False)[0]
     assert flat_ops == [] and views  # donate=False: update + apply_updates, then one buffer per unit again
     assert flat_losses == rows_losses and all(torch.equal(flat_full[k], rows_full[k]) for k in rows_full)
+
+
+# -- whole parameters (sf.whole) ----------------------------------------------------------------
+
+
+def matrices(name, shape):
+    return len(shape) == 2
+
+
+@settings(max_examples=60)
+@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6), world=st.integers(1, 5))
+def test_whole_leaves_each_live_on_one_rank_spread_largest_first(sizes, world):
+    params = {f"p{i}": torch.randn(n, 3).requires_grad_() for i, n in enumerate(sizes)}
+    layout = build_layout(Plan("FULL_SHARD", placement=sf.whole()), (world,), world, 1, params, [],
+                          tree_info(None, params))
+    (unit,) = layout.units
+    assert unit.whole and unit.name == "<root>[whole]"
+    holders = {n: [r for r in range(world) if layout.piece(n, r)[1]] for n in params}
+    for n, t in params.items():  # the whole leaf on one rank, nothing of it elsewhere
+        assert len(holders[n]) == (1 if t.numel() else 0)
+        if t.numel():
+            r = holders[n][0]
+            assert layout.shard_shape(n, r) == (t.numel(),)
+            assert torch.equal(layout.local_shard(n, params[n], r, torch.device("cpu")), t.detach().reshape(-1))
+    # the shard buffer is the largest rank's share, and that share is what greedy LPT gives
+    loads = [sum(layout.piece(n, r)[1] for n in params) for r in range(world)]
+    lpt = [0] * world
+    for n in sorted(params, key=lambda n: -params[n].numel()):
+        lpt[lpt.index(min(lpt))] += params[n].numel()
+    assert unit.numel == max(loads) == max(lpt)
+    # a buffer with gaps still round-trips: every rank's pieces at their offsets, then unpacked views
+    rows = []
+    for r in range(world):
+        buf = torch.zeros(unit.numel)
+        for n in params:
+            off, k = layout.piece(n, r)
+            buf[off:off + k] = layout.local_shard(n, params[n], r, torch.device("cpu"))
+        rows.append(buf)
+    full = unpack_unit(torch.stack(rows), [layout.leaves[n] for n in unit.leaves], world)
+    assert all(torch.equal(f, params[n].detach()) for n, f in zip(unit.leaves, full))
+    packed = torch.full((world, unit.numel), float("nan"))
+    pack_unit(packed, [params[n].detach() for n in unit.leaves], world, [layout.leaves[n].start for n in unit.leaves])
+    assert torch.equal(packed, torch.stack(rows))
+
+
+def _train_whole(strategy, placement, steps=3):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    plan = sf.Plan(strategy, placement=sf.whole(matrices) if placement == "whole" else placement)
+    sharded = sf.shard(params, mesh, plan)
+    opt = OPTIMIZERS["adamw"]()
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    losses = []
+    with sf.record_collectives() as log:
+        for b in gpt_batches(steps):
+            sharded, state, m = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+            losses.append(float(m["loss"]))
+    rank = sharded.layout.shard_rank(mesh)
+    whole = {n: tuple(sharded[n].shape) for n, leaf in sharded.layout.leaves.items()
+             if sharded.layout.units[leaf.unit].whole}
+    names = [u.name for u in sharded.layout.units]
+    return losses, sf.gather(sharded), whole, names, rank, dict(log.counts())
+
+
+@pytest.mark.parametrize("strategy, world", [("FULL_SHARD", 2), ("FULL_SHARD", 3), ("SHARD_GRAD_OP", 3),
+                                             ("NO_SHARD", 2)])
+def test_whole_matrices_train_bit_for_bit_as_rows(clusters, strategy, world):
+    rows = clusters[world].run(_train_whole, strategy, "rows")
+    whole = clusters[world].run(_train_whole, strategy, "whole")
+    for (losses, full, *_), (rl, rfull, *_) in zip(whole, rows):
+        assert losses == rl and all(torch.equal(full[k], rfull[k]) for k in full)
+    _, _, shapes, names, _, counts = whole[0]
+    assert "blocks.0[whole]" in names and "blocks.0" in names  # each block: its matrices whole, the rest flat
+    # every matrix lies whole on exactly one rank
+    held = {}
+    for _, full, shapes, _, rank, _ in whole:
+        for n, shape in shapes.items():
+            if shape[0]:
+                held.setdefault(n, []).append(rank)
+                assert shape == (full[n].numel(),) or strategy == "NO_SHARD"
+    if strategy != "NO_SHARD":
+        assert set(held) == set(whole[0][2]) and all(len(r) == 1 for r in held.values())
+    # each block is two units (its matrices whole, the rest flat): one more collective per block and direction
+    more = {k: (counts[k] - rows[0][5][k]) // 3 for k in counts}  # (3 steps counted)
+    per_block = 2 if strategy == "FULL_SHARD" else 1
+    assert more == ({"all_reduce": 3} if strategy == "NO_SHARD" else
+                    {"all_gather": per_block * 2 + 1, "reduce_scatter": 3, "all_reduce": 0}), more
+
+
+def test_a_whole_checkpoint_loads_into_flat_and_rows(clusters, tmp_path):
+    path = str(tmp_path / "ckpt")
+    params, moments = clusters[2].run(_save_whole, path)[0]
+    for world in (1, 3):
+        for placement in ("flat", "rows", "whole"):
+            (lp, lm), _ = clusters[world].run(_load, path, placement if placement != "whole" else sf.whole(matrices),
+                                              "FULL_SHARD")[0]
+            assert all(torch.equal(lp[k], params[k]) for k in params), (world, placement)
+            assert all(torch.equal(lm[k][n], moments[k][n]) for k in moments for n in moments[k]), (world, placement)
+
+
+def _save_whole(path):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, "FULL_SHARD", placement=sf.whole(matrices))
+    opt = OPTIMIZERS["adamw"]()
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    for b in gpt_batches(2):
+        sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+    sf.checkpoint.save(path, sharded, state)
+    return sf.gather(sharded), {k: sf.gather(sharded.replace(dict(v))) for k, v in (("mu", state.mu), ("nu", state.nu))}
+
+
+def test_explain_shows_each_units_placement_and_padding():
+    from shardfn.testing.models import GPT
+    from test_equivalence import GPT_CFG
+
+    with torch.device("meta"):
+        model = GPT(GPT_CFG)
+    flat = sf.explain(model, 3, "FULL_SHARD", verbose=False)
+    rows = sf.explain(model, 3, sf.Plan("FULL_SHARD", placement="rows"), verbose=False)
+    whole = sf.explain(model, 3, sf.Plan("FULL_SHARD", placement=sf.whole(matrices)), verbose=False)
+    for report, placement in ((flat, "flat"), (rows, "rows")):
+        assert {u.placement for u in report.units} == {placement}
+    assert {u.placement for u in whole.units} == {"flat", "whole"}
+    # padding: what the placement costs beyond the parameters, all ranks together
+    for report in (flat, rows, whole):
+        for u in report.units:
+            assert u.padding == u.param_bytes // 4 * 3 - u.params
+    assert all(u.padding < 3 for u in flat.units)  # flat pads to a multiple of the ranks, at most world - 1
+    assert sum(u.padding for u in rows.units) > sum(u.padding for u in flat.units)
+    assert "placement" in str(flat) and "whole" in str(whole)

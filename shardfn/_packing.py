@@ -1,0 +1,127 @@
+"""Packing: a unit's shards into a collective's buffer and its output back into parameters.
+
+The layouts they follow are in :mod:`shardfn._layout` ([Note: dim-0 shards and unit
+buffers], [Note: placements]); these are the only functions that move a unit's elements
+between the two, so that [Note: copies] can count every copy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._offload import with_gaps
+
+LeafLayout = Any  # shardfn._layout.LeafLayout (imported there from here: no cycle)
+
+__all__ = ["local_shard", "pack_leaf", "pack_unit", "shard_buffer", "unpack_leaf", "unpack_unit"]
+
+
+def unpack_leaf(gathered: torch.Tensor, leaf: LeafLayout, world: int) -> torch.Tensor:
+    """Full parameter from a ``[world, unit.numel]`` all-gather result (one copy; a flat
+    leaf's is a view of it, see [Note: placements])."""
+    if leaf.flat:
+        return gathered.reshape(-1)[leaf.start : leaf.start + leaf.numel].view(leaf.shape)
+    cols = gathered[:, leaf.offset : leaf.offset + leaf.shard_numel].view(world, leaf.chunk, leaf.row_numel)
+    out = torch.empty((leaf.rows, leaf.row_numel), dtype=gathered.dtype, device=gathered.device)
+    if leaf.chunk:
+        q, rem = divmod(leaf.rows, leaf.chunk)
+        out[: q * leaf.chunk].view(q, leaf.chunk, leaf.row_numel).copy_(cols[:q])
+        if rem:
+            out[q * leaf.chunk :].copy_(cols[q, :rem])
+    return out.view(leaf.shape)
+
+
+def unpack_unit(gathered: torch.Tensor, leaves: Sequence[LeafLayout], world: int) -> list[torch.Tensor]:
+    """Every leaf's full parameter from a ``[world, unit.numel]`` all-gather result, in one copy.
+
+    One ``split_with_sizes_copy`` moves each leaf's columns into a ``[world, shard_numel]``
+    tensor of its own: rank after rank, that is the leaf's rows followed by its padding
+    rows, so the full parameter is a view of its first ``rows`` rows (a few padding rows
+    of memory per leaf, one kernel per unit). ``leaves`` are the unit's leaves in order.
+    A flat unit's are views of ``gathered``, no copy ([Note: placements]).
+    """
+    if leaves and leaves[0].flat:
+        return [unpack_leaf(gathered, leaf, world) for leaf in leaves]
+    outs = [gathered.new_empty((world, leaf.shard_numel)) for leaf in leaves]
+    if outs:
+        torch.split_with_sizes_copy(gathered, [leaf.shard_numel for leaf in leaves], dim=1, out=outs)
+    return [t.view(-1)[: math.prod(leaf.shape)].view(leaf.shape) for t, leaf in zip(outs, leaves)]
+
+
+def pack_unit(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], world: int,
+              starts: Sequence[int] | None = None) -> None:
+    """Writes full-shaped tensors, laid end to end, into a ``[world, n]`` buffer, in one copy.
+
+    The inverse of :func:`unpack_unit` (``n`` is the sum of their shard sizes): one
+    ``_chunk_cat`` splits each tensor into ``world`` dim-0 chunks of ``ceil(rows / world)``
+    rows, zero padding included, writes chunk ``r`` into row ``r``, and casts to the
+    buffer's dtype on the way. The tensors need not be contiguous. ``starts``: a flat
+    unit's global buffer ([Note: placements]), each tensor at its start: one ``cat`` of the
+    flattened tensors and the zeros of the padding.
+    """
+    if starts is not None:
+        out = buffer.view(-1)
+        parts = with_gaps(list(zip(starts, (t.reshape(-1) for t in tensors))), out.numel(), out)
+        if parts:
+            torch.cat(parts, out=out)
+        return
+    parts = [t.reshape(1) if t.dim() == 0 else t for t in tensors if t.numel()]  # empty: no columns
+    if parts:
+        torch._chunk_cat(parts, dim=0, num_chunks=world, out=buffer)
+
+
+def pack_leaf(buffer: torch.Tensor, full: torch.Tensor, leaf: LeafLayout, world: int, offset: int) -> None:
+    """Writes a full-shaped tensor at column ``offset`` of a ``[world, n]`` buffer, zero
+    padding (a flat leaf: at its place in the global buffer; ``offset`` unused)."""
+    if leaf.flat:
+        buffer.view(-1)[leaf.start : leaf.start + leaf.numel].copy_(full.reshape(-1))
+        return
+    cols = buffer[:, offset : offset + leaf.shard_numel].view(world, leaf.chunk, leaf.row_numel)
+    if not leaf.chunk:
+        return
+    src = full.reshape(leaf.rows, leaf.row_numel)
+    q, rem = divmod(leaf.rows, leaf.chunk)
+    cols[:q].copy_(src[: q * leaf.chunk].view(q, leaf.chunk, leaf.row_numel))
+    if q < world:
+        cols[q, :rem].copy_(src[q * leaf.chunk :])
+        cols[q, rem:].zero_()
+        cols[q + 1 :].zero_()
+
+
+def local_shard(full: torch.Tensor, leaf: LeafLayout, rank: int, device: torch.device, span: int = 0) -> torch.Tensor:
+    """This rank's zero-padded dim-0 chunk of ``full``, as a new tensor on ``device``; a
+    flat leaf's 1-D piece, in a unit of shard buffers of ``span`` elements."""
+    if leaf.flat:
+        off, n = leaf.piece(rank, span)
+        lo = rank * span + off - leaf.start
+        return full.detach().reshape(-1)[lo : lo + n].to(device, copy=True)
+    shard = torch.zeros(leaf.shard_shape, dtype=full.dtype, device=device)
+    k = leaf.local_rows(rank)
+    if k:
+        start = rank * leaf.chunk
+        src = full.reshape(leaf.rows, *leaf.shape[1:])[start : start + k]
+        shard[:k].copy_(src)
+    return shard
+
+
+def shard_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
+                 offsets: Sequence[int]) -> torch.Tensor | None:
+    """The flat unit's shard buffer that ``shards`` are views of, each at its offset, when it
+    is one contiguous tensor of ``numel`` elements in ``dtype`` (as :func:`shardfn.shard` lays
+    them out, and in-place updates keep them); else None, and the caller packs them.
+
+    The all-gather then sends it as it is: no copy ([Note: placements])."""
+    base = shards[0]._base if shards else None
+    if base is None or base.dtype != dtype or base.dim() != 1 or base.numel() != numel or not base.is_contiguous():
+        return None
+    for s, off in zip(shards, offsets):
+        if not s.numel():  # a leaf with no elements on this rank
+            continue
+        if s._base is not base or s.storage_offset() != base.storage_offset() + off or (
+                s.numel() > 1 and s.stride() != (1,)):
+            return None
+    return base
