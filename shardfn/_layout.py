@@ -336,6 +336,7 @@ def build_layout(
 
     leaves: dict[str, LeafLayout] = {}
     units: list[UnitLayout] = []
+    whole_totals = [0] * world  # elements of whole leaves each rank holds so far (see _whole_starts)
     for path, names in members.items():
         if not names:
             continue
@@ -352,7 +353,7 @@ def build_layout(
             groups.setdefault((state[n].dtype, flat and not state[n].requires_grad, whole), []).append(n)
         dtypes = {dt for dt, _, _ in groups}
         for (master, frozen, whole), group in groups.items():
-            starts = _whole_starts(group, state, world) if whole else {}
+            starts = _whole_starts(group, state, world, whole_totals) if whole else {}
             offset = grad_offset = 0
             for n in group:
                 t = state[n]
@@ -393,15 +394,19 @@ def build_layout(
     )
 
 
-def _whole_starts(names: Sequence[str], state: Mapping[str, torch.Tensor], world: int) -> dict[str, int]:
+def _whole_starts(names: Sequence[str], state: Mapping[str, torch.Tensor], world: int,
+                  totals: list[int]) -> dict[str, int]:
     """Each leaf's start in the global buffer of a whole unit ([Note: placements]), and under
     the key ``""`` the shard buffers' size: the largest leaves first, each to the rank whose
-    range holds least so far (the lowest such rank), placed after what that range holds."""
+    range in this unit holds least so far (the least padding), among those the rank that
+    holds least of all the whole units so far (``totals``, updated: so that units of one
+    matrix each take turns), placed after what that range holds."""
     loads = [0] * world
     at: dict[str, tuple[int, int]] = {}
     for n in sorted(names, key=lambda n: -math.prod(state[n].shape)):  # (stable: ties keep unit order)
-        r = loads.index(min(loads))
+        r = min(range(world), key=lambda q: (loads[q], totals[q], q))
         at[n] = (r, loads[r])
         loads[r] += math.prod(state[n].shape)
+        totals[r] += math.prod(state[n].shape)
     span = max(loads)
     return {"": span, **{n: r * span + off for n, (r, off) in at.items()}}

@@ -28,6 +28,11 @@ from ._combinators import scale as scale
 from ._combinators import stateless as stateless
 from ._clip import clip_by_global_norm as clip_by_global_norm
 from ._masked import masked as masked
+from ._muon import MuonState as MuonState
+from ._muon import muon as muon
+from ._partition import PartitionState as PartitionState
+from ._partition import partition as partition
+from ._whole import require_whole as require_whole
 from ._sgd import SgdState as SgdState
 from ._sgd import sgd as sgd
 from ._torch import TorchOptimizerState as TorchOptimizerState
@@ -38,6 +43,8 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "Gradients",
+    "MuonState",
+    "PartitionState",
     "ScalarOrSchedule",
     "Schedule",
     "SgdState",
@@ -52,7 +59,10 @@ __all__ = [
     "global_norm",
     "hyperparams",
     "masked",
+    "muon",
+    "partition",
     "psum",
+    "require_whole",
     "scale",
     "sgd",
     "stateless",

@@ -9,6 +9,16 @@ import torch
 
 from ._checks import _check_grads, _check_mapping, _trainable
 from ._protocol import GradientTransformation, Params, Updates
+from ._whole import require_whole
+
+# torch optimizers whose step is elementwise per parameter (each element of the new value
+# depends on the same element of the parameter, its gradient and its state), so that a shard
+# steps as its whole parameter would: tests/test_muon.py reads each one's step functions in
+# the installed torch for reductions or matrix products. Any other optimizer needs whole
+# parameters on shards ([Note: whole-parameter optimizers]).
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam", "Rprop", "ASGD")
+    if hasattr(torch.optim, name))
 
 # [Note: from_torch state is not a pytree]
 # A torch optimizer keeps its state (moments, step counts) inside itself, keyed by
@@ -84,6 +94,12 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> G
 
     def init(params: Params) -> TorchOptimizerState:
         trainable = _trainable(params)
+        if optimizer_class not in ELEMENTWISE:
+            require_whole(params, trainable, f"from_torch({optimizer_class.__name__})",
+                          "its step is not known to be elementwise: it may read the whole parameter, as Muon "
+                          "orthogonalises a matrix and Adafactor factors it by rows and columns, and on a cut "
+                          "it would silently compute something else; shardfn.optim.muon and "
+                          "shardfn.optim.adafactor run on shards")
         if not trainable:
             return TorchOptimizerState(None, ())
         copies = [torch.nn.Parameter(p.detach().clone()) for p in trainable.values()]

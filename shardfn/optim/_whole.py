@@ -1,0 +1,65 @@
+"""What an optimizer that needs whole parameters may rely on, and the error when it may not.
+
+[Note: whole-parameter optimizers]
+An elementwise update (SGD, AdamW) gives the same result on any cut of a parameter, so it
+runs on shards. Muon orthogonalises a whole matrix and Adafactor factors its second moment
+by rows and columns: on a row block or a flat piece of a matrix they compute something
+else, silently (2 ranks, FULL_SHARD: ``from_torch(torch.optim.Muon)`` ended 8.3e-2 away from
+one-process Muon after 3 steps). So such a transformation calls :func:`require_whole` in its
+``init``: every parameter it will update must be whole where its shard lives (``placement=
+shardfn.whole(...)`` puts each such parameter whole on one rank, nothing of it elsewhere)
+or not cut at all (NO_SHARD, a world of one). The layout is the same on every rank, so
+every rank raises the same error, at ``init`` and again in a step's structure check,
+before any state changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["full_shape", "require_whole", "whole_tensor"]
+
+_CUT = (
+    "{what}: {n} parameter(s) are cut into shards across the ranks of {mesh}, but {what} needs each one whole "
+    "on one rank ({why}):\n{rows}\nFixes: shard with placement=shardfn.whole(lambda name, shape: len(shape) >= 2) "
+    "(each matrix lives whole on one rank, spread over the ranks; any strategy), or use NO_SHARD; or give "
+    "these parameters an elementwise optimizer (shardfn.optim.partition)."
+)
+
+
+def full_shape(params: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """The global shape of parameter ``name``: from the layout of shards, else the tensor's."""
+    layout = getattr(params, "layout", None)
+    if layout is not None and name in layout.leaves:
+        return tuple(layout.leaves[name].shape)
+    return tuple(params[name].shape)
+
+
+def _cut(params: Mapping[str, torch.Tensor], name: str) -> bool:
+    layout = getattr(params, "layout", None)
+    if layout is None or name not in layout.leaves or layout.world == 1:
+        return False
+    leaf = layout.leaves[name]
+    return not (leaf.flat and layout.units[leaf.unit].whole)
+
+
+def require_whole(params: Mapping[str, torch.Tensor], names: Iterable[str], what: str, why: str) -> None:
+    """Raises one ``ValueError`` naming every parameter of ``names`` that is cut across ranks
+    (see the note); call it in ``init`` of a transformation that needs whole parameters."""
+    cut = [n for n in names if _cut(params, n)]
+    if cut:
+        rows = "\n".join(f"  {n}: shape {list(full_shape(params, n))}" for n in cut[:12])
+        rows += f"\n  ... and {len(cut) - 12} more" if len(cut) > 12 else ""
+        raise ValueError(_CUT.format(what=what, n=len(cut), mesh=getattr(params, "mesh", "the mesh"), why=why,
+                                     rows=rows))
+
+
+def whole_tensor(t: torch.Tensor, params: Mapping[str, Any], name: str) -> torch.Tensor | None:
+    """``t`` (a shard, or a tensor shaped like it) as the whole parameter where this rank
+    holds it, ``None`` where it holds nothing of it (a whole parameter on another rank)."""
+    if t.numel() == 0:
+        return None
+    return t.view(full_shape(params, name))
