@@ -289,3 +289,70 @@ def test_muon_momentum_reshards_through_a_checkpoint(clusters, tmp_path):
         assert losses == pytest.approx(straight[0], rel=1e-5)
         for n, t in straight[1].items():
             torch.testing.assert_close(full[n], t, rtol=1e-5, atol=1e-6)
+
+
+# -- Adafactor: statistics summed over the shards ----------------------------------------------
+
+
+def adafactor_opt():
+    return sf.optim.adafactor(0.05, weight_decay=0.01)
+
+
+def adafactor_reference(steps=STEPS):
+    torch.manual_seed(0)
+    net = model()
+    opt = torch.optim.Adafactor(net.parameters(), lr=0.05, weight_decay=0.01)
+    losses = []
+    for b in batches(steps):
+        loss = F.mse_loss(net(b["x"]), b["y"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def test_adafactor_equals_torch_adafactor_in_one_process():
+    from shardfn.testing import reference_training
+
+    losses, state = reference_training(model, loss_fn, batches(), adafactor_opt)
+    ref_losses, ref = adafactor_reference()
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    for n, p in ref.items():
+        torch.testing.assert_close(state[n], p, rtol=1e-6, atol=1e-7)
+
+
+def test_adafactor_on_any_shards_equals_torch_adafactor(clusters):
+    ref_losses, _ = adafactor_reference()
+    plans = [sf.Plan("FULL_SHARD"), sf.Plan("FULL_SHARD", placement="rows"), sf.Plan("SHARD_GRAD_OP"),
+             sf.Plan("FULL_SHARD", placement=sf.whole(matrices)), sf.Plan("NO_SHARD")]
+    for world in (1, 2, 3, 4):
+        report = check_equivalence(model, loss_fn, batches(), optimizer=adafactor_opt, strategies=plans,
+                                   world_sizes=[world], clusters=clusters, raise_on_failure=False)
+        _against_torch(report, ref_losses)
+    report = check_equivalence(model, loss_fn, batches(), optimizer=adafactor_opt, world_sizes=[(2, 2)],
+                               strategies=["HYBRID_SHARD"], clusters=clusters, raise_on_failure=False)
+    _against_torch(report, ref_losses)
+
+
+def _adafactor_collectives():
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(model())
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    opt = adafactor_opt()
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt)
+    sharded, state, _ = step(sharded, state, split_batch(batches(1)[0], mesh.rank, mesh.size))
+    with sf.record_collectives() as log:
+        sharded, state, _ = step(sharded, state, split_batch(batches(1)[0], mesh.rank, mesh.size))
+    return log.counts(purpose=sf.Purpose.PSUM), log.bytes(purpose=sf.Purpose.PSUM)
+
+
+def test_adafactor_sums_its_statistics_in_two_all_reduces_per_step(clusters):
+    counts, nbytes = clusters[2].run(_adafactor_collectives)[0]
+    torch.manual_seed(0)
+    shapes = [tuple(p.shape) for p in model().parameters()]
+    # rows + cols per matrix and one sum of squares per parameter, then one per parameter again
+    floats = sum(s[0] + s[1] for s in shapes if len(s) == 2) + 2 * len(shapes)
+    assert dict(counts) == {"all_reduce": 2} and dict(nbytes) == {"all_reduce": 4 * floats}

@@ -14,6 +14,8 @@ from .._psum import Gradients as Gradients
 from .._psum import global_norm as global_norm
 from .._psum import psum as psum
 from ._adamw import AdamWState as AdamWState
+from ._adafactor import AdafactorState as AdafactorState
+from ._adafactor import adafactor as adafactor
 from ._adamw import adamw as adamw
 from ._protocol import EmptyState as EmptyState
 from ._protocol import GradientTransformation as GradientTransformation
@@ -39,6 +41,7 @@ from ._torch import TorchOptimizerState as TorchOptimizerState
 from ._torch import from_torch as from_torch
 
 __all__ = [
+    "AdafactorState",
     "AdamWState",
     "EmptyState",
     "GradientTransformation",
@@ -49,6 +52,7 @@ __all__ = [
     "Schedule",
     "SgdState",
     "TorchOptimizerState",
+    "adafactor",
     "adamw",
     "add_decayed_weights",
     "apply_updates",

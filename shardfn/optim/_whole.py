@@ -63,3 +63,22 @@ def whole_tensor(t: torch.Tensor, params: Mapping[str, Any], name: str) -> torch
     if t.numel() == 0:
         return None
     return t.view(full_shape(params, name))
+
+
+def local_elements(t: torch.Tensor, params: Mapping[str, Any], name: str) -> tuple[torch.Tensor, int]:
+    """``(elements, first)``: this rank's real elements of parameter ``name`` in ``t`` (its
+    shard, or a tensor shaped like it) as a 1-D view, and the index of the first one in the
+    parameter's row-major order. A flat shard is a run of them; a row shard's real rows come
+    first (its padding rows are left out); an unsharded one is all of them."""
+    layout = getattr(params, "layout", None)
+    flat = t.reshape(-1)
+    if layout is None or name not in layout.leaves or layout.world == 1:
+        return flat, 0
+    leaf = layout.leaves[name]
+    rank = layout.shard_rank(params.mesh)
+    if leaf.flat:
+        span = layout.units[leaf.unit].numel
+        off, n = leaf.piece(rank, span)
+        return flat, (rank * span + off - leaf.start) if n else 0
+    rows = leaf.local_rows(rank)
+    return flat[: rows * leaf.row_numel], rank * leaf.chunk * leaf.row_numel
