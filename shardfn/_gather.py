@@ -30,7 +30,8 @@ gather, each of the g all-gathers (here: Unit._issue, Unit.all_gather):
      layout (FSDP1: shard the concatenation) avoids it, at the price of shards that are
      no longer per-parameter dim-0 chunks. Removed: one or two copy_ per leaf.
   NO_SHARD has no all-gather: the shard is the parameter, no copy; only when the param
-  dtype differs, one cast per leaf (n*p in all), which is mixed precision itself.
+  dtype differs, a cast (n*p in all), which is mixed precision itself: one per leaf for
+  rows, one per unit for a flat unit (its shard buffer; the parameters are views of it).
 
 reduce, once per unit and step (or micro-batch): see shardfn._reduce, copies 3 and 4.
 
@@ -211,7 +212,13 @@ class Unit:
                 full = [to_device(s.detach().view(leaf.shape), self.device, self.unit.param_dtype,
                                   self.runtime.observers, self.unit.name) for s, leaf in zip(self.shards, leaves)]
             elif world == 1:  # NO_SHARD, or a world of one: the shard is the parameter
-                full = [s.detach().view(leaf.shape).to(self.unit.param_dtype) for s, leaf in zip(self.shards, leaves)]
+                base = shard_buffer(self.shards, self.unit.numel, self.shards[0].dtype,
+                                    self.layout.offsets(self.unit, 0)) if self.unit.flat and self.shards else None
+                if base is not None:  # a flat unit: one cast of its buffer (if any), the parameters views of it
+                    full = unpack_unit(base.detach().to(self.unit.param_dtype).view(1, -1), leaves, 1)
+                else:
+                    full = [s.detach().view(leaf.shape).to(self.unit.param_dtype)
+                            for s, leaf in zip(self.shards, leaves)]
             else:
                 if self.inflight is not None:
                     work, _, out = self.inflight

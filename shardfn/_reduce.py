@@ -47,7 +47,10 @@ right after the backward, so at most one unsharded gradient buffer is in flight.
   A world of one without replicas reduces nothing and packs nothing (UnitGrads._own):
   autograd's gradients become the shards' gradients as they are; only the casts of 4.
   (to the reduce dtype, back to the master dtype, leaf by leaf) remain, and a clone of
-  a gradient that is non-contiguous or shares memory with another one.
+  a gradient that is non-contiguous or shares memory with another one. A flat unit
+  whose gradients are cast makes them once per unit: one cat into a gn-element buffer
+  in the reduce dtype (gn*r), and the cast of that buffer to the master dtype (gn*m)
+  where they differ; the gradients are views of it (one kernel each, not one per leaf).
   The reduce-scatter writes a fresh shard-sized output, not a view of its input: the
   optimizer's gradients are views of it, and a view would keep the W-times larger input
   alive until the update.
@@ -55,6 +58,7 @@ right after the backward, so at most one unsharded gradient buffer is in flight.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -155,6 +159,20 @@ class UnitGrads:
         """
         u = self.unit.unit
         owned = self.unit.runtime.owned
+        if self.acc is None and u.flat and any(
+                g is not None and (g.dtype != u.reduce_dtype or u.reduce_dtype != u.dtype) for g in grads):
+            # a flat unit whose gradients are cast: one cast for the unit, into one buffer
+            # (the shard's layout), not one per leaf
+            buf = torch.empty(1, u.grad_numel, dtype=u.reduce_dtype, device=device)
+            kept = [(g, leaf) for g, leaf in zip(grads, leaves) if leaf.grad_offset >= 0]
+            pack_unit(buf, [g if g is not None else torch.zeros(leaf.shape, dtype=u.reduce_dtype, device=device)
+                            for g, leaf in kept], 1, [leaf.start for _, leaf in kept])
+            flat = buf.view(-1).to(u.dtype)
+            owned.add(id(flat.untyped_storage()))
+            self.acc = [flat[leaf.start:leaf.start + math.prod(leaf.shape)].view(
+                self.unit.layout.shard_shape(leaf.path, self.unit.rank)) if leaf.grad_offset >= 0 else None
+                for leaf in leaves]
+            return
         acc = self.acc or [None] * len(leaves)
         for j, (g, leaf) in enumerate(zip(grads, leaves)):
             if leaf.grad_offset < 0:

@@ -145,16 +145,19 @@ def expected_copies(layout):
             gather[u.name] = (2 * g, g * (u.numel + W * u.numel) * p)
         elif u.param_dtype != u.dtype:
             # NO_SHARD or a world of one: the shard is the parameter; only a cast copies,
-            # leaf by leaf, at each gather (FULL_SHARD casts again for the backward).
+            # leaf by leaf (a flat unit: its buffer at once), at each gather (FULL_SHARD
+            # casts again for the backward).
             g = 2 if W == 1 and layout.strategy.reshard_after_forward and u.path != "" else 1
-            gather[u.name] = (g * len(u.leaves), g * u.numel * p)
+            gather[u.name] = (g * (1 if u.flat else len(u.leaves)), g * u.numel * p)
         if u.grad_numel and W == 1 and layout.replicas == 1:
             # A world of one reduces nothing: autograd's gradients are kept as they are,
             # only cast, leaf by leaf, to the reduce dtype and back to the master dtype
             # where they differ.
             to_reduce, to_master = u.param_dtype != u.reduce_dtype, u.reduce_dtype != u.dtype
             trainable = sum(layout.leaves[n].grad_offset >= 0 for n in u.leaves)
-            if to_reduce or to_master:
+            if (to_reduce or to_master) and u.flat:  # one cat into a buffer, then its cast
+                reduce[u.name] = (1 + to_master, u.grad_numel * (r + to_master * m))
+            elif to_reduce or to_master:
                 reduce[u.name] = ((to_reduce + to_master) * trainable, u.grad_numel * (to_reduce * r + to_master * m))
         elif u.grad_numel:
             # Pack every gradient into the [W, grad_numel] reduce buffer (cast included),
@@ -234,7 +237,7 @@ CONFIGS = [(s, p, 2, "rows") for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"
     ("FULL_SHARD", BF16_REDUCE, 2, "rows")
 ] + [("FULL_SHARD", p, 1, "rows") for p in (None, BF16, BF16_REDUCE)] + [
     (s, p, w, "flat") for s, w in (("FULL_SHARD", 2), ("SHARD_GRAD_OP", 3), ("NO_SHARD", 2)) for p in (None, BF16)
-] + [("FULL_SHARD", BF16_REDUCE, 3, "flat"), ("FULL_SHARD", BF16, 1, "flat")]
+] + [("FULL_SHARD", BF16_REDUCE, 3, "flat"), ("FULL_SHARD", BF16, 1, "flat"), ("FULL_SHARD", BF16_REDUCE, 1, "flat")]
 IDS = [f"{s}-{'fp32' if p is None else 'bf16/' + str(p.reduce or p.param)[6:]}-w{w}-{pl}" for s, p, w, pl in CONFIGS]
 
 

@@ -240,10 +240,11 @@ def test_the_optimizer_runs_once_per_flat_unit(clusters, opt_name):
     flat_ops, flat_losses, flat_full, _, _, views = clusters[2].run(_optimizer_ops, "flat", opt_name, True)[0]
     assert flat_losses == rows_losses and all(torch.equal(flat_full[k], rows_full[k]) for k in rows_full)
     assert views  # the in-place update kept every shard a view of its unit's buffer
-    # Each foreach op takes one tensor per unit instead of one per leaf; AdamW's per-tensor sqrt runs once per unit.
+    # Each foreach op takes one tensor per unit instead of one per leaf (AdamW's sqrt too: a foreach op).
     assert {n for op, n in flat_ops if op.startswith("_foreach")} == {units}
     assert {n for op, n in rows_ops if op.startswith("_foreach")} == {leaves}
-    assert sum(op == "sqrt" for op, _ in flat_ops) == 3 * units * (opt_name == "adamw")
+    assert sum(op.startswith("_foreach") for op, _ in flat_ops) == 3 * (9 if opt_name == "adamw" else 3)  # per step
+    assert not any(op == "sqrt" for op, _ in flat_ops + rows_ops)
     assert units < leaves
 
 

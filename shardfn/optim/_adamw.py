@@ -180,8 +180,8 @@ def _adamw_kernel(ps: list[torch.Tensor], to_decay: list[torch.Tensor], mus: lis
     torch._foreach_mul_(nus, b2)
     torch._foreach_addcmul_(nus, gs, gs, value=1 - b2)
     denoms = gs  # the gradients are not read again: their storage becomes the denominators
-    for d, nu in zip(denoms, nus):
-        torch.sqrt(nu, out=d)
+    torch._foreach_copy_(denoms, nus)  # two foreach ops, not one sqrt per tensor
+    torch._foreach_sqrt_(denoms)
     torch._foreach_div_(denoms, bias_correction2_sqrt)
     torch._foreach_add_(denoms, eps)
     torch._foreach_addcdiv_(ps, mus, denoms, value=neg_step_size)

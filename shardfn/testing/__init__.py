@@ -14,12 +14,16 @@ from ._equivalence import full_state as full_state
 from ._equivalence import reference_training as reference_training
 from ._equivalence import sharded_training as sharded_training
 from ._equivalence import split_batch as split_batch
+from ._ops import OpCount as OpCount
+from ._ops import count_ops as count_ops
 
 __all__ = [
     "Cluster",
     "ClusterError",
     "EquivalenceReport",
+    "OpCount",
     "check_equivalence",
+    "count_ops",
     "free_port",
     "full_state",
     "reference_training",

@@ -1,0 +1,93 @@
+"""Counting the ops a step dispatches: on a GPU, each is a kernel launch.
+
+[Note: counting launches on a CPU]
+On a GPU a small step's time is its kernel launches as much as its arithmetic, and every
+extra op per leaf or per unit is one more launch. The count does not need a GPU: every aten
+op a step dispatches passes a ``TorchDispatchMode``, on CPU as on CUDA, and the ones that
+launch a kernel on a GPU are all of them except
+
+* views (``OpOverload.is_view``: ``view``, ``t``, ``as_strided``, ``detach``, ...), which
+  only make a new tensor header;
+* allocations that write nothing (``empty``, ``empty_like``, ``empty_strided``,
+  ``new_empty``, ``new_empty_strided``), ``lift_fresh``, and ``_unsafe_view`` (a view
+  that autograd does not track as one);
+* the profiler's markers (namespace ``profiler``: ``record_function``);
+* ``_local_scalar_dense`` (``.item()``), which is a copy to the host and a synchronisation,
+  counted apart as ``syncs``;
+* the collectives (namespace ``c10d``), counted apart as ``collectives``: what one costs
+  depends on the backend, not on the dispatcher.
+
+A GPU launches about one kernel per such op (a foreach op over many tensors, a matmul or
+an attention may launch a few; ``benchmarks/gpu_check.py`` prints both counts). The count
+is exact and deterministic, so tests can pin it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["OpCount", "count_ops"]
+
+_NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+                        "_unsafe_view"})
+
+
+@dataclasses.dataclass
+class OpCount:
+    """What a block of code dispatched: ``ops`` (name -> count) of the ops that launch a
+    kernel on a GPU, ``collectives`` (name -> count), ``syncs`` (``.item()`` and the like)."""
+
+    ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    collectives: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    syncs: int = 0
+
+    @property
+    def total(self) -> int:
+        """The ops that launch a kernel on a GPU (collectives and syncs not included)."""
+        return sum(self.ops.values())
+
+    def top(self, n: int = 8) -> str:
+        """The ``n`` most frequent ops, as ``name count`` pairs."""
+        return ", ".join(f"{k} {v}" for k, v in self.ops.most_common(n))
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, count: OpCount) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if func.namespace == "profiler":
+            pass
+        elif func.namespace == "c10d":
+            self.count.collectives[name] += 1
+        elif name == "_local_scalar_dense":
+            self.count.syncs += 1
+        elif not (func.is_view or name in _NO_KERNEL):
+            self.count.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class count_ops:  # noqa: N801 - a context manager, used like a function
+    """Counts the ops dispatched inside the block ([Note: counting launches on a CPU]).
+
+    Example:
+        >>> with count_ops() as c:
+        ...     sharded, opt_state, metrics = step(sharded, opt_state, batch)
+        >>> c.total, c.collectives, c.top()
+    """
+
+    def __init__(self) -> None:
+        self.count = OpCount()
+        self._mode = _Counter(self.count)
+
+    def __enter__(self) -> OpCount:
+        self._mode.__enter__()
+        return self.count
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
