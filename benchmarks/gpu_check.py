@@ -9,7 +9,7 @@ offload (``Offload(params=True, optimizer=True)``, fp32). For each row:
   each rank on its contiguous slice (dim 0) of every global batch, and is compared with a
   plain ``nn.Module`` trained on the global batches in one process: the loss of every step
   and the final parameters (``sf.gather``). So is the peer (FSDP2, or DDP), trained the same
-  way (its full state through ``get_model_state_dict``). [Note: an honest equivalence] The
+  way (its full state: DDP's module's, FSDP2's local shards gathered on the host). [Note: an honest equivalence] The
   optimizer of these steps is SGD with momentum (``--eq-lr``, momentum 0.9), not AdamW:
   Adam divides by sqrt(v), so float noise in a gradient that is zero in theory (the
   reduction order of two runs differs) becomes a step of +-lr, and two correct runs end
@@ -31,6 +31,16 @@ offload (``Offload(params=True, optimizer=True)``, fp32). For each row:
   6 x parameters x tokens per step per rank / step seconds / peak FLOP/s (per rank: in the
   world-2 rows two ranks share the GPU, so the GPU's own utilisation is twice that);
   ``torch.cuda.max_memory_allocated()`` of rank 0 over the timed steps.
+* counts, on one more step: ``ops``, the aten ops it dispatched that launch a kernel on a
+  GPU (``shardfn.testing.count_ops``: [Note: counting launches on a CPU]), and on CUDA,
+  from ``torch.profiler`` on another step: ``launch``, the kernel launches
+  (``cudaLaunchKernel`` and its kin); ``sync``, the host-device synchronisations
+  (``cuda*Synchronize``); ``host us/unit``, the host time of the step call, less the time
+  spent waiting in those synchronisations, per unit (shardfn rows; the profiler's own
+  overhead included, so an upper bound), and ``host ms`` the same per step. World 1 only:
+  at world 2 (two ranks profiling one GPU, over gloo) rank 0 died in the profiler. On a
+  GPU a unit's host work is hidden only while it is shorter than the unit's compute, and
+  a step's only while the host need not wait for the device (a synchronisation);
 * the same timing and memory for the peer: FSDP2 (``fully_shard`` on each block, then the
   root; ``reshard_after_forward=False`` on the blocks for SHARD_GRAD_OP;
   ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` for bf16;
@@ -75,13 +85,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import shardfn as sf
 from shardfn._compat import all_gather_single, reduce_scatter_single  # torch 2.11: other names
+from shardfn.testing import count_ops
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -250,9 +261,10 @@ def sync(ctx: Ctx) -> None:
         dist.barrier(group=ctx.host_group)
 
 
-def time_steps(step: Callable, batches: list, ctx: Ctx) -> dict:
-    """Median ms/step over the batches after the warm-up ones, and the peak of allocated
-    device memory over the timed steps (MiB; None on CPU)."""
+def time_steps(step: Callable, batches: list, ctx: Ctx, units: int | None = None) -> dict:
+    """Median ms/step over the batches after the warm-up ones, the peak of allocated
+    device memory over the timed steps (MiB; None on CPU), and the counts of one more
+    step (:func:`count_step`; ``units``: the step's units, for host time per unit)."""
     warmup = ctx.opts["warmup"]
     for x, y in batches[:warmup]:
         step(x, y)
@@ -268,7 +280,45 @@ def time_steps(step: Callable, batches: list, ctx: Ctx) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     mib = torch.cuda.max_memory_allocated() / MIB if ctx.device.type == "cuda" else None
-    return {"ms": 1e3 * statistics.median(times), "mib": mib}
+    return {"ms": 1e3 * statistics.median(times), "mib": mib, **count_step(step, *batches[-1], ctx, units)}
+
+
+def count_step(step: Callable, x: torch.Tensor, y: torch.Tensor, ctx: Ctx, units: int | None) -> dict:
+    """Two more steps, counted: the ops the first dispatched that launch a kernel on a GPU;
+    on CUDA, the second under ``torch.profiler``: its kernel launches, synchronisations, and
+    host time less the time waiting in them (per unit when ``units``). A failure of the
+    profiler is reported, not raised (it says nothing about the step)."""
+    sync(ctx)
+    with count_ops() as c:
+        step(x, y)
+    out: dict[str, Any] = {"ops": c.total}
+    if ctx.device.type != "cuda" or ctx.world > 1:  # two ranks profiling one GPU over gloo: rank 0 crashed (SIGSEGV)
+        return out
+    sync(ctx)
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            with record_function("gpu_check_step"):
+                step(x, y)
+            host_us = (time.perf_counter() - t0) * 1e6
+            torch.cuda.synchronize()
+        events = prof.events()
+        mark = next(e for e in events if e.name == "gpu_check_step")
+        inside = [e for e in events if e.device_type == DeviceType.CPU and e is not mark
+                  and mark.time_range.start <= e.time_range.start <= mark.time_range.end]
+        syncs = [e for e in inside if e.name.startswith("cu") and "Synchronize" in e.name]
+        out["launch"] = sum(e.name.startswith("cu") and "Launch" in e.name and "Kernel" in e.name for e in inside)
+        out["sync"] = len(syncs)
+        out["host_us"] = host_us - sum(e.time_range.elapsed_us() for e in syncs)
+        out["host_ms"] = out["host_us"] / 1e3
+        if units:
+            out["host_us_unit"] = out["host_us"] / units
+    except Exception as e:  # noqa: BLE001 - the counts are extra; the row stands without them
+        out["count_error"] = f"{type(e).__name__}: {first_line(e)}"
+    return out
 
 
 def guarded(ctx: Ctx, fn: Callable[[], dict]) -> dict:
@@ -340,6 +390,7 @@ def shardfn_row(ctx: Ctx, strategy: str, variant: str, eq_batches: list, timed: 
             return metrics["loss"]
 
         step.tree = tree
+        step.units = len(tree["sharded"].layout.units)
         return step
 
     step = make_step(sf.optim.sgd(ctx.opts["eq_lr"], momentum=EQ_MOMENTUM))
@@ -348,7 +399,7 @@ def shardfn_row(ctx: Ctx, strategy: str, variant: str, eq_batches: list, timed: 
     result = compare(losses, full, ref, variant, ctx) if ctx.rank == 0 else {}
     del full, step
     step = make_step(sf.optim.adamw(ctx.opts["lr"], weight_decay=ctx.opts["wd"]))
-    return {**result, **time_steps(step, to_device(timed, mesh.device), ctx)}
+    return {**result, **time_steps(step, to_device(timed, mesh.device), ctx, step.units)}
 
 
 def compare(losses: list[float], full: dict, ref: dict, variant: str, ctx: Ctx) -> dict:
@@ -396,11 +447,30 @@ def peer_row(ctx: Ctx, strategy: str, variant: str, eq_batches: list, timed: lis
     model, autocast = peer_model(ctx, strategy, variant)
     step = torch_step(model, ctx, autocast=autocast, eq=True)
     losses = [global_loss(float(step(x, y)), ctx) for x, y in to_device(local_slices(eq_batches, ctx), ctx.device)]
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = peer_full_state(model, ctx)
     result = compare(losses, full, ref, variant, ctx) if ref is not None else {}
     del full, model, step
     model, autocast = peer_model(ctx, strategy, variant)
     return {**result, **time_steps(torch_step(model, ctx, autocast=autocast), to_device(timed, ctx.device), ctx)}
+
+
+def peer_full_state(model: torch.nn.Module, ctx: Ctx) -> dict[str, torch.Tensor]:
+    """The peer's full state on CPU (complete on rank 0): DDP's module's own; FSDP2's
+    parameters are DTensors sharded on dim 0, whose local pieces are gathered to the host
+    and concatenated. Not ``get_model_state_dict``: its gather runs functional collectives,
+    which over gloo with CUDA tensors (world 2 on one GPU, torch 2.11) killed rank 0 (SIGSEGV)."""
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    state = {k: v.detach() for k, v in module.state_dict().items()}
+    sharded = {k for k, v in state.items() if isinstance(v, DTensor)}
+    for k in sharded:
+        if tuple(state[k].placements) != (Shard(0),):
+            raise RuntimeError(f"{k}: placements {state[k].placements}, expected (Shard(0),)")
+    local = {k: (v.to_local() if k in sharded else v).cpu() for k, v in state.items()}
+    if ctx.world == 1 or not sharded:
+        return local
+    pieces: list = [None] * ctx.world
+    dist.all_gather_object(pieces, {k: local[k] for k in sharded}, group=ctx.host_group)
+    return {**local, **{k: torch.cat([p[k] for p in pieces]) for k in sharded}}
 
 
 def peer_name(strategy: str, variant: str) -> str:
@@ -591,7 +661,8 @@ def table(outcomes: list[Outcome], opts: dict, peaks: dict | None, n_params: int
     """The one table: plain torch rows, then every shardfn row with its peer."""
     head = (f"{'world':>5}  {'strategy':<14}{'variant':<9}{'equiv':<7}{'max|dp|':>9}{'x bound':>9}{'loss rel':>10}"
             f"{'ms/step':>10}  {'peer':<24}{'peer eq':<8}{'x bound':>9}{'peer ms':>9}{'x peer':>8}{'x plain':>8}"
-            f"{'MFU':>7}{'MiB':>9}{'peer MiB':>10}")
+            f"{'MFU':>7}{'MiB':>9}{'peer MiB':>10}{'ops':>7}{'peer ops':>9}{'x plain':>8}{'launch':>8}{'peer':>7}"
+            f"{'sync':>5}{'host ms':>8}{'peer':>6}{'host us/unit':>13}")
     lines = [head, "-" * len(head)]
     tokens = opts["batch"] * opts["seq"]
 
@@ -604,11 +675,14 @@ def table(outcomes: list[Outcome], opts: dict, peaks: dict | None, n_params: int
     for variant, p in plain.items():
         lines.append(f"{1:>5}  {'plain torch':<14}{variant:<9}{'-':<7}{'-':>9}{'-':>9}{'-':>10}"
                      f"{fmt(p.get('ms'), '.1f'):>10}  {'-':<24}{'-':<8}{'-':>9}{'-':>9}{'-':>8}"
-                     f"{'1.00' if 'ms' in p else '-':>8}{mfu(p.get('ms'), variant):>7}{fmt(p.get('mib'), '.0f'):>9}{'-':>10}")
+                     f"{'1.00' if 'ms' in p else '-':>8}{mfu(p.get('ms'), variant):>7}{fmt(p.get('mib'), '.0f'):>9}{'-':>10}"
+                     f"{fmt(p.get('ops'), 'd'):>7}{'-':>9}{'1.00' if 'ops' in p else '-':>8}{fmt(p.get('launch'), 'd'):>8}"
+                     f"{'-':>7}{fmt(p.get('sync'), 'd'):>5}{fmt(p.get('host_ms'), '.1f'):>8}{'-':>6}{'-':>13}")
     for o in outcomes:
         for r in o.rows:
             ms, peer_ms = r.get("ms"), r.get("peer_ms")
             base = plain.get("bf16" if r["variant"] == "bf16" else "fp32", {}).get("ms")
+            base_ops = plain.get("bf16" if r["variant"] == "bf16" else "fp32", {}).get("ops")
             lines.append(
                 f"{r['world']:>5}  {r['strategy']:<14}{r['variant']:<9}{r['equiv']:<7}{fmt(r.get('dp'), '.1e'):>9}"
                 f"{fmt(r.get('of_bound'), '.1e'):>9}{fmt(r.get('loss_rel'), '.1e'):>10}{fmt(ms, '.1f'):>10}  "
@@ -616,7 +690,12 @@ def table(outcomes: list[Outcome], opts: dict, peaks: dict | None, n_params: int
                 f"{fmt(peer_ms, '.1f'):>9}"
                 f"{fmt(ms / peer_ms if ms and peer_ms else None, '.2f'):>8}"
                 f"{fmt(ms / base if ms and base else None, '.2f'):>8}{mfu(ms, r['variant']):>7}"
-                f"{fmt(r.get('mib'), '.0f'):>9}{fmt(r.get('peer_mib'), '.0f'):>10}")
+                f"{fmt(r.get('mib'), '.0f'):>9}{fmt(r.get('peer_mib'), '.0f'):>10}"
+                f"{fmt(r.get('ops'), 'd'):>7}{fmt(r.get('peer_ops'), 'd'):>9}"
+                f"{fmt(r['ops'] / base_ops if r.get('ops') and base_ops else None, '.2f'):>8}"
+                f"{fmt(r.get('launch'), 'd'):>8}{fmt(r.get('peer_launch'), 'd'):>7}{fmt(r.get('sync'), 'd'):>5}"
+                f"{fmt(r.get('host_ms'), '.1f'):>8}{fmt(r.get('peer_host_ms'), '.1f'):>6}"
+                f"{fmt(r.get('host_us_unit'), '.0f'):>13}")
         if o.unrunnable:
             lines.append(f"{o.world:>5}  not runnable here: {o.unrunnable}")
         elif o.failure:
@@ -636,6 +715,9 @@ def notes(outcomes: list[Outcome]) -> list[str]:
                 if r.get(f"{pre}worst") and r.get(f"{pre}of_bound", 0) > 0.5:
                     lines.append(f"{where}: {who}'s nearest to its bound is {r[pre + 'worst']}: |dp| "
                                  f"{r[pre + 'worst_dp']:.2e}, bound {r[pre + 'worst_bound']:.2e}")
+            for pre in ("", "peer_"):
+                if r.get(f"{pre}count_error"):
+                    lines.append(f"{where}: {pre or 'shardfn '}counts: {r[pre + 'count_error']}")
             if r.get("peer_error"):
                 lines.append(f"{where}: peer {r['peer']}: {r['peer_error']}")
             for key in ("leftover_mib", "peer_leftover_mib"):
@@ -678,6 +760,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s for MFU, every row (default: by device name)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one world's run may take once started")
+    p.add_argument("--worlds", default="1,2", help="the world sizes to run (1, 2 or both: 1,2)")
     args = p.parse_args()
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
@@ -685,6 +768,12 @@ def parse_args() -> argparse.Namespace:
     for name in ("d_model", "layers", "heads", "seq", "vocab", "batch", "steps", "timed_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        args.worlds = sorted({int(w) for w in args.worlds.split(",")})
+    except ValueError:
+        args.worlds = []
+    if not args.worlds or not set(args.worlds) <= {1, 2}:
+        p.error("--worlds takes 1, 2 or 1,2")
     if args.warmup < 0:
         p.error("--warmup must be at least 0")
     if args.d_model % args.heads:
@@ -704,7 +793,7 @@ def main() -> int:
           f"{args.d_model}, {args.layers} layers, {args.heads} heads; batch {args.batch} per rank; {args.steps} "
           f"compared steps (SGD lr {args.eq_lr:g}, momentum {EQ_MOMENTUM:g}), {args.warmup} warm-up + "
           f"{args.timed_steps} timed steps (AdamW lr {args.lr:g}, weight decay {args.wd:g})", flush=True)
-    outcomes = [run_world(world, opts) for world in (1, 2)]
+    outcomes = [run_world(world, opts) for world in args.worlds]
     info = next((o.info for o in outcomes if o.info), {})
     peaks, peak_source = peaks_for(info.get("device", "?"), args.peak_tflops) if args.device == "cuda" else (
         None, "none on CPU")
@@ -725,7 +814,11 @@ def main() -> int:
           f"difference; loss rel: largest relative loss difference. ms/step: median, rank 0. x peer, x plain: ms/step over the peer's "
           f"and over plain torch's (bf16 rows: plain torch bf16, under autocast). MFU: 6 x parameters x tokens per "
           f"rank / step time / peak (world 2: two ranks share the GPU, which does twice that). MiB: "
-          f"torch.cuda.max_memory_allocated() over the timed steps, rank 0.")
+          f"torch.cuda.max_memory_allocated() over the timed steps, rank 0. ops: aten ops of one step that launch "
+          f"a kernel on a GPU (views, empty allocations, .item() and collectives not counted), rank 0; x plain: over "
+          f"plain torch's. launch, sync: kernel launches and host-device synchronisations of one step (profiler, "
+          f"rank 0, world 1; peer: the peer's launches); host ms: the step's host time less its waiting in "
+          f"synchronisations (profiled: an upper bound), per step, and host us/unit the same per unit.")
     for line in notes(outcomes):
         print(f"NOTE {line}")
     ran = [r for o in outcomes for r in o.rows]
