@@ -252,12 +252,16 @@ def test_each_matrix_is_orthogonalised_once_in_the_world_with_no_communication(c
     assert max(flops) / (sum(flops) / world) < world  # spread (3 matrices over the ranks), not all on one
 
 
-def _save_muon(path):
+def _optimizer_named(name):
+    return adafactor_opt() if name == "adafactor" else optimizer()
+
+
+def _save_muon(path, opt_name="muon", placement=None):
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(model())
-    sharded = sf.shard(params, mesh, "FULL_SHARD", placement=sf.whole(matrices))
-    opt = optimizer()
+    sharded = sf.shard(params, mesh, "FULL_SHARD", placement=placement or sf.whole(matrices))
+    opt = _optimizer_named(opt_name)
     state = opt.init(sharded)
     step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt)
     for b in batches(2):
@@ -265,12 +269,12 @@ def _save_muon(path):
     sf.checkpoint.save(path, sharded, state)
 
 
-def _resume_muon(path, strategy, placement):
+def _resume_muon(path, strategy, placement, opt_name="muon"):
     mesh = sf.Mesh.from_group()
     torch.manual_seed(1)
     params, apply = sf.functionalize(model())
     sharded = sf.shard(params, mesh, strategy, placement=placement)
-    opt = optimizer()
+    opt = _optimizer_named(opt_name)
     sharded, state, _ = sf.checkpoint.load(path, sharded, opt.init(sharded))
     step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt)
     losses = []
@@ -289,6 +293,19 @@ def test_muon_momentum_reshards_through_a_checkpoint(clusters, tmp_path):
         assert losses == pytest.approx(straight[0], rel=1e-5)
         for n, t in straight[1].items():
             torch.testing.assert_close(full[n], t, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opt_name", ["muon", "adafactor"])
+def test_offload_and_compile_equal_the_torch_optimizer(clusters, opt_name):
+    if opt_name == "muon":
+        opt, (ref_losses, _), placement = functools.partial(optimizer, torch.float32), reference(), sf.whole(matrices)
+    else:
+        opt, (ref_losses, _), placement = adafactor_opt, adafactor_reference(), "flat"
+    offloaded = sf.Plan("FULL_SHARD", placement=placement, offload=sf.Offload(params=True, optimizer=True))
+    for plan, options in ((offloaded, {}), (sf.Plan("FULL_SHARD", placement=placement), {"compile": True})):
+        report = check_equivalence(model, loss_fn, batches(), optimizer=opt, strategies=[plan], world_sizes=[2],
+                                   clusters=clusters, raise_on_failure=False, step_options=options)
+        _against_torch(report, ref_losses)
 
 
 # -- Adafactor: statistics summed over the shards ----------------------------------------------
@@ -356,3 +373,16 @@ def test_adafactor_sums_its_statistics_in_two_all_reduces_per_step(clusters):
     # rows + cols per matrix and one sum of squares per parameter, then one per parameter again
     floats = sum(s[0] + s[1] for s in shapes if len(s) == 2) + 2 * len(shapes)
     assert dict(counts) == {"all_reduce": 2} and dict(nbytes) == {"all_reduce": 4 * floats}
+
+
+def test_adafactor_moments_reshard_through_a_checkpoint(clusters, tmp_path):
+    # the factored moments are whole on every rank, the 1-D ones shards: both load at any world
+    path = str(tmp_path / "ckpt")
+    clusters[2].run(_save_muon, path, "adafactor", "flat")
+    straight = clusters[1].run(_resume_muon, path, "NO_SHARD", "flat", "adafactor")[0]
+    for world, strategy, placement in ((3, "FULL_SHARD", "rows"), (4, "SHARD_GRAD_OP", "flat"),
+                                       (2, "FULL_SHARD", sf.whole(matrices))):
+        losses, full = clusters[world].run(_resume_muon, path, strategy, placement, "adafactor")[0]
+        assert losses == pytest.approx(straight[0], rel=1e-5)
+        for n, t in straight[1].items():
+            torch.testing.assert_close(full[n], t, rtol=1e-5, atol=1e-6)
