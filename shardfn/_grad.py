@@ -164,7 +164,8 @@ class Grad:
                 if reduced["rescale"] is not None:  # [Note: token-weighted losses]
                     torch._foreach_mul_(list(grads.values()), reduced["rescale"])
                 norm = reduced["norm"]
-                metrics: dict[str, Any] = {"loss": _scalar(reduced["loss"]), "grad_norm": _scalar(norm)}
+                loss_value, norm_value = _scalars(reduced["loss"], norm)
+                metrics: dict[str, Any] = {"loss": loss_value, "grad_norm": norm_value}
                 if not all(math.isfinite(v) for v in (metrics["loss"], metrics["grad_norm"]) if v is not None):
                     metrics["nonfinite"] = self._nonfinite_ranks(loss, grads)
                 if self.has_aux:
@@ -303,9 +304,13 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None] | None) -> No
             torch.cuda.set_rng_state(state[1])
 
 
-def _scalar(t: torch.Tensor) -> float | None:
-    """A metric as a Python float; ``None`` for a fake tensor (a planning run has no values)."""
-    return None if is_fake(t) else float(t)
+def _scalars(*ts: torch.Tensor) -> list[float | None]:
+    """Metrics as Python floats, read from the device in one copy: the step's one
+    synchronisation with the device, which its check that the step is finite needs before
+    the state changes (``None`` for fake tensors: a planning run has no values)."""
+    if any(is_fake(t) for t in ts):
+        return [None] * len(ts)
+    return torch.stack([t.detach().float() for t in ts]).tolist()
 
 
 def _flat_aux(auxes: list[Any]) -> tuple[torch.Tensor, Any]:

@@ -26,7 +26,7 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2)
 # parts divided by the world and the norm's square root) and AdamW's denominators
 # (a foreach copy and an in-place sqrt where torch makes a new list with one sqrt, and no
 # step counter tensor to increment).
-STEP_EXTRA = {"mean": 1, "stack": 3, "_foreach_norm": 1, "pow": 1, "sum": 1, "zeros": 1, "cat": 1, "div": 2,
+STEP_EXTRA = {"mean": 1, "stack": 4, "_foreach_norm": 1, "pow": 1, "sum": 1, "zeros": 1, "cat": 1, "div": 2,
               "sqrt": 1, "add_": 1, "_foreach_copy_": 1, "_foreach_sqrt_": 1, "_foreach_add_": -1, "_foreach_sqrt": -1}
 # (the embeddings stay in the root unit: their backward reads no weight, so FULL_SHARD
 # does not gather them again for it, and the count of gathers below would not hold)
