@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from ._compat import all_gather_single
 from ._events import Collective, Purpose
+from ._memory import on_host
 
 __all__ = [
     "CommError", "DivergenceError", "PeerError", "Where", "agree", "agree_words", "exchange", "fail", "guarded",
@@ -215,9 +216,10 @@ def exchange(state: "_Group", mine: list[int], what: str) -> list[list[int]]:
     """All ranks' headers (one all-gather on the control group); raises PeerError when a
     peer's header says it failed."""
     me = dist.get_rank()
-    out = torch.empty(len(state.ranks) * HEADER, dtype=torch.int64)
-    HEADERS[0] += 1
-    work = all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=state.control, async_op=True)
+    with on_host():  # host memory on any device (the control group is gloo's)
+        out = torch.empty(len(state.ranks) * HEADER, dtype=torch.int64)
+        HEADERS[0] += 1
+        work = all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=state.control, async_op=True)
     _wait(work, state, what)
     state.position += 1
     headers = out.view(-1, HEADER).tolist()

@@ -22,13 +22,15 @@ compute-device memory, so that an offloaded run says what the accelerator holds
 memory when it is a CPU storage and the compute device is not (``compute=`` a CUDA
 device), or when shardfn placed it there (:func:`mark_host`: offloaded shards, gradients
 copied back, the optimizer state), or when an op made it from host memory (the
-optimizer's temporaries): on a CPU-only machine, where both are the CPU, the marks are
+optimizer's temporaries) or inside :func:`on_host` (the schedule guard's headers, which
+its gloo control group keeps in host memory): on a CPU-only machine, where both are the CPU, the marks are
 what tells them apart. Without offload everything is device memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -45,6 +47,20 @@ _RESIZES = {torch.ops.aten.resize_.default, torch.ops.inductor.resize_storage_by
 # Storages shardfn placed in host memory: id -> weak reference (see the note above).
 _HOST: dict[int, weakref.ref] = {}
 _ACTIVE: list["LiveBytes"] = []  # trackers running now, told when a storage is marked
+
+
+_ON_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_on_host", default=False)
+
+
+@contextlib.contextmanager
+def on_host():
+    """What ops make inside the block is host memory (for :class:`LiveBytes`): the schedule
+    guard's headers, which travel over its gloo control group whatever the device is."""
+    token = _ON_HOST.set(True)
+    try:
+        yield
+    finally:
+        _ON_HOST.reset(token)
 
 
 def mark_host(t: torch.Tensor) -> None:
@@ -160,7 +176,7 @@ class LiveBytes(TorchDispatchMode):
             self._count(args[0])
         # What an op makes from host memory is host memory (the optimizer's temporaries on
         # offloaded shards); what it makes from nothing or from device memory is not.
-        host = bool(self._host) and any(
+        host = _ON_HOST.get() or bool(self._host) and any(
             isinstance(a, torch.Tensor) and not is_traceable_wrapper_subclass(a) and _storage_key(a) in self._host
             for a in pytree.tree_leaves((args, kwargs)))
         for t in pytree.tree_leaves(out):

@@ -48,3 +48,22 @@ def dtensor_bytes():
 def test_a_dtensor_counts_as_its_local_shard(clusters):
     for held, grown, local in clusters[2].run(dtensor_bytes):
         assert held == local == 64 * 8 * 4 // 2 and grown == local
+
+
+def header_exchange_bytes():
+    """The live bytes of one schedule-guard header exchange (an all-gather of int64 words
+    over the gloo control group)."""
+    from shardfn import _guard as G
+
+    mesh = sf.Mesh.from_group()
+    state = G.state_of(mesh.group("shard"))
+    with sf.track_live_bytes() as mem:
+        headers = G.exchange(state, [0] * G.HEADER, "a test")
+    return mem.peak, mem.device_peak, mem.host_peak, len(headers)
+
+
+def test_the_guards_headers_are_host_memory(clusters):
+    # They live in host memory whatever the device (gloo); counted as device memory, a header
+    # exchange that fell on a step's peak added its 168 bytes to the device peak in some runs.
+    for peak, device_peak, host_peak, n in clusters[2].run(header_exchange_bytes):
+        assert n == 2 and peak == host_peak == (2 + 1) * 7 * 8 and device_peak == 0
