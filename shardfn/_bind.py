@@ -11,6 +11,9 @@ when its module runs. Any method of the model runs then — ``model.generate(...
 Hugging Face model included — on every rank together: each forward issues the same
 all-gathers on every rank, so every rank must make the same calls (with Hugging Face's
 ``generate``, pass ``synced_gpus=True`` when ranks may stop at different lengths).
+Ranks whose calls differ all raise the same DivergenceError at the latest when the block
+ends: its end is agreed on like a collective (``_guard.agree_exit``), so a rank that
+stops early does not return while another waits in its next all-gather.
 
 Without ``keep_gathered`` a unit lets go of its parameters after each of its forwards,
 whatever the strategy (no backward follows), so the block holds what one forward of
@@ -30,8 +33,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import _guard as G
 from ._call import units_for
 from ._events import Purpose
+from ._guard import guarded
 from ._runtime import Runtime, current
 from ._sharded import ShardedParams
 
@@ -93,9 +98,14 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
     for (d, attr), t in zip(slots, placed):
         d[attr] = t
     apply.calls.append(units)
+    returned = False
     try:
-        with torch.no_grad():
+        # An error on one rank reaches the others at their next collective (guarded); ranks
+        # that made different calls learn it at the latest here, at the end of the block
+        # (see the agreement below).
+        with torch.no_grad(), guarded(sharded.mesh):
             yield apply.module
+        returned = True
     finally:
         apply.calls.pop()
         for unit in (u for group in units.values() for u in reversed(group)):
@@ -110,3 +120,5 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
             d[attr] = original
         if replaced:
             sharded._set_buffers(replaced)
+    if returned:  # every rank ends the block here, or the ranks' calls differed: all of them raise
+        G.agree_exit(sharded.mesh.group("shard"), "shardfn.bind(...)")

@@ -158,6 +158,10 @@ def unit_id(name: str) -> int:
     return h
 
 
+for _context in ("shardfn.bind(...)", "shardfn.on_shards(...)"):
+    unit_id(_context)
+
+
 def words(kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0,
           dtype: torch.dtype | None = None) -> list[int]:
     """The first five words of a header (what, unit, bytes, detail, where)."""
@@ -188,6 +192,26 @@ def agree(group: Any, kind: Collective, purpose: Purpose, unit: str, nbytes: int
     if state.off:
         return
     agree_words(state, words(kind, purpose, unit, nbytes, detail, dtype), f"{kind.value} ({label(purpose, unit)})")
+
+
+# Contexts that issue collectives and agree on their end (:func:`agree_exit`): their names
+# (registered at import, so that a rank that never entered one can name it) and the fix.
+_CONTEXTS = {
+    "shardfn.bind(...)": (
+        "Inside `with shardfn.bind(...)` every forward all-gathers its units on every rank together, so every rank "
+        "must make the same calls there: the same forwards, the same number of generated tokens (Hugging Face's "
+        "generate: pass synced_gpus=True when ranks may stop at different lengths)."),
+    "shardfn.on_shards(...)": (
+        "Inside `with shardfn.on_shards(...)` every psum (global_norm, clip_by_global_norm) is collective: every "
+        "rank must run the same ones, in the same order."),
+}
+
+
+def agree_exit(group: Any, context: str) -> None:
+    """The end of a ``with`` block that issues collectives: every rank of ``group`` ends
+    it here, or the ranks' calls inside it differed and all of them raise
+    DivergenceError, naming what each was doing."""
+    agree(group, Collective.BARRIER, Purpose.EXIT, context, 0)
 
 
 def agree_words(state: "_Group", mine: list[int], what: str, position: int = 0) -> list[list[int]]:
@@ -388,6 +412,8 @@ def describe_header(h: list[int]) -> str:
         return f"step start ({plan}), {Where.NAMES.get(h[WHERE], '?')}"
     if purpose is Purpose.METRICS and h[NBYTES] < 0:
         return "the end of its forward and backward (the metrics all-reduce next), in a step"
+    if purpose is Purpose.EXIT:
+        return f"the end of its `with {_NAMES.get(h[UNIT], '?')}` block (no more collectives in it)"
     code = h[WHAT] // 4096
     dtype = f" {str(_DTYPES[code]).removeprefix('torch.')}" if 0 < code < len(_DTYPES) else ""
     unit = _NAMES.get(h[UNIT], f"unit #{h[UNIT]:x}") if h[UNIT] else ""
@@ -409,7 +435,10 @@ def fix(headers: list[list[int]]) -> str:
     """What to do about ranks whose headers are ``headers``."""
     same_but_rows = all(h[:DETAIL] + h[DETAIL + 1:STATUS] == headers[0][:DETAIL] + headers[0][DETAIL + 1:STATUS]
                         for h in headers)
-    if any(_PURPOSES[h[WHAT] % 64] is Purpose.USER for h in headers):
+    exits = [_NAMES.get(h[UNIT], "") for h in headers if _PURPOSES[h[WHAT] % 64] is Purpose.EXIT]
+    if exits:
+        fix = _CONTEXTS.get(exits[0], "Every rank must make the same collective calls inside the block.")
+    elif any(_PURPOSES[h[WHAT] % 64] is Purpose.USER for h in headers):
         fix = ("mesh.barrier, broadcast, reduce and all_gather are collective: every rank must call them, in the "
                "same order, with tensors of the same shape and dtype (all_gather: pad to one shape first).")
     elif same_but_rows and _PURPOSES[headers[0][WHAT] % 64] is Purpose.CHECKPOINT:

@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from . import _collectives as C
+from . import _guard as G
 from ._events import Purpose
+from ._guard import guarded
 from ._runtime import current
 from ._tree import TensorTree
 
@@ -52,7 +54,8 @@ def on_shards(sharded: Any) -> Iterator[None]:
 
     A step sets this up for its optimizer by itself; use it for your own code on shards
     outside a step, e.g. on the gradients of ``shardfn.jit_grad``. Every rank must run the
-    same psums in the same order.
+    same psums in the same order: ranks whose psums differ all raise DivergenceError, at
+    the latest at the end of the block, which every rank agrees on.
 
     Example:
         >>> loss, grads, metrics = grad_fn(sharded, batch)
@@ -66,9 +69,12 @@ def on_shards(sharded: Any) -> Iterator[None]:
                         f"{type(sharded).__name__}.")
     token = _SCOPE.set((sharded.mesh, layout.strategy.sharded))
     try:
-        yield
+        with guarded(sharded.mesh):  # an error on one rank reaches the others at their next psum
+            yield
     finally:
         _SCOPE.reset(token)
+    if layout.strategy.sharded:  # the ranks made the same psums, or all of them raise here
+        G.agree_exit(sharded.mesh.group("shard"), "shardfn.on_shards(...)")
 
 
 class Gradients(TensorTree):

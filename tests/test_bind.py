@@ -127,3 +127,53 @@ def test_bind_cleans_up_after_an_error_and_refuses_a_step(clusters):
         assert "exceeds cfg.seq_len" in messages[0]
         assert "inside a step" in messages[1]
         assert ok and meta
+
+
+def bind_with_different_calls():
+    """Rank 0 runs one forward inside bind, rank 1 two: what each rank's block ends with."""
+    mesh = sf.Mesh.from_group()
+    params, apply = sf.functionalize(gpt())
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    apply.eval()
+    try:
+        with sf.bind(apply, sharded) as model:
+            for _ in range(1 + mesh.rank):
+                model(PROMPT)
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        outcome = (type(e).__name__, str(e))
+    else:
+        outcome = ("returned", "")
+    # and the ranks go on together: a later collective works on both
+    return outcome, sf.gather(sharded)["head.weight"].shape
+
+
+def test_ranks_whose_calls_inside_bind_differ_all_raise_the_same_error(clusters):
+    (first, shape0), (second, shape1) = clusters[2].run(bind_with_different_calls)
+    assert first[0] == second[0] == "DivergenceError"
+    for _, message in (first, second):
+        # each rank's message says what every rank was about to do
+        assert "rank 0: the end of its `with shardfn.bind(...)` block" in message, message
+        assert "rank 1: all_gather (gather of" in message and "synced_gpus=True" in message, message
+    assert shape0 == shape1 == (CFG.vocab_size, CFG.d_model)
+
+
+def psums_that_differ():
+    """Rank 0 runs one psum inside on_shards, rank 1 two."""
+    mesh = sf.Mesh.from_group()
+    params, _ = sf.functionalize(gpt())
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    try:
+        with sf.on_shards(sharded):
+            for _ in range(1 + mesh.rank):
+                sf.optim.psum(torch.ones(()))
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return type(e).__name__, str(e)
+    return "returned", ""
+
+
+def test_ranks_whose_psums_inside_on_shards_differ_all_raise(clusters):
+    first, second = clusters[2].run(psums_that_differ)
+    assert first[0] == second[0] == "DivergenceError"
+    for _, message in (first, second):
+        assert "rank 0: the end of its `with shardfn.on_shards(...)` block" in message, message
+        assert "rank 1: all_reduce (psum)" in message and "every psum" in message, message
