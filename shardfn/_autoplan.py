@@ -29,6 +29,7 @@ asking again with another budget simulates nothing.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import itertools
@@ -47,7 +48,26 @@ from ._plan import Plan, Remat, Strategy
 __all__ = ["AutoPlan", "Candidate", "autoplan"]
 
 _GIB = 2**30
-_CACHE: dict[Any, Explanation] = {}  # (model structure, mesh, batch, loss, optimizer, candidate) -> figures
+# (model structure, mesh, batch, loss, optimizer, candidate) -> figures, the most recent
+# _CACHE_SIZE. The loss and the optimizer are keys by identity, held by the entry: an
+# id() alone would be recycled once the function is freed and answer for another one.
+_CACHE: collections.OrderedDict[Any, Explanation] = collections.OrderedDict()
+_CACHE_SIZE = 256
+
+
+class _Same:
+    """A key part equal only to the very same object, which it keeps alive."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +234,14 @@ def _candidate(plan: Plan, k: int, figures: list[list[int]], weights: list[float
 
 def _explain(model: nn.Module, world: Any, plan: Plan, k: int, batch: Any, loss_fn: Any, optimizer: Any) -> Explanation:
     shapes = pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, batch)
-    key = (repr(model), repr(world), repr(shapes), id(loss_fn), repr(optimizer), repr(plan), k)
-    if key not in _CACHE:
-        _CACHE[key] = explain(model, world, plan, batch, loss_fn=loss_fn, optimizer=optimizer, verbose=False,
-                              micro_batches=k)
+    key = (repr(model), repr(world), repr(shapes), _Same(loss_fn), _Same(optimizer), repr(plan), k)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    _CACHE[key] = explain(model, world, plan, batch, loss_fn=loss_fn, optimizer=optimizer, verbose=False,
+                          micro_batches=k)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
     return _CACHE[key]
 
 

@@ -91,3 +91,36 @@ def test_the_chosen_plans_measured_peak_is_within_ten_percent_of_its_prediction(
 def test_a_budget_must_be_bytes():
     with pytest.raises(ValueError, match="'40GiB'"):
         sf.autoplan(GPT(SMALL), 2, "forty", (torch.zeros(1, 4, dtype=torch.long),) * 2, verbose=False)
+
+
+def test_the_cache_answers_only_for_the_same_loss_and_stays_bounded(monkeypatch):
+    """Figures are cached by the loss function itself, not by its id(): an id is recycled
+    once the function is freed, and would answer for another one. The entry keeps its
+    function alive instead, and the cache keeps only the most recent entries."""
+    import weakref
+
+    from shardfn import _autoplan
+
+    monkeypatch.setattr(_autoplan, "_CACHE", type(_autoplan._CACHE)())
+    monkeypatch.setattr(_autoplan, "_CACHE_SIZE", 2)
+    with torch.device("meta"):
+        model = GPT(SMALL)
+    tokens = torch.zeros(1, SMALL.seq_len, dtype=torch.long)
+    plan = sf.Plan("FULL_SHARD")
+
+    def make(forwards):
+        def loss(apply, params, batch):
+            return sum(lm_loss(apply(params, batch[0]), batch[1]) for _ in range(forwards))
+        return loss
+
+    once = make(1)
+    peak_once = _figures(model, 2, plan, 1, (tokens, tokens), once, None).peak_bytes
+    alive = weakref.ref(once)
+    del once
+    assert alive() is not None  # held by its entry: its id cannot be given to another function
+    twice = make(2)
+    peak_twice = _figures(model, 2, plan, 1, (tokens, tokens), twice, None).peak_bytes
+    assert peak_twice == sf.explain(model, 2, plan, (tokens, tokens), loss_fn=twice, verbose=False).peak_bytes
+    assert peak_twice > peak_once
+    _figures(model, 2, sf.Plan("SHARD_GRAD_OP"), 1, (tokens, tokens), twice, None)
+    assert len(_autoplan._CACHE) == 2 and alive() is None  # the oldest entry, and its function, went
