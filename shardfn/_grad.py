@@ -34,6 +34,7 @@ from ._events import Purpose
 from ._guard import Where, check_alive, guarded
 from ._layout import Layout
 from ._mesh import Mesh
+from ._compile import backend_of
 from ._psum import Gradients, sum_of_squares
 from ._runtime import Accumulate, Runtime, active
 from ._schedule import Deviated, Run, Schedule
@@ -361,13 +362,15 @@ def jit_grad(
     has_aux: bool = False,
     mean_aux: bool = False,
     keep_gathered: bool = False,
+    compile: bool | str = False,
 ) -> Grad:
     """Builds ``grad_fn(sharded, batch) -> (loss, grads, metrics)``: a step without its update.
 
     For loops that do something other than one optimizer update per batch: DiLoCo's outer
     step, per-unit gradient statistics, the gradient noise scale, an update of your own.
     ``loss_fn``, the batch and every option mean what they mean for :func:`shardfn.jit_step`,
-    which runs this same code and then its optimizer (see [Note: gradients as a tree]).
+    which runs this same code and then its optimizer (see [Note: gradients as a tree]);
+    ``compile`` too: each unit module's forward compiled by ``torch.compile``.
 
     Returns, on every rank:
         loss: the global mean loss, a 0-d fp32 tensor (the same on every rank).
@@ -391,4 +394,4 @@ def jit_grad(
     accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, has_aux, mean_aux, "jit_grad", prefetch)
     return Grad(loss_fn, mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
                 overlap=overlap, prefetch=prefetch, has_aux=has_aux, mean_aux=mean_aux,
-                keep_gathered=bool(keep_gathered))
+                keep_gathered=bool(keep_gathered), compile=backend_of(compile, "jit_grad"))

@@ -129,3 +129,26 @@ def test_bad_compile_arguments_are_refused(clusters):
     assert clusters[1].run(_refused, 3)[0] == (
         "TypeError: jit_step(compile=...): True, False or a torch.compile backend name, got 3")
     assert clusters[1].run(_refused, "aot_eager")[0] == "accepted"
+
+
+def _grads(compile):
+    """jit_grad's loss, gradients, and the compiled regions of its second call."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    grad_fn = sf.jit_grad(lambda p, b: gpt_loss(apply, p, b), mesh, compile=compile)
+    batch = split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
+    grad_fn(sharded, batch)  # compiles
+    with torch.profiler.profile() as prof:
+        loss, grads, _ = grad_fn(sharded, batch)
+    return float(loss), dict(grads), _compiled_regions(prof)
+
+
+def test_jit_grad_compiles_as_the_step_does(clusters):
+    eager, compiled = (clusters[2].run(_grads, c) for c in (False, "aot_eager"))
+    for (loss0, g0, regions0), (loss1, g1, regions1) in zip(eager, compiled):
+        assert regions0 == 0 and regions1 > 0
+        assert loss1 == pytest.approx(loss0, rel=1e-6)
+        for k in g0:
+            torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-7)
