@@ -38,7 +38,8 @@ offload (``Offload(params=True, optimizer=True)``, fp32). For each row:
   (``cuda*Synchronize``); ``host us/unit``, the host time of the step call, less the time
   spent waiting in those synchronisations, per unit (shardfn rows; the profiler's own
   overhead included, so an upper bound), and ``host ms`` the same per step. World 1 only:
-  at world 2 (two ranks profiling one GPU, over gloo) rank 0 died in the profiler. On a
+  at world 2 both ranks share the one GPU and gloo adds copies and synchronisations of
+  its own, which a real multi-GPU run does not make. On a
   GPU a unit's host work is hidden only while it is shorter than the unit's compute, and
   a step's only while the host need not wait for the device (a synchronisation);
 * the same timing and memory for the peer: FSDP2 (``fully_shard`` on each block, then the
@@ -292,7 +293,7 @@ def count_step(step: Callable, x: torch.Tensor, y: torch.Tensor, ctx: Ctx, units
     with count_ops() as c:
         step(x, y)
     out: dict[str, Any] = {"ops": c.total}
-    if ctx.device.type != "cuda" or ctx.world > 1:  # two ranks profiling one GPU over gloo: rank 0 crashed (SIGSEGV)
+    if ctx.device.type != "cuda" or ctx.world > 1:  # world 2 here: two ranks on one GPU, over gloo (see the docstring)
         return out
     sync(ctx)
     try:
