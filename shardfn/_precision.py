@@ -160,3 +160,34 @@ class LossScaleState(NamedTuple):
     opt_state: Any
     scale: torch.Tensor
     good_steps: torch.Tensor
+
+
+def check_norm_precision(module: nn.Module | None, layout: Any, mesh: Any) -> None:
+    """Refuses a precision that would run a BatchNorm (or InstanceNorm) with running
+    statistics on parameters of another dtype: torch's batch_norm wants its weight and its
+    running statistics in one dtype ("expected scalar type BFloat16 but found Float" in the
+    first step). Buffers are never cast (they are state, updated in place); the fix is to
+    keep such modules in their statistics' dtype with ``Precision(overrides=...)``."""
+    bad = []
+    for path, sub in module.named_modules() if module is not None else ():
+        if not isinstance(sub, nn.modules.batchnorm._NormBase) or not sub.track_running_stats or sub.weight is None:
+            continue
+        name = f"{path}.weight" if path else "weight"
+        stats = sub.running_mean
+        leaf = layout.leaves.get(name)
+        if leaf is None or stats is None or not stats.is_floating_point():
+            continue
+        param_dtype = layout.units[leaf.unit].param_dtype
+        if param_dtype != stats.dtype:
+            bad.append(f"{path or '<root>'} ({type(sub).__name__}: parameters in {str(param_dtype)[6:]}, running "
+                       f"statistics in {str(stats.dtype)[6:]})")
+    if bad:
+        raise ValueError(
+            f"shard(..., precision=...): {len(bad)} normalisation module(s) would compute with parameters in another "
+            f"dtype than their running statistics, which torch's batch_norm refuses (the first step would fail with "
+            f"'expected scalar type'): {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''}; mesh {mesh}. Buffers "
+            f"are not cast. Keep these modules in their statistics' dtype, as units of their own: "
+            f"shard(..., units=[YourBlock, torch.nn.BatchNorm2d], precision=shardfn.Precision(param=torch.bfloat16, "
+            f"reduce=torch.float32, overrides=((torch.nn.modules.batchnorm._BatchNorm, "
+            f"shardfn.Precision(param=torch.float32)),))) (they then take bf16 inputs and give bf16 outputs), or "
+            f"train without a param dtype.")

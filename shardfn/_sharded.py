@@ -16,6 +16,7 @@ from . import _collectives as C
 from ._events import Purpose
 from ._guard import guarded
 from ._layout import Layout, build_layout
+from ._precision import check_norm_precision
 from ._packing import shard_buffer, unpack_leaf
 from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
@@ -304,8 +305,10 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
     if module is not None:
         unit_modules[""] = module
     remat_units = plan.remat.select(module, list(info.params), unit_paths) if plan.remat is not None else {}
-    return build_layout(plan, mesh.shape, world, mesh.size // world, state, unit_paths, info, unit_modules, remat_units,
-                        frozenset(optional), reshard_rules(plan, unit_paths, world, mesh, remat_units))
+    layout = build_layout(plan, mesh.shape, world, mesh.size // world, state, unit_paths, info, unit_modules,
+                          remat_units, frozenset(optional), reshard_rules(plan, unit_paths, world, mesh, remat_units))
+    check_norm_precision(module, layout, mesh)
+    return layout
 
 
 def make_subgroups(layout: Layout, mesh: Mesh) -> None:

@@ -187,3 +187,67 @@ def test_fp16_dynamic_loss_scale_skips_overflow_on_every_rank(clusters, world):
         for n, p in ref_params.items():
             # the bound of test_low_precision_matches_a_reference_with_the_same_casts
             torch.testing.assert_close(params[n], p, rtol=0, atol=8 * EPS[torch.float16] * moved)
+
+
+# -- normalisation with running statistics under a param dtype ---------------------------------
+
+BN_FIX = sf.Precision(param=torch.bfloat16, reduce=torch.float32,
+                      overrides=((nn.modules.batchnorm._BatchNorm, sf.Precision(param=torch.float32)),))
+
+
+def _bn_batches(steps=3):
+    g = torch.Generator().manual_seed(4)
+    return [(torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 5, (4,), generator=g)) for _ in range(steps)]
+
+
+def _bn_sharded(precision, units):
+    from shardfn.testing.models import ConvNet
+
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(ConvNet())
+    try:
+        sharded = sf.shard(params, mesh, "FULL_SHARD", units=units, precision=precision)
+    except ValueError as e:
+        return "refused", str(e)
+    opt = sf.optim.sgd(0.1)
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda p, b: nn.functional.cross_entropy(apply(p, b[0]).float(), b[1]), mesh, optimizer=opt)
+    losses = []
+    for b in _bn_batches():
+        sharded, state, m = step(sharded, state, b)
+        losses.append(m["loss"])
+    return losses, sf.gather(sharded)
+
+
+def _bn_reference():
+    """One process, the same casts: bf16 copies of the conv and head weights (gradients
+    back to the fp32 masters), BatchNorm's weights and statistics in fp32, bf16 inputs."""
+    from shardfn.testing.models import ConvNet
+
+    torch.manual_seed(0)
+    net = ConvNet()
+    masters = dict(net.named_parameters())
+    buffers = dict(net.named_buffers())
+    losses = []
+    for x, y in _bn_batches():
+        state = {**{k: v if ".bn." in k else v.to(torch.bfloat16) for k, v in masters.items()}, **buffers}
+        loss = nn.functional.cross_entropy(torch.func.functional_call(net, state, (x.to(torch.bfloat16),)).float(), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in masters.values():
+                p -= 0.1 * p.grad
+                p.grad = None
+        losses.append(loss.item())
+    return losses, {**{k: v.detach() for k, v in masters.items()}, **buffers}
+
+
+def test_batchnorm_under_a_param_dtype_is_refused_and_trains_with_the_fix(clusters):
+    outcome, message = clusters[2].run(_bn_sharded, sf.Precision(param=torch.bfloat16, reduce=torch.float32), None)[0]
+    assert outcome == "refused" and "blocks.0.bn (BatchNorm2d: parameters in bfloat16, running statistics in float32)" \
+        in message and "overrides=" in message and "mesh Mesh(shard=2" in message, message
+    losses, full = clusters[1].run(_bn_sharded, BN_FIX, [nn.BatchNorm2d])[0]
+    ref_losses, ref = _bn_reference()
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    for k, v in ref.items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
