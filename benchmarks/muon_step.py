@@ -60,11 +60,9 @@ _NS = _muon.newton_schulz  # shardfn's Newton-Schulz (torch.optim.Muon's, op for
 
 
 def matrices(name, shape) -> bool:
-    """The matrices Muon takes: every 2-D parameter of the MLP, the blocks' of the GPT."""
-    return len(shape) == 2 and (name.startswith("blocks.") or not _GPT[0])
-
-
-_GPT = [False]  # set per process from the options (the predicate's signature is fixed)
+    """The matrices Muon takes: the hidden ones (the MLP's layers, the GPT's blocks; not the
+    GPT's embeddings and head)."""
+    return len(shape) == 2 and name.startswith(("layers.", "blocks."))
 
 
 class Timer:
@@ -138,8 +136,7 @@ GPT_VOCAB, GPT_SEQ = 256, 64
 
 def _model(opts: dict) -> torch.nn.Module:
     torch.manual_seed(0)
-    _GPT[0] = opts["model"] == "gpt"
-    if _GPT[0]:
+    if opts["model"] == "gpt":
         return GPT(GPTConfig(vocab_size=GPT_VOCAB, seq_len=GPT_SEQ, d_model=opts["width"], n_layers=opts["layers"],
                              n_heads=4))
     return MLP([opts["width"]] * (opts["layers"] + 1))

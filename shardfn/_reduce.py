@@ -138,15 +138,20 @@ class UnitGrads:
             return
         if self.store:  # the previous unit's reduction: done, and its buffer freed, before this one's exists
             unit.runtime.wait_pending()
-        buf = torch.empty(lay.world, u.grad_numel, dtype=u.reduce_dtype, device=device)
-        # One copy (see [Note: copies]): each gradient straight into its columns of every
-        # rank's row, cast to the reduce dtype on the way, padding rows zeroed.
-        pack_unit(buf, [
-            g if g is not None else torch.zeros(leaf.shape, dtype=u.param_dtype, device=device)
-            for g, leaf in zip(grads, leaves)
-            if leaf.grad_offset >= 0
-        ], lay.world, [leaf.start for leaf in leaves if leaf.grad_offset >= 0] if u.flat else None)
+        buf = self._packed(grads, leaves, lay.world, device)
         self.acc = buf if self.acc is None else self.acc.add_(buf)
+
+    def _packed(self, grads: tuple[torch.Tensor | None, ...], leaves: list, rows: int,
+                device: torch.device) -> torch.Tensor:
+        """One copy (see [Note: copies]): the unit's gradients in a ``[rows, grad_numel]``
+        buffer of the reduce dtype, each straight into its columns of every rank's row
+        (``rows``: the world) or, in a flat unit, at its offset; cast on the way, padding zeroed."""
+        u = self.unit.unit
+        buf = torch.empty(rows, u.grad_numel, dtype=u.reduce_dtype, device=device)
+        kept = [(g, leaf) for g, leaf in zip(grads, leaves) if leaf.grad_offset >= 0]
+        pack_unit(buf, [g if g is not None else torch.zeros(leaf.shape, dtype=u.param_dtype, device=device)
+                        for g, leaf in kept], rows, [leaf.start for _, leaf in kept] if u.flat else None)
+        return buf
 
     def _own(self, grads: tuple[torch.Tensor | None, ...], leaves: list, device: torch.device) -> None:
         """A world of one, nothing to reduce: autograd's gradients are the shards' own.
@@ -163,11 +168,7 @@ class UnitGrads:
                 g is not None and (g.dtype != u.reduce_dtype or u.reduce_dtype != u.dtype) for g in grads):
             # a flat unit whose gradients are cast: one cast for the unit, into one buffer
             # (the shard's layout), not one per leaf
-            buf = torch.empty(1, u.grad_numel, dtype=u.reduce_dtype, device=device)
-            kept = [(g, leaf) for g, leaf in zip(grads, leaves) if leaf.grad_offset >= 0]
-            pack_unit(buf, [g if g is not None else torch.zeros(leaf.shape, dtype=u.reduce_dtype, device=device)
-                            for g, leaf in kept], 1, [leaf.start for _, leaf in kept])
-            flat = buf.view(-1).to(u.dtype)
+            flat = self._packed(grads, leaves, 1, device).view(-1).to(u.dtype)
             owned.add(id(flat.untyped_storage()))
             self.acc = [flat[leaf.start:leaf.start + math.prod(leaf.shape)].view(
                 self.unit.layout.shard_shape(leaf.path, self.unit.rank)) if leaf.grad_offset >= 0 else None

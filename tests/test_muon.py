@@ -61,25 +61,32 @@ def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
     return x.T if grad.size(0) > grad.size(1) else x
 
 
-def reference(steps=STEPS):
-    """torch.optim.Muon on the matrices and AdamW on the rest, one process, the global batch."""
+def torch_training(make_optimizers, steps=STEPS):
+    """The model trained in one process on the global batches by the torch optimizers
+    ``make_optimizers(net)`` returns: losses and final parameters."""
     torch.manual_seed(0)
     net = model()
-    mats = [p for p in net.parameters() if p.ndim == 2]
-    rest = [p for p in net.parameters() if p.ndim != 2]
-    muon = torch.optim.Muon(mats, lr=0.02)
-    adamw = torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)
+    optimizers = make_optimizers(net)
     losses = []
-    with mock.patch("torch.optim._muon._zeropower_via_newtonschulz", _ns_fp32):
-        for b in batches(steps):
-            loss = F.mse_loss(net(b["x"]), b["y"])
-            loss.backward()
-            muon.step()
-            adamw.step()
-            muon.zero_grad()
-            adamw.zero_grad()
-            losses.append(loss.item())
+    for b in batches(steps):
+        loss = F.mse_loss(net(b["x"]), b["y"])
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def reference(steps=STEPS):
+    """torch.optim.Muon on the matrices and AdamW on the rest, one process, the global batch."""
+    def optimizers(net):
+        mats = [p for p in net.parameters() if p.ndim == 2]
+        rest = [p for p in net.parameters() if p.ndim != 2]
+        return torch.optim.Muon(mats, lr=0.02), torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)
+
+    with mock.patch("torch.optim._muon._zeropower_via_newtonschulz", _ns_fp32):
+        return torch_training(optimizers, steps)
 
 
 # -- one process --------------------------------------------------------------------------
@@ -316,17 +323,7 @@ def adafactor_opt():
 
 
 def adafactor_reference(steps=STEPS):
-    torch.manual_seed(0)
-    net = model()
-    opt = torch.optim.Adafactor(net.parameters(), lr=0.05, weight_decay=0.01)
-    losses = []
-    for b in batches(steps):
-        loss = F.mse_loss(net(b["x"]), b["y"])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
+    return torch_training(lambda net: (torch.optim.Adafactor(net.parameters(), lr=0.05, weight_decay=0.01),), steps)
 
 
 def test_adafactor_equals_torch_adafactor_in_one_process():

@@ -346,27 +346,13 @@ def test_whole_matrices_train_bit_for_bit_as_rows(clusters, strategy, world):
 
 def test_a_whole_checkpoint_loads_into_flat_and_rows(clusters, tmp_path):
     path = str(tmp_path / "ckpt")
-    params, moments = clusters[2].run(_save_whole, path)[0]
+    params, moments = clusters[2].run(_save, path, sf.whole(matrices))[0]
     for world in (1, 3):
         for placement in ("flat", "rows", "whole"):
             (lp, lm), _ = clusters[world].run(_load, path, placement if placement != "whole" else sf.whole(matrices),
                                               "FULL_SHARD")[0]
             assert all(torch.equal(lp[k], params[k]) for k in params), (world, placement)
             assert all(torch.equal(lm[k][n], moments[k][n]) for k in moments for n in moments[k]), (world, placement)
-
-
-def _save_whole(path):
-    mesh = sf.Mesh.from_group()
-    torch.manual_seed(0)
-    params, apply = sf.functionalize(gpt_model())
-    sharded = sf.shard(params, mesh, "FULL_SHARD", placement=sf.whole(matrices))
-    opt = OPTIMIZERS["adamw"]()
-    state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
-    for b in gpt_batches(2):
-        sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
-    sf.checkpoint.save(path, sharded, state)
-    return sf.gather(sharded), {k: sf.gather(sharded.replace(dict(v))) for k, v in (("mu", state.mu), ("nu", state.nu))}
 
 
 def test_explain_shows_each_units_placement_and_padding():
