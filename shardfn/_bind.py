@@ -112,7 +112,7 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
             if unit.entered:  # a unit's forward raised
                 unit.exit()
             unit.end_use()
-            unit.release()
+        rt.finish()  # the block's runtime ends: nothing stays gathered
         replaced = {}
         for (d, attr), (_, n), t, original in zip(slots, names, placed, originals):
             if d[attr] is not t and n in layout.buffers:  # the module replaced a buffer: keep it in the tree

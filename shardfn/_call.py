@@ -1,4 +1,4 @@
-"""The sharded call: module hooks that gather units just in time, and saved-tensor handles.
+"""The sharded call: module hooks that gather units just in time.
 
 [Note: how a sharded call works]
 ``apply(sharded, *args)`` runs ``functional_call`` on the meta module tree that
@@ -11,7 +11,8 @@ parameter dict. Every other unit's module carries a forward pre-hook and a forwa
   buffer and returns the full parameters, which are placed in the module for the
   duration of its forward. Its backward hands the unit's gradients to its reduction
   (shardfn._reduce [Note: one reduction per unit]).
-* while the unit runs, a ``saved_tensors_hooks`` pair is active. Any tensor autograd
+* while the unit runs, a ``saved_tensors_hooks`` pair is active
+  (:func:`shardfn._gather.saved_handles`). Any tensor autograd
   saves that lives in a gathered parameter's storage (the weight itself, ``weight.t()``,
   ...) is packed as a small handle (unit, use, leaf, size, stride, offset) instead of a
   reference; other saved tensors (activations) pass through untouched.
@@ -21,6 +22,9 @@ parameter dict. Every other unit's module carries a forward pre-hook and a forwa
 * in backward, the first unpack of a handle gathers the unit again (a plain all-gather,
   no recompute of the forward) and rebuilds the view; the last unpack drops the unit's
   reference (the consuming node holds the view until it is done).
+
+When a unit lets go of its gathered parameters is one rule, in shardfn._gather ([Note: the
+life of a unit]); the hooks here and the handles only report the events it reads.
 
 So without prefetch FULL_SHARD holds at most the running unit's parameters (plus the
 root's) in forward and in backward, gathering each non-root unit twice per step, with no
@@ -40,7 +44,7 @@ from torch.func import functional_call
 from . import _guard
 from ._compile import compilable
 from ._events import Purpose
-from ._gather import Unit
+from ._gather import Unit, saved_handles
 from ._layout import Layout
 from ._plan import Strategy
 from ._precision import cast_floating
@@ -50,59 +54,6 @@ from ._runtime import Runtime, current
 from ._tree import check_names
 
 __all__ = ["sharded_call", "units_for"]
-
-
-# -- saved tensors: handles instead of references ----------------------------------------
-
-
-class _Handle:
-    __slots__ = ("unit", "use", "index", "size", "stride", "offset")
-
-    def __init__(self, unit: Unit, index: int, t: torch.Tensor):
-        self.unit, self.use, self.index = unit, unit.use, index
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-
-
-def _saved_tensor_hooks(units: list[Unit]):
-    """Handles for the gathered parameters of ``units``: the units of one module (several
-    when its parameters have several dtypes, see [Note: mixed dtypes in a unit])."""
-
-    def pack(t: torch.Tensor) -> Any:
-        if t.is_sparse:
-            return t
-        for unit in units:
-            index = unit.storages.get(id(t.untyped_storage())) if unit.storages else None
-            if index is not None and unit.full is not None and t.dtype == unit.full[index].dtype:
-                unit.handles += 1
-                unit.use.pending += 1
-                return _Handle(unit, index, t)
-        return t
-
-    def unpack(packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Handle):
-            return packed
-        u = packed.unit
-        if u.full is None:
-            full = u.all_gather(Purpose.REGATHER)
-            u.runtime.prefetch_after(u.key, forward=False)
-        else:
-            full = u.full
-        view = full[packed.index].detach().as_strided(packed.size, packed.stride, packed.offset)
-        u.handles -= 1
-        packed.use.pending -= 1
-        if not u.entered:
-            # The last saved use of the parameters is being handed out: drop our reference
-            # now (the node holds the view until it is done). A unit resharded after forward
-            # (FULL_SHARD's) lets go after each use's last handle (another use regathers); a
-            # kept one (SHARD_GRAD_OP's) after the last handle of every use. This also frees
-            # units whose parameters are all frozen, whose GatherUnit has no backward.
-            if u.unit.reshard and packed.use.pending == 0:
-                u.release()
-            elif u.handles == 0:
-                u.release()
-        return view
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 # -- module hooks -----------------------------------------------------------------------
@@ -122,10 +73,9 @@ def _pre_hook(apply: Any, path: str):
         for unit in units:
             if unit.use is None:  # SHARD_GRAD_OP reuses a unit called twice in one forward
                 unit.start_use(Purpose.GATHER)
-                unit.runtime.prefetch_after(unit.key, forward=True)
         # Handles only where the unit's memory can be dropped: a sharded strategy (NO_SHARD's
         # full parameters are the shards themselves). The first unit holds the hooks.
-        hooks = _saved_tensor_hooks(units) if units[0].layout.strategy.sharded else None
+        hooks = saved_handles(units) if units[0].layout.strategy.sharded else None
         for i, unit in enumerate(units):
             unit.enter(hooks if i == 0 else None)
 
@@ -186,10 +136,7 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
         for u in (u for group in units.values() for u in reversed(group)):
             if u.entered:  # the unit's forward raised: undo its hooks and parameters
                 u.exit()
-            u.end_use()  # forward is over: only saved handles (and u.full) remain
-        for root in roots:
-            # The graph holds what backward needs; the call itself no longer does.
-            root.release()
+            u.end_use()  # forward is over: only saved handles (and what the unit keeps) remain
 
 
 def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:

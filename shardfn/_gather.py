@@ -15,7 +15,7 @@ per element of the param, reduce and master dtypes. Bytes are bytes written.
 tests/test_copies.py counts every copy op of a step with a TorchDispatchMode and asserts
 exactly these, derived from the layout.
 
-gather, each of the g all-gathers (here: Unit._issue, Unit.all_gather):
+gather, each of the g all-gathers (here: Unit._issue, Unit._gather):
   1. pack, 1 copy, n*p: the shards, cast to param dtype on the way, go straight into this
      rank's row of the all-gather output (torch.cat(out=)); the all-gather runs in place
      (NCCL and gloo take an input that is the rank's chunk of the output). Remains: the
@@ -39,12 +39,51 @@ Not ours: gloo's all-gather unflattens from an internal buffer; NCCL does not. (
 reduce-scatter cloned its input and copied a chunk out; shardfn no longer uses it: see
 [Note: reduce-scatter on gloo], which sums the received chunks straight into the output.) The model's own copies (in the test GPT, merging attention heads) are those of
 a plain functional_call, which the test checks. The step copies a few scalars (metrics).
+
+[Note: the life of a unit]
+A unit is in one of three states, and its gathered parameters are dropped by one rule,
+:meth:`Unit.settle`, asked after every event that can end a need for them::
+
+                 prefetch                  wait
+    SHARDED ----------------> IN_FLIGHT ----------> GATHERED
+       ^  ^                       |                   |  ^
+       |  +----- cancel ----------+                   |  | reuse (a later use, a
+       |                                              |  | recompute, a saved handle)
+       |       gather / regather (not prefetched)     |  |
+       +-------------------------------------------->-+--+
+       |                                              |
+       +------------ release: settle() finds ---------+
+                     nothing holding it, or the runtime ends (end)
+
+What holds a GATHERED unit (:meth:`Unit.holds`), in order:
+
+* pinned: an optional unit, or every unit of a step with ``keep_gathered=True``, until
+  the runtime ends;
+* entered: its module is running with the parameters in place;
+* a use in progress: between :meth:`Unit.start_use` and :meth:`Unit.end_use`. A use is
+  one forward of the module; a unit kept after forward outside remat reuses one use for
+  every call of its module in a sharded call (SHARD_GRAD_OP's tied or looped module);
+* nothing else for the root unit: its parameters go to ``functional_call`` directly and
+  the graph holds what backward needs;
+* a unit that reshards after forward (FULL_SHARD): the use whose saved handles backward
+  is reading (``reading``). Between its forward and its backward nothing holds it; the
+  first handle read regathers it, the last one of that use lets it go;
+* a unit kept after forward (SHARD_GRAD_OP): everything until backward begins; then a
+  saved handle not yet read, or, for a rematerialised unit, a graph node whose recompute
+  has not run.
+
+Events: a module's forward ends (:meth:`Unit.exit`), a sharded call ends (``_call``), a
+saved handle is read (:meth:`Unit.read`), a use's backward ran (:class:`GatherUnit`); the
+runtime's end (:meth:`Unit.end`, from :meth:`shardfn._runtime.Runtime.finish`) releases
+whatever is left, pinned or not. Gathering starts the all-gathers of the units that run
+next (:meth:`Unit._prefetch_next`, [Note: prefetch]), in forward and in backward alike.
 """
 
 from __future__ import annotations
 
+import enum
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -52,19 +91,30 @@ import torch.nn as nn
 from . import _collectives as C
 from ._events import Purpose, ResidencyEvent, UnitEvent, emit
 from ._layout import Layout, UnitLayout
-from ._packing import shard_buffer, unpack_unit
 from ._offload import copy_stream, join_stream, pack_shards, to_device
+from ._packing import shard_buffer, unpack_unit
 from ._plan import RematMode
 from ._reduce import UnitGrads
 from ._runtime import invariant
 
-__all__ = ["GatherUnit", "Unit", "Use"]
+if TYPE_CHECKING:
+    from ._runtime import Runtime
+
+__all__ = ["GatherUnit", "State", "Unit", "Use", "saved_handles"]
+
+
+class State(enum.Enum):
+    """Where a unit is in its life (see [Note: the life of a unit])."""
+
+    SHARDED = "sharded"  # only this rank's shards
+    IN_FLIGHT = "in flight"  # an all-gather started ahead of the unit's use (prefetch)
+    GATHERED = "gathered"  # the full parameters, held
 
 
 class Use:
     """One application of :class:`GatherUnit`: how many saved-tensor handles of the full
     parameters it produced backward still holds. Handles reference their use, so it must
-    not reference the parameters: the graph would keep them alive (see _call.py)."""
+    not reference the parameters: the graph would keep them alive (see :func:`saved_handles`)."""
 
     __slots__ = ("pending",)
 
@@ -72,52 +122,66 @@ class Use:
         self.pending = 0
 
 
+class _Entry:
+    """A module running with the unit's parameters in place: what to put back after."""
+
+    __slots__ = ("originals", "hooks", "range")
+
+    def __init__(self, originals: list[torch.Tensor], hooks: Any, range_: Any):
+        self.originals, self.hooks, self.range = originals, hooks, range_
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
 class Unit:
     """A unit's runtime state for one runtime (one step, or one call outside a step)."""
 
     __slots__ = (
-        "layout", "unit", "key", "shards", "group", "rank", "replicate_group", "slots", "runtime", "full", "storages",
-        "inflight", "use", "outputs", "originals", "hooks", "range", "handles", "calls", "grads", "pinned", "device",
-        "secondary", "mesh", "replica",
+        # what it is, for the runtime's length
+        "layout", "unit", "key", "shards", "slots", "mesh", "group", "rank", "runtime", "grads", "replica",
+        # where it is in its life (see [Note: the life of a unit])
+        "state", "full", "storages", "inflight", "secondary", "use", "outputs", "entry", "handles", "reading",
+        "calls", "pinned",
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, key: tuple[int, int], shards: list[torch.Tensor], mesh: Any,
-                 slots: list, runtime: Any, store: bool):
+                 slots: list, runtime: Runtime, store: bool):
         self.layout = layout
         self.unit = unit
         self.key = key  # (index of its tree in the runtime, unit index): the prefetch order's entries
         self.shards = shards
+        self.slots: list[tuple[nn.Module, str, int]] = slots  # where each full tensor goes
+        self.mesh = mesh
         self.group = mesh.group("shard")  # all-gathers and reduce-scatters
         self.rank = layout.shard_rank(mesh)  # this rank's row of an all-gather's output
-        # Gradients are averaged over the other ranks holding the same shard: the
-        # "replicate" axis of a 2-D mesh, or the whole 1-D mesh under NO_SHARD.
-        self.replicate_group = mesh.group("replicate") if mesh.ndim == 2 else self.group
-        self.slots: list[tuple[nn.Module, str, int]] = slots  # where each full tensor goes
-        self.device = mesh.device  # where gathered parameters live (the shards may be in host memory: offload)
-        self.mesh = mesh
         self.runtime = runtime
-        self.full: list[torch.Tensor] | None = None  # gathered parameters, while live
-        self.storages: dict[int, int] = {}  # id() of their storages -> leaf index (fake tensors have no data_ptr)
-        self.inflight: Any = None  # a prefetched all-gather: (work, input, output); input is a row of output
-        self.use: Use | None = None  # the use whose parameters the module holds (or reuses) in this call
-        self.outputs: tuple[torch.Tensor, ...] | None = None  # that use's full parameters, while the call runs
-        self.originals: list[torch.Tensor] | None = None  # the module's own tensors, while entered
-        self.hooks: Any = None
-        self.range: Any = None  # the profiler range of the unit's forward, while entered
-        self.handles = 0  # saved-tensor handles of all uses not yet unpacked
-        self.calls = 0  # forward gathers in this micro-batch (remat units prefetch a regather only if > 0)
         self.grads = UnitGrads(self, store)
-        # gathered for the whole runtime: an optional unit (see pin), or every unit of a
-        # step that keeps them gathered across its micro-batches (jit_step(keep_gathered=True))
-        self.pinned = runtime.keep_gathered
+        self.replica: list[torch.Tensor] | None = None  # SHARD_OPTIMIZER: the tree's kept full parameters
+        self.state = State.SHARDED
+        self.full: list[torch.Tensor] | None = None  # GATHERED: the full parameters
+        self.storages: dict[int, int] = {}  # GATHERED: id() of their storages -> leaf index (fake tensors have no data_ptr)
+        self.inflight: Any = None  # IN_FLIGHT: (work, input, output); input is a row of output
         # this rank's 1/k of the gathered unit, kept from forward to backward when the unit
         # reshards to a sub-group of k ranks (UnitLayout.reshard = k; see _issue)
         self.secondary: torch.Tensor | None = None
-        self.replica: list[torch.Tensor] | None = None  # SHARD_OPTIMIZER: the tree's kept full parameters
+        self.use: Use | None = None  # the use in progress
+        self.outputs: tuple[torch.Tensor, ...] | None = None  # that use's full parameters, while it runs
+        self.entry: _Entry | None = None  # while the module runs
+        self.handles = 0  # saved-tensor handles of all uses not yet read
+        self.reading: Use | None = None  # the use whose handles backward is reading
+        self.calls = 0  # forward gathers in this micro-batch (remat units prefetch a regather only if > 0)
+        self.pinned = runtime.keep_gathered
 
     @property
     def name(self) -> str:
         return self.unit.name
+
+    @property
+    def device(self) -> torch.device:
+        """Where gathered parameters live (the shards may be in host memory: offload)."""
+        return self.mesh.device
 
     @property
     def is_root(self) -> bool:
@@ -133,11 +197,42 @@ class Unit:
 
     @property
     def entered(self) -> bool:
-        return self.originals is not None
+        return self.entry is not None
 
     def _note(self, event: UnitEvent) -> None:
         if not self.is_root:
             emit(ResidencyEvent(event, self.unit.name), self.runtime.observers)
+
+    # -- the one rule of release ------------------------------------------------------------
+
+    def holds(self) -> bool:
+        """Whether anything still needs the gathered parameters (see [Note: the life of a unit])."""
+        if self.pinned or self.entry is not None or self.use is not None:
+            return True
+        if self.is_root:
+            return False
+        if self.reshards:
+            return self.reading is not None
+        if not _in_backward():
+            return True
+        return self.handles > 0 or (self.unit.remat is not None and self.grads.nodes > 0)
+
+    def settle(self) -> None:
+        """Releases the gathered parameters unless something holds them; called after every
+        event that can end a need for them."""
+        if self.state is State.GATHERED and not self.holds():
+            self._release()
+
+    def _release(self) -> None:
+        self.state, self.full, self.storages = State.SHARDED, None, {}
+        self._note(UnitEvent.FREE)
+
+    def end(self) -> None:
+        """The runtime ends: nothing in flight, nothing gathered, pinned or not."""
+        self.cancel_prefetch()
+        self.secondary = None
+        if self.state is State.GATHERED:
+            self._release()
 
     # -- gathering -----------------------------------------------------------------------
 
@@ -190,19 +285,28 @@ class Unit:
         return self.handles > 0
 
     def prefetch(self, forward: bool) -> None:
-        """Starts this unit's all-gather now; :meth:`all_gather` will wait for it."""
-        if self.layout.world > 1 and self.full is None and self.inflight is None and self.replica is None:
+        """SHARDED -> IN_FLIGHT: starts this unit's all-gather now; :meth:`_gather` waits for it."""
+        if self.layout.world > 1 and self.state is State.SHARDED and self.replica is None:
             self.inflight = self._issue(Purpose.GATHER if forward else Purpose.REGATHER, async_op=True)
+            self.state = State.IN_FLIGHT
             self._note(UnitEvent.PREFETCH)
 
     def cancel_prefetch(self) -> None:
-        """Waits for a prefetch that was never used (the order changed); drops it."""
-        if self.inflight is not None:
+        """IN_FLIGHT -> SHARDED: waits for a prefetch that was never used (the order changed)."""
+        if self.state is State.IN_FLIGHT:
             self.inflight[0].wait()
-            self.inflight = None
+            self.inflight, self.state = None, State.SHARDED
 
-    def all_gather(self, purpose: Purpose) -> list[torch.Tensor]:
-        """Full parameters of the unit (no autograd); one all-gather of the flat shards."""
+    def _prefetch_next(self, forward: bool) -> None:
+        """Starts the all-gathers of the units that run after this one (see :meth:`prefetchable`;
+        the root is gathered before every unit and is not in their order)."""
+        if not self.is_root and self.unit.remat is not RematMode.SELECTIVE:
+            self.runtime.prefetch_after(self.key, forward=forward)
+
+    def _gather(self, purpose: Purpose) -> list[torch.Tensor]:
+        """SHARDED or IN_FLIGHT -> GATHERED: the full parameters of the unit (no autograd),
+        from one all-gather of the flat shards."""
+        invariant(self.state is not State.GATHERED, f"unit {self.unit.name!r} gathered twice")
         lay, world = self.layout, self.layout.world
         leaves = [lay.leaves[n] for n in self.unit.leaves]
         with torch.no_grad():
@@ -220,7 +324,7 @@ class Unit:
                     full = [s.detach().view(leaf.shape).to(self.unit.param_dtype)
                             for s, leaf in zip(self.shards, leaves)]
             else:
-                if self.inflight is not None:
+                if self.state is State.IN_FLIGHT:
                     work, _, out = self.inflight
                     work.wait()
                     self.inflight = None
@@ -234,40 +338,23 @@ class Unit:
                     _, index = self.mesh.subgroup(k)
                     self.secondary = out.view(-1).chunk(k)[index].clone()
                 full = unpack_unit(out, leaves, world)  # one copy: FSDP2's copy-out
-        self.full = full
+        self.state, self.full = State.GATHERED, full
         self.storages = {id(t.untyped_storage()): i for i, t in enumerate(full)}
         self._note(UnitEvent.GATHER if purpose is Purpose.GATHER else UnitEvent.REGATHER)
         return full
 
     def pin(self) -> None:
         """An optional unit (``Plan(optional=...)``): gathered now, when the runtime builds
-        its units, and kept until the runtime ends, so that every rank gathers it once at
+        its units, and held until the runtime ends, so that every rank gathers it once at
         the same point whether its forward runs it or not."""
-        self.all_gather(Purpose.GATHER)
+        self._gather(Purpose.GATHER)
         self.pinned = True
-
-    def release(self, force: bool = False) -> None:
-        """Drops this unit's reference to its gathered parameters (freed once unreferenced);
-        a pinned unit keeps them until the runtime ends (``force``)."""
-        if force:
-            self.secondary = None
-        if self.pinned and not force:
-            return
-        if self.full is not None:
-            self.full = None
-            self.storages = {}
-            self._note(UnitEvent.FREE)
-
-    def release_if_unused(self) -> None:
-        """Releases the gathered parameters when nothing will read them again: no module
-        call is running, no saved handle is left and no graph node awaits its backward."""
-        if not self.entered and self.handles == 0 and self.grads.nodes == 0 and not self.pinned:
-            self.release()
 
     # -- one forward of the unit's module ----------------------------------------------
 
     def start_use(self, purpose: Purpose) -> tuple[torch.Tensor, ...]:
-        """Applies :class:`GatherUnit`: gathers (or reuses) the full parameters for a forward.
+        """Applies :class:`GatherUnit`: gathers (or reuses) the full parameters for a forward,
+        then starts the next units' all-gathers.
 
         They become ``self.outputs`` of a new ``self.use`` until the use ends
         (:meth:`end_use`). A use that builds a graph node (grad enabled, a trainable shard,
@@ -276,47 +363,97 @@ class Unit:
         (shardfn._reduce).
         """
         builds_graph = torch.is_grad_enabled() and any(s.requires_grad for s in self.shards)
-        if builds_graph and torch._C._current_graph_task_id() == -1:
+        if builds_graph and not _in_backward():
             self.grads.count_node()
         self.use = Use()
         self.outputs = GatherUnit.apply(self, purpose, *self.shards)
         if purpose is Purpose.GATHER:
             self.calls += 1
+        self._prefetch_next(forward=purpose is Purpose.GATHER)
         return self.outputs
 
     def end_use(self) -> None:
         """The current use's forward is over: only the graph (through handles) refers to it."""
         self.use = None
         self.outputs = None
+        self.settle()
 
     def enter(self, handles: Any) -> None:
         """Places the current use's parameters into the module; ``handles``: the
         saved-tensor hooks to run the module under (None for none)."""
         outputs = self.outputs
         invariant(outputs is not None, f"unit {self.unit.name!r} entered without gathered parameters")
-        self.range = torch.profiler.record_function(f"shardfn::forward[{self.unit.name}]")
-        self.range.__enter__()
-        self.originals = [sub._parameters[attr] for sub, attr, _ in self.slots]
+        range_ = torch.profiler.record_function(f"shardfn::forward[{self.unit.name}]")
+        range_.__enter__()
+        self.entry = _Entry([sub._parameters[attr] for sub, attr, _ in self.slots], handles, range_)
         for sub, attr, i in self.slots:
             sub._parameters[attr] = outputs[i]
         if handles is not None:
-            self.hooks = handles
-            self.hooks.__enter__()
+            handles.__enter__()
 
     def exit(self) -> None:
-        """Restores the module; under FULL_SHARD, lets go of the gathered parameters."""
-        if self.hooks is not None:
-            self.hooks.__exit__(None, None, None)
-            self.hooks = None
-        for (sub, attr, _), t in zip(self.slots, self.originals or []):
+        """Restores the module. The use ends here unless the unit keeps its parameters
+        after forward outside remat (then it ends with the sharded call)."""
+        entry, self.entry = self.entry, None
+        invariant(entry is not None, f"unit {self.unit.name!r} exited without entering")
+        if entry.hooks is not None:
+            entry.hooks.__exit__(None, None, None)
+        for (sub, attr, _), t in zip(self.slots, entry.originals):
             sub._parameters[attr] = t
-        self.originals = None
-        if self.range is not None:
-            self.range.__exit__(None, None, None)
-            self.range = None
-        if self.reshards:
+        entry.range.__exit__(None, None, None)
+        if self.reshards or self.unit.remat is not None:
             self.end_use()
-            self.release()
+        else:
+            self.settle()
+
+    # -- saved handles, read in backward ----------------------------------------------------
+
+    def read(self, handle: _Handle) -> torch.Tensor:
+        """Backward reads a saved parameter: regathered (then the units before it prefetched)
+        if the unit let go of it after forward."""
+        if self.state is not State.GATHERED:
+            self._gather(Purpose.REGATHER)
+            self._prefetch_next(forward=False)
+        view = self.full[handle.index].detach().as_strided(handle.size, handle.stride, handle.offset)
+        self.handles -= 1
+        handle.use.pending -= 1
+        # the node that reads it holds the view until it is done
+        self.reading = handle.use if handle.use.pending > 0 else (None if self.reading is handle.use else self.reading)
+        self.settle()
+        return view
+
+
+class _Handle:
+    """A saved tensor that lives in a gathered parameter's storage, packed without a
+    reference to it (see [Note: how a sharded call works])."""
+
+    __slots__ = ("unit", "use", "index", "size", "stride", "offset")
+
+    def __init__(self, unit: Unit, index: int, t: torch.Tensor):
+        self.unit, self.use, self.index = unit, unit.use, index
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+
+def saved_handles(units: list[Unit]) -> Any:
+    """Saved-tensor hooks that pack the gathered parameters of ``units`` (the units of one
+    module, several when its parameters have several dtypes: [Note: mixed dtypes in a
+    unit]) as :class:`_Handle`; everything else autograd saves passes through."""
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.is_sparse:
+            return t
+        for unit in units:
+            index = unit.storages.get(id(t.untyped_storage())) if unit.storages else None
+            if index is not None and unit.full is not None and t.dtype == unit.full[index].dtype:
+                unit.handles += 1
+                unit.use.pending += 1
+                return _Handle(unit, index, t)
+        return t
+
+    def unpack(packed: Any) -> torch.Tensor:
+        return packed.unit.read(packed) if isinstance(packed, _Handle) else packed
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 class GatherUnit(torch.autograd.Function):
@@ -325,7 +462,7 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit: Unit, purpose: Purpose, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.unit = unit
-        full = unit.full if unit.full is not None else unit.all_gather(purpose)
+        full = unit.full if unit.state is State.GATHERED else unit._gather(purpose)
         # Fresh tensor objects on the same storage: autograd attaches this node to them,
         # and a second application (a recompute that reuses the kept parameters) must
         # not rewire the tensors of the first.
@@ -337,5 +474,5 @@ class GatherUnit(torch.autograd.Function):
         shard_grads = unit.grads.backward(grads)
         if unit.grads.nodes == 0:
             unit.secondary = None  # the unit's last backward: no regather to come
-        unit.release_if_unused()
+        unit.settle()
         return (None, None, *shard_grads)

@@ -59,7 +59,7 @@ right after the backward, so at most one unsharded gradient buffer is in flight.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -68,16 +68,22 @@ from ._events import Purpose
 from ._packing import pack_unit
 from ._offload import to_host
 
+if TYPE_CHECKING:
+    from ._gather import Unit
+
 __all__ = ["UnitGrads"]
 
 
 class UnitGrads:
     """The gradients of one unit during a runtime (see [Note: one reduction per unit])."""
 
-    __slots__ = ("unit", "store", "nodes", "graphed", "acc")
+    __slots__ = ("unit", "store", "nodes", "graphed", "acc", "replicate_group")
 
-    def __init__(self, unit: Any, store: bool):
-        self.unit = unit  # the shardfn._gather.Unit
+    def __init__(self, unit: Unit, store: bool):
+        self.unit = unit
+        # Gradients are averaged over the other ranks holding the same shard: the
+        # "replicate" axis of a 2-D mesh, or the whole 1-D mesh under NO_SHARD.
+        self.replicate_group = unit.mesh.group("replicate") if unit.mesh.ndim == 2 else unit.group
         self.store = store  # reduce once and leave the result to the runtime (the step's own tree)
         self.nodes = 0  # GatherUnit nodes built in forward whose backward has not run
         self.graphed = False  # a node was built since the last reduction
@@ -214,7 +220,7 @@ class UnitGrads:
             work = C.reduce_scatter(out, buf.view(-1), unit.group, Purpose.REDUCE, u.name, op=op,
                                     async_op=asynchronous, to=rt.observers)
         if lay.replicas > 1:  # NO_SHARD, and the hybrid strategies' replicate axis
-            work = C.all_reduce(out, unit.replicate_group, Purpose.REDUCE, u.name, op=op, async_op=asynchronous,
+            work = C.all_reduce(out, self.replicate_group, Purpose.REDUCE, u.name, op=op, async_op=asynchronous,
                                 to=rt.observers)
         if asynchronous and work is not None:
             rt.add_pending(work, (buf, out))

@@ -51,8 +51,6 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
             recompute = torch._C._current_graph_task_id() != -1
             for u in units:
                 u.start_use(Purpose.REGATHER if recompute else Purpose.GATHER)
-                if not selective:  # see Unit.prefetchable
-                    u.runtime.prefetch_after(u.key, forward=not recompute)
                 u.enter(None)
             swapped = [(sub, name, sub._buffers[name]) for sub, name, _ in kept] if recompute else []
             for sub, name, t in kept if recompute else ():
@@ -63,9 +61,7 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
                 for sub, name, t in swapped:
                     sub._buffers[name] = t
                 for u in reversed(units):
-                    u.exit()
-                    if not u.reshards:
-                        u.end_use()  # the kept parameters live on in u.full
+                    u.exit()  # the use ends; a kept unit holds its parameters (Unit.holds)
 
         context_fn = _selective(unit.layout.plan.remat.save) if selective else _no_contexts
         return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

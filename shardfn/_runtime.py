@@ -29,11 +29,10 @@ user's own autograd) a reduction averages and the loss is the user's own.
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import enum
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,9 @@ from . import _guard
 from ._events import CollectiveLog, observe, observers
 from ._offload import wait_for_device
 from ._plan import parse_enum
+
+if TYPE_CHECKING:
+    from ._gather import Unit
 
 __all__ = ["Accumulate", "Runtime", "active", "current", "invariant"]
 
@@ -102,9 +104,9 @@ class Runtime:
         self.log = CollectiveLog()
         # A step reports to the observers active when it started, and to its own log.
         self.observers = (*observers(), self.log) if in_step else observers()
-        self._trees: list[tuple[Any, dict[int, Any]]] = []  # (sharded tree, its units by unit index)
+        self._trees: list[tuple[Any, dict[int, Unit]]] = []  # (sharded tree, its units by unit index)
         self._pending: list[tuple[Any, Any]] = []  # the reduction in flight: (work, buffers to keep alive)
-        self.reduced: list[tuple[Any, Any]] = []  # (unit, reduced shard gradient), in order
+        self.reduced: list[tuple[Unit, Any]] = []  # (unit, reduced shard gradient), in order
         self.finished = 0  # ... of them, the first ones already in the master dtype (UnitGrads.to_master)
         self.owned: set[int] = set()  # storages of gradients handed out in a world of one
 
@@ -129,7 +131,7 @@ class Runtime:
 
     # -- units ---------------------------------------------------------------------------
 
-    def units_of(self, tree: Any, build: Callable[[int], dict[int, Any]]) -> dict[int, Any]:
+    def units_of(self, tree: Any, build: Callable[[int], dict[int, Unit]]) -> dict[int, Unit]:
         """The units of ``tree`` in this runtime, built by ``build(tree index)`` on first use."""
         for t, units in self._trees:
             if t is tree:
@@ -138,11 +140,11 @@ class Runtime:
         self._trees.append((tree, units))
         return units
 
-    def units(self) -> Iterator[Any]:
+    def units(self) -> Iterator[Unit]:
         for _, units in self._trees:
             yield from units.values()
 
-    def _unit_at(self, key: tuple[int, int]) -> Any:
+    def _unit_at(self, key: tuple[int, int]) -> Unit | None:
         i, index = key
         return self._trees[i][1].get(index) if i < len(self._trees) else None
 
@@ -238,8 +240,7 @@ class Runtime:
         """After the step: nothing in flight, nothing gathered; returns the order seen."""
         self.wait_pending()
         for unit in self.units():
-            unit.cancel_prefetch()
-            unit.release(force=True)
+            unit.end()
         return list(dict.fromkeys(self.seen)) if self.seen else self.order
 
 

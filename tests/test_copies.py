@@ -5,7 +5,7 @@ without computing anything new (``copy_``, ``_to_copy``, ``cat``, ``clone``, the
 ``*_copy`` ops, ...) are copies; each is attributed to
 
 * the unit machinery: ``Unit._issue`` (pack the shards into the all-gather input),
-  ``Unit.all_gather`` (unpack the gathered buffer; NO_SHARD's cast) -> direction
+  ``Unit._gather`` (unpack the gathered buffer; NO_SHARD's cast) -> direction
   "gather"; ``UnitGrads._accumulate`` (pack gradients), ``UnitGrads._issue`` (the
   collectives) and ``UnitGrads.to_master`` (cast back) -> "reduce";
 * gloo: the copy gloo's own reduce-scatter made into the output shard, when it ran (shardfn
@@ -167,7 +167,7 @@ def expected_copies(layout):
     return {"gather": gather, "reduce": reduce}
 
 
-PATCHED = [("_gather", "Unit", "_issue", "gather"), ("_gather", "Unit", "all_gather", "gather"),
+PATCHED = [("_gather", "Unit", "_issue", "gather"), ("_gather", "Unit", "_gather", "gather"),
            ("_reduce", "UnitGrads", "_accumulate", "reduce"), ("_reduce", "UnitGrads", "_issue", "reduce"),
            ("_reduce", "UnitGrads", "to_master", "reduce")]
 

@@ -228,7 +228,7 @@ def freed_for_real():
     from shardfn._gather import Unit
 
     refs = {}  # (event, unit) -> weakrefs of the storages of the full tensors it produced
-    original = Unit.all_gather
+    original = Unit._gather
     dead_at = []
 
     def spy(self, event):
@@ -240,12 +240,12 @@ def freed_for_real():
             refs[(event, self.unit.name)] = [weakref.ref(t.untyped_storage()) for t in full]
         return full
 
-    Unit.all_gather = spy
+    Unit._gather = spy
     try:
         mesh, sharded, state, step, batch, *_ = _setup("FULL_SHARD")
         step(sharded, state, batch)
     finally:
-        Unit.all_gather = original
+        Unit._gather = original
     return dead_at
 
 

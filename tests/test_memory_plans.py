@@ -257,17 +257,25 @@ def test_shard_optimizer_equals_one_device(clusters):
             world_sizes=[world], clusters=clusters, step_options={"micro_batches": 2})
 
 
-def twice_gathers(plan):
-    """All-gathers per unit in a step whose loss calls apply twice (two views of the batch)."""
+def sgd_step(plan, twice=False, **options):
+    """The test GPT under ``plan`` with SGD: (sharded, state, step, this rank's batch); the
+    loss calls apply twice (two views of the batch) if ``twice``."""
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(GPT(CFG))
     sharded = sf.shard(params, mesh, plan)
     opt = sf.optim.sgd(0.1)
-    state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b) + gpt_loss(apply, p, {"x": b["y"], "y": b["x"]}), mesh,
-                       optimizer=opt, prefetch=0)
-    batch = split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
+
+    def loss(p, b):
+        return gpt_loss(apply, p, b) + (gpt_loss(apply, p, {"x": b["y"], "y": b["x"]}) if twice else 0)
+
+    step = sf.jit_step(loss, mesh, optimizer=opt, **options)
+    return sharded, opt.init(sharded), step, split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
+
+
+def twice_gathers(plan):
+    """All-gathers per unit in a step whose loss calls apply twice (two views of the batch)."""
+    sharded, state, step, batch = sgd_step(plan, twice=True, prefetch=0)
     with sf.record_collectives() as log:
         step(sharded, state, batch)
     return {u.name: len([c for c in log.calls if c.kind.value == "all_gather" and c.unit == u.name])
@@ -323,3 +331,68 @@ def keep_gathered_on_rank0_only():
 def test_keep_gathered_on_one_rank_only_raises_on_every_rank_before_the_update(clusters):
     for r in clusters[2].run(keep_gathered_on_rank0_only):
         assert r == {"error": "DivergenceError", "unchanged": True}, r
+
+
+# -- the life of a unit ------------------------------------------------------------------------
+
+
+def _life_events(plan, **options):
+    """The residency events of a steady-state step, and the states every unit of the step's
+    runtime was left in (a step's runtime ends with Runtime.finish)."""
+    from shardfn import _runtime
+
+    ended = []
+    finish = _runtime.Runtime.finish
+
+    def spy(self):
+        order = finish(self)
+        ended.extend((u.unit.name, u.state.value, u.full is None, u.inflight is None, u.secondary is None)
+                     for u in self.units())
+        return order
+
+    sharded, state, step, batch = sgd_step(plan, **options)
+    sharded, state, _ = step(sharded, state, batch)
+    _runtime.Runtime.finish = spy
+    try:
+        with sf.track_residency() as res:
+            step(sharded, state, batch)
+    finally:
+        _runtime.Runtime.finish = finish
+    return [tuple(map(str, e)) for e in res.events], ended
+
+
+# The transitions of [Note: the life of a unit], as residency events (a cancelled prefetch
+# emits none: it may only be followed by another prefetch or a gather, or end the step).
+_MOVES = {("sharded", "prefetch"): "in flight", ("sharded", "gather"): "gathered",
+          ("sharded", "regather"): "gathered", ("in flight", "gather"): "gathered",
+          ("in flight", "regather"): "gathered", ("gathered", "free"): "sharded",
+          ("in flight", "prefetch"): "in flight"}
+
+
+@pytest.mark.parametrize("plan, options, kept", [
+    ("FULL_SHARD", {}, set()), ("FULL_SHARD", {"prefetch": 2}, set()), ("SHARD_GRAD_OP", {}, "all"),
+    (sf.Plan("FULL_SHARD", remat=sf.Remat()), {"prefetch": 1}, set()),
+    (sf.Plan("SHARD_GRAD_OP", remat=sf.Remat(mode="selective")), {}, "all"),
+    (sf.Plan("FULL_SHARD", reshard_after_forward={"blocks.1": False}), {"micro_batches": 2}, {"blocks.1"}),
+    ("FULL_SHARD", {"micro_batches": 2, "keep_gathered": True}, "pinned"),
+])
+def test_every_unit_moves_by_the_states_of_its_life_and_ends_sharded(clusters, plan, options, kept):
+    events, ended = clusters[2].run(_life_events, plan, **options)[0]
+    states = {}
+    for event, unit in events:
+        move = (states.get(unit, "sharded"), event)
+        assert move in _MOVES, (unit, move, events)
+        states[unit] = _MOVES[move]
+    assert set(states.values()) <= {"sharded", "in flight"}, states  # nothing gathered after the step
+    assert len(ended) == len(CFG_UNITS) and all(e[1:] == ("sharded", True, True, True) for e in ended), ended
+    regathered = {unit for event, unit in events if event == "regather"}
+    if kept == "pinned":  # held from the first gather to the step's end: one gather, one free each
+        for u in states:
+            assert [e for e in events if e[1] == u and e[0] != "prefetch"] == [("gather", u), ("free", u)], events
+    elif kept == "all":  # SHARD_GRAD_OP: held from forward to backward, never regathered
+        assert not regathered, events
+    else:  # resharded after each forward: gathered again in backward, except the kept ones
+        assert regathered == set(states) - kept, events
+
+
+CFG_UNITS = ["<root>", *(f"blocks.{i}" for i in range(CFG.n_layers))]

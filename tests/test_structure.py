@@ -14,12 +14,17 @@ def _module(path: pathlib.Path) -> str:
 
 
 def imports() -> dict[str, set[str]]:
-    """Module -> the shardfn modules it imports, anywhere in it (function bodies included)."""
+    """Module -> the shardfn modules it imports, anywhere in it (function bodies included),
+    except under ``if TYPE_CHECKING:``: an import for annotations only never runs."""
     modules = {_module(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in (n for n in ast.walk(tree) if id(n) not in typing_only):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("shardfn")):
                 base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
                 target = ".".join(base + ([node.module] if node.module else []))
@@ -68,6 +73,16 @@ def test_no_import_cycles():
     graph = imports()
     assert {"shardfn._gather", "shardfn._reduce", "shardfn._runtime"} <= graph["shardfn._call"] | graph["shardfn._gather"]
     assert cycles(graph) == []
+
+
+def test_type_only_imports_are_not_edges(tmp_path, monkeypatch):
+    pkg = tmp_path / "shardfn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._b import B\n")
+    (pkg / "_b.py").write_text("from ._a import A\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    assert imports() == {"shardfn": set(), "shardfn._a": set(), "shardfn._b": {"shardfn._a"}}
 
 
 def test_the_cycle_finder_sees_a_cycle():
