@@ -384,7 +384,7 @@ def shardfn_row(ctx: Ctx, strategy: str, variant: str, eq_batches: list, timed: 
         tree = {"sharded": sf.shard(params, mesh, strategy, precision=precision, offload=offload)}
         del params
         tree["opt"] = opt.init(tree["sharded"])
-        jstep = sf.jit_step(lambda p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt)
+        jstep = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> float:
             tree["sharded"], tree["opt"], metrics = jstep(tree["sharded"], tree["opt"], (x, y))

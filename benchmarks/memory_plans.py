@@ -52,7 +52,7 @@ def measure(plan: sf.Plan, options: dict, cfg: GPTConfig, batch: int) -> dict:
     sharded = sf.shard(params, mesh, plan)
     opt = sf.optim.adamw(1e-3)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt, **options)
+    step = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt, **options)
     g = torch.Generator().manual_seed(mesh.rank)
     x, y = (torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g) for _ in range(2))
     sharded, state, _ = step(sharded, state, (x, y))

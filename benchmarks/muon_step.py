@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn import _collectives as C
+from shardfn._events import Purpose
 from shardfn.optim import _muon
 from shardfn.optim._whole import full_shape
 from shardfn.testing import Cluster, split_batch
@@ -98,7 +99,7 @@ def gather_all_muon(ns_dtype: torch.dtype, mesh: sf.Mesh, timer: Timer) -> sf.op
             local = g.lerp(buf, MOMENTUM)  # Nesterov, this rank's rows
             rows, cols = full_shape(params, k)
             out = torch.empty(world * local.shape[0], cols, dtype=local.dtype)
-            C.all_gather(out.view(-1), local.contiguous().view(-1), group, sf.Purpose.PSUM, k)
+            C.all_gather(out.view(-1), local.contiguous().view(-1), group, Purpose.PSUM, k)
             ortho = timer.wrap(_NS)(out[:rows], _COEF, 5, 1e-7, ns_dtype)
             chunk = local.shape[0]
             mine = torch.zeros_like(local)
@@ -155,7 +156,7 @@ def _shardfn_step(config: str, opts: dict):
     timer = Timer()
     opt = _optimizer(config, opts["ns_dtype"], mesh, timer)
     state = opt.init(sharded)
-    jstep = sf.jit_step(lambda p, b: _loss(opts, apply(p, b["x"]), b["y"]), mesh, optimizer=opt)
+    jstep = sf.jit_step(lambda apply, p, b: _loss(opts, apply(p, b["x"]), b["y"]), mesh, optimizer=opt)
     tree = [sharded, state]
 
     def step(batch):

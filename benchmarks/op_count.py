@@ -76,7 +76,7 @@ def shardfn_ops(model_name: str, dtype: str, strategy: str) -> dict:
     sharded = sf.shard(params, mesh, strategy, precision=precision)
     opt = sf.optim.adamw(1e-3, weight_decay=0.1)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt)
+    step = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt)
     batch = _batch(cfg, rows)
     for _ in range(2):
         sharded, state, _ = step(sharded, state, batch)

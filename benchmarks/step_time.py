@@ -318,7 +318,7 @@ def build_shardfn_step(spec: Spec, model: torch.nn.Module, lr: float):
     del params  # the full parameters are not part of the trained state
     state["opt"] = opt.init(state["sharded"])
     compiled = {"compile": True} if spec.compiled else {}  # (so that an older shardfn can be measured too)
-    jstep = sf.jit_step(lambda p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt, prefetch=spec.prefetch,
+    jstep = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt, prefetch=spec.prefetch,
                         **compiled)
 
     def step(x, y):

@@ -275,7 +275,7 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
         out = apply(params, x)
         return out.logits if args.model == "gpt2" else out
 
-    def loss_fn(params, batch):
+    def loss_fn(apply, params, batch):
         return lm_loss(logits(params, batch["x"]), batch["y"])
 
     step = sf.jit_step(loss_fn, mesh, optimizer=opt)

@@ -10,7 +10,6 @@ from ._batch import MicroBatches as MicroBatches
 from ._bind import bind as bind
 from ._compile import compile_stats as compile_stats
 from ._events import CollectiveLog as CollectiveLog
-from ._events import Purpose as Purpose
 from ._events import Residency as Residency
 from ._events import record_collectives as record_collectives
 from ._events import track_residency as track_residency
@@ -21,30 +20,20 @@ from ._export import save_pretrained as save_pretrained
 from ._functionalize import Apply as Apply
 from ._functionalize import Params as Params
 from ._functionalize import functionalize as functionalize
-from ._grad import Grad as Grad
 from ._guard import CommError as CommError
 from ._guard import DivergenceError as DivergenceError
 from ._guard import PeerError as PeerError
 from ._grad import jit_grad as jit_grad
-from ._layout import BufferLayout as BufferLayout
 from ._layout import Layout as Layout
-from ._layout import LeafLayout as LeafLayout
-from ._layout import UnitLayout as UnitLayout
 from ._materialize import materialize as materialize
 from ._memory import LiveBytes as LiveBytes
 from ._memory import track_live_bytes as track_live_bytes
 from ._mesh import Mesh as Mesh
 from ._offload import Offload as Offload
-from ._plan import FullShard as FullShard
-from ._plan import HybridShard as HybridShard
-from ._plan import HybridShardZero2 as HybridShardZero2
-from ._plan import NoShard as NoShard
 from ._plan import Placement as Placement
 from ._plan import Plan as Plan
 from ._plan import Remat as Remat
 from ._plan import RematMode as RematMode
-from ._plan import ShardGradOp as ShardGradOp
-from ._plan import ShardOptimizer as ShardOptimizer
 from ._plan import Strategy as Strategy
 from ._plan import whole as whole
 from ._units import UnitPolicy as UnitPolicy
@@ -60,7 +49,6 @@ from ._runtime import Accumulate as Accumulate
 from ._sharded import ShardedParams as ShardedParams
 from ._sharded import gather as gather
 from ._sharded import shard as shard
-from ._step import Step as Step
 from ._step import jit_step as jit_step
 
 __version__ = "0.1.0"
@@ -69,42 +57,30 @@ __all__ = [
     "Accumulate",
     "Apply",
     "AutoPlan",
-    "BufferLayout",
     "Candidate",
     "CollectiveLog",
     "CommError",
     "DivergenceError",
     "DynamicLossScale",
     "Explanation",
-    "FullShard",
-    "Grad",
-    "HybridShard",
-    "HybridShardZero2",
     "Layout",
-    "LeafLayout",
     "LiveBytes",
     "LossScaleState",
     "Mean",
     "Mesh",
     "MicroBatches",
-    "NoShard",
     "Offload",
     "Params",
     "PeerError",
     "Placement",
     "Plan",
     "Precision",
-    "Purpose",
     "Remat",
     "RematMode",
     "Residency",
-    "ShardGradOp",
-    "ShardOptimizer",
     "ShardedParams",
-    "Step",
     "Strategy",
     "UnitCost",
-    "UnitLayout",
     "UnitPolicy",
     "autoplan",
     "bind",
@@ -129,3 +105,34 @@ __all__ = [
     "track_residency",
     "whole",
 ]
+
+# Reached through the objects that use them (sharded.layout.units, a step's .grad, a
+# CollectiveLog's calls) or replaced (the strategy factories: Plan("FULL_SHARD", ...)):
+# still importable from here for one release, with a warning.
+_DEPRECATED = {
+    "BufferLayout": ("_layout", "sharded.layout.buffers[name]"),
+    "LeafLayout": ("_layout", "sharded.layout.leaves[name]"),
+    "UnitLayout": ("_layout", "sharded.layout.units[i]"),
+    "Purpose": ("_events", "a purpose's name as a string, e.g. log.select(\"reduce\")"),
+    "Grad": ("_grad", "the object shardfn.jit_grad(...) returns"),
+    "Step": ("_step", "the object shardfn.jit_step(...) returns"),
+    "FullShard": ("_plan", "shardfn.Plan(\"FULL_SHARD\", ...)"),
+    "ShardGradOp": ("_plan", "shardfn.Plan(\"SHARD_GRAD_OP\", ...)"),
+    "NoShard": ("_plan", "shardfn.Plan(\"NO_SHARD\", ...)"),
+    "HybridShard": ("_plan", "shardfn.Plan(\"HYBRID_SHARD\", ...)"),
+    "ShardOptimizer": ("_plan", "shardfn.Plan(\"SHARD_OPTIMIZER\", ...)"),
+    "HybridShardZero2": ("_plan", "shardfn.Plan(\"HYBRID_SHARD_ZERO2\", ...)"),
+}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        import importlib
+
+        from ._deprecated import deprecated
+
+        module, instead = _DEPRECATED[name]
+        deprecated(f"shardfn.{name}", instead)
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    raise AttributeError(f"module 'shardfn' has no attribute {name!r}")
+

@@ -1,7 +1,7 @@
 """autoplan: the plans that fit a memory budget, found with explain's fake-tensor step.
 
 [Note: how autoplan searches]
-``autoplan(model, world, budget, batch)`` tries every combination of strategy (FULL_SHARD,
+``autoplan(model, mesh, budget, batch)`` tries every combination of strategy (FULL_SHARD,
 SHARD_GRAD_OP, SHARD_OPTIMIZER, NO_SHARD; on a ``(replicate, shard)`` mesh the hybrid
 ones), remat (none, full), CPU offload (off, on) and micro-batches (1, 2, 4 where the
 batch splits), on the units and precision of the ``base`` plan. Each candidate's figures
@@ -41,7 +41,9 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from ._deprecated import as_loss, deprecated, old_loss, renamed
 from ._explain import Explanation, explain
+from ._memory import parse_size
 from ._offload import Offload
 from ._plan import Plan, Remat, Strategy
 
@@ -108,11 +110,17 @@ class Candidate:
 class AutoPlan:
     """What :func:`autoplan` found; ``print()`` it for the table."""
 
-    world: int | tuple[int, int]
+    mesh: int | tuple[int, int]
     budget: int
     frontier: tuple[Candidate, ...]  # fitting and not dominated; the recommended one first
     tried: int
     seconds: float
+
+    @property
+    def world(self) -> int | tuple[int, int]:
+        """Deprecated: :attr:`mesh`."""
+        deprecated("AutoPlan.world", "AutoPlan.mesh")
+        return self.mesh
 
     @property
     def chosen(self) -> Candidate | None:
@@ -126,7 +134,7 @@ class AutoPlan:
         def size(b: int) -> str:
             return f"{b / scale:,.2f}"
 
-        head = (f"shardfn.autoplan: mesh {self.world}, budget {size(self.budget)} {unit} per rank; {self.tried} plans "
+        head = (f"shardfn.autoplan: mesh {self.mesh}, budget {size(self.budget)} {unit} per rank; {self.tried} plans "
                 f"simulated in {self.seconds:.1f} s; {len(self.frontier)} fit and are not dominated")
         rows = [head, f"  {'plan':<52} {'peak':>9} {'persist':>9} {'host':>9} {'comm/step':>10} {'host<->dev':>10}"
                       f"  ({unit} per rank)"]
@@ -142,11 +150,12 @@ class AutoPlan:
         return "\n".join(rows)
 
 
+@renamed(world="mesh", batch_example="batch")
 def autoplan(
     model: nn.Module,
-    world: int | tuple[int, int],
+    mesh: int | tuple[int, int],
     memory_budget_per_rank: int | float | str,
-    batch_example: Any,
+    batch: Any,
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: Any = None,
@@ -160,11 +169,13 @@ def autoplan(
 
     Args:
         model: the model, usually built under ``torch.device("meta")`` (nothing is allocated).
-        world: the number of ranks, or a ``(replicate, shard)`` pair (hybrid strategies).
+        mesh: the ranks to plan for, as for :func:`shardfn.explain`: a world size, or a
+            ``(replicate, shard)`` pair (hybrid strategies).
         memory_budget_per_rank: bytes of compute-device memory per rank (an int), or a
             string such as ``"40GiB"`` / ``"80GB"``; leave headroom for what is not a tensor.
-        batch_example: one rank's batch, as the step receives it (only shapes and dtypes matter).
-        loss_fn, optimizer: as for :func:`shardfn.explain`.
+        batch: one rank's batch, as the step receives it (only shapes and dtypes matter).
+        loss_fn, optimizer: as for :func:`shardfn.explain`: ``loss_fn(apply, params, batch)``,
+            the loss a step takes.
         base: a plan whose units and precision every candidate keeps (default: ``Plan()``).
         strategies: the strategies to try (default: every one the mesh takes).
         micro_batches: the numbers of micro-batches to try (those that split the batch).
@@ -175,15 +186,19 @@ def autoplan(
         ``step_options``), ``chosen``.
 
     Example:
-        >>> found = sf.autoplan(model, 64, "40GiB", (tokens, tokens), loss_fn=loss)
+        >>> found = sf.autoplan(model, 64, "40GiB", batch, loss_fn=loss_fn)
         >>> sharded = sf.shard(params, mesh, found.chosen.plan)
-        >>> step = sf.jit_step(loss, mesh, optimizer=opt, **found.chosen.step_options)
+        >>> step = sf.jit_step(loss_fn, mesh, optimizer=opt, **found.chosen.step_options)
     """
-    budget = _bytes(memory_budget_per_rank)
+    budget = parse_size(memory_budget_per_rank, "autoplan(memory_budget_per_rank=...)")
     base = base or Plan()
     start = time.perf_counter()
-    rows = _rows(batch_example)
-    hybrid = not isinstance(world, int)
+    rows = _rows(batch)
+    # A (params, batch) loss closes over the user's apply, which cannot run a cut model:
+    # explained at full depth (see _figures).
+    whole = loss_fn is not None and old_loss(loss_fn)
+    loss_fn = as_loss(loss_fn, "autoplan", stacklevel=5)[0] if loss_fn is not None else None
+    hybrid = not isinstance(mesh, int)
     if strategies is None:
         strategies = (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2) if hybrid else (
             Strategy.FULL_SHARD, Strategy.SHARD_GRAD_OP, Strategy.SHARD_OPTIMIZER, Strategy.NO_SHARD)
@@ -194,11 +209,11 @@ def autoplan(
             continue
         plan = Plan(strategy, units=base.units, precision=base.precision, remat=Remat() if remat else None,
                     offload=Offload(params=True, optimizer=True) if offload else None)
-        candidates.append(_figures(model, world, plan, k, batch_example, loss_fn, optimizer))
+        candidates.append(_figures(model, mesh, plan, k, batch, loss_fn, optimizer, whole))
     fitting = [c for c in candidates if c.peak_bytes <= budget]
     frontier = [c for c in fitting if not any(_dominates(o, c) for o in fitting)]
     frontier.sort(key=lambda c: (c.offload, c.remat, c.micro_batches, c.moved(), c.peak_bytes))
-    found = AutoPlan(world, budget, tuple(frontier), len(candidates), time.perf_counter() - start)
+    found = AutoPlan(mesh, budget, tuple(frontier), len(candidates), time.perf_counter() - start)
     if verbose:
         print(found)
     return found
@@ -210,9 +225,10 @@ def _dominates(a: Candidate, b: Candidate) -> bool:
     return all(x <= y for x, y in zip(ka, kb)) and ka != kb
 
 
-def _figures(model: nn.Module, world: Any, plan: Plan, k: int, batch: Any, loss_fn: Any, optimizer: Any) -> Candidate:
+def _figures(model: nn.Module, world: Any, plan: Plan, k: int, batch: Any, loss_fn: Any, optimizer: Any,
+             whole: bool = False) -> Candidate:
     """One candidate's figures: explained at full depth, or at 3 and 4 blocks and extended."""
-    blocks = _block_list(model, plan)
+    blocks = None if whole else _block_list(model, plan)
     depth = len(blocks[1]) if blocks is not None else 0
     if depth <= 4:
         e = _explain(model, world, plan, k, batch, loss_fn, optimizer)
@@ -273,19 +289,3 @@ def _cut(model: nn.Module, blocks: tuple[str, nn.ModuleList], n: int) -> nn.Modu
 def _rows(batch: Any) -> int:
     tensors = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
     return tensors[0].shape[0] if tensors else 1
-
-
-def _bytes(budget: int | float | str) -> int:
-    if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
-        return int(budget)
-    if isinstance(budget, str):
-        units = {"GIB": 2**30, "GB": 10**9, "MIB": 2**20, "MB": 10**6}
-        text = budget.strip().upper()
-        for unit, size in units.items():
-            if text.endswith(unit):
-                try:
-                    return int(float(text[: -len(unit)]) * size)
-                except ValueError:
-                    break
-    raise ValueError(f"autoplan(memory_budget_per_rank={budget!r}): bytes (an int) or a string such as '40GiB' or "
-                     "'80GB'.")

@@ -72,7 +72,7 @@ class Mean(NamedTuple):
         count: the number of elements summed (an int or a scalar tensor).
 
     Example:
-        >>> def loss_fn(params, batch):
+        >>> def loss_fn(apply, params, batch):
         ...     logits = apply(params, batch["input_ids"])
         ...     labels = batch["labels"]                    # -100 where padded
         ...     total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
@@ -161,7 +161,7 @@ def objective(out: Any, has_aux: bool, needs_grad: bool) -> tuple[torch.Tensor, 
     aux = None
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2) or isinstance(out, Mean):
-            raise TypeError(_NOT_A_LOSS.format(aux=" with aux: (loss, aux) (jit_step(has_aux=True))",
+            raise TypeError(_NOT_A_LOSS.format(aux=" with aux: (loss, aux) (jit_step(aux=...))",
                                                got=type(out).__name__))
         out, aux = out
     count = None
@@ -176,7 +176,7 @@ def objective(out: Any, has_aux: bool, needs_grad: bool) -> tuple[torch.Tensor, 
         if not is_fake(count) and not float(count) >= 0:  # a planning run (explain) has no values
             raise TypeError(f"shardfn.Mean(total, count): count must be a number >= 0, got {float(count)!r}.")
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
-        raise TypeError(_NOT_A_LOSS.format(aux=" (with has_aux: (loss, aux))" if has_aux else "",
+        raise TypeError(_NOT_A_LOSS.format(aux=" (with aux=...: (loss, aux))" if has_aux else "",
                                            got=f"{type(out).__name__} {getattr(out, 'shape', '')}".strip()))
     if needs_grad and not out.requires_grad:
         raise ValueError(_DETACHED)

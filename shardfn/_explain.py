@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ._deprecated import as_loss
 from ._events import Collective, CollectiveLog, record_collectives
 from ._functionalize import Apply, Params, functionalize
 from ._memory import track_live_bytes
@@ -171,7 +172,8 @@ def explain(
             "explain(model, ...): pass the nn.Module, or the params returned by functionalize(model) "
             f"(which remember the module tree); got {type(model).__name__}."
         )
-    params, apply = functionalize(module)
+    params, _ = functionalize(module)  # the fake tree below carries this model's apply
+    loss = as_loss(loss_fn, "explain")[0] if loss_fn is not None else _mean_output
     optimizer = optimizer if optimizer is not None else adamw(1e-3)
     with _fake_world(mesh) as fake_mesh, FakeTensorMode(allow_non_fake_inputs=True):
         fake = Params({n: _fake_like(p).requires_grad_(p.requires_grad) for n, p in params.items()})
@@ -185,8 +187,7 @@ def explain(
         log = None
         if batch is not None:
             fake_batch = pytree.tree_map(lambda t: _fake_like(t) if isinstance(t, torch.Tensor) else t, batch)
-            loss = loss_fn or _mean_output
-            step = jit_step(lambda p, b: loss(apply, p, b), fake_mesh, optimizer=optimizer, **step_options)
+            step = jit_step(loss, fake_mesh, optimizer=optimizer, **step_options)
             sharded, opt_state, _ = step(sharded, opt_state, fake_batch)  # warm-up: records the unit order
             with track_live_bytes(sharded, opt_state) as mem, record_collectives() as log:
                 persistent = mem.device_current

@@ -22,7 +22,8 @@ from . import _guard as G
 from ._events import Purpose
 from ._layout import Layout
 from ._pretrained import keys_of, shape_of
-from ._safetensors import INDEX, Writer, parse_size
+from ._memory import parse_size
+from ._safetensors import INDEX, Writer
 from ._sharded import ShardedParams, full_units
 
 __all__ = ["save_pretrained", "write_config"]
@@ -69,7 +70,7 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
         raise TypeError(f"save_pretrained expects the ShardedParams from shard(), got {type(sharded).__name__}")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"save_pretrained(dtype={dtype}): give a floating-point dtype (torch.bfloat16, torch.float16).")
-    limit, directory = parse_size(max_shard_size), os.fspath(directory)
+    limit, directory = parse_size(max_shard_size, "save_pretrained(max_shard_size=...)"), os.fspath(directory)
     layout, mesh = sharded.layout, sharded.mesh
     rank0 = mesh.rank == 0
     with G.guarded(mesh):  # a write that fails on rank 0 reaches the others at the barrier

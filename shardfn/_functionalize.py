@@ -14,7 +14,7 @@ from ._call import sharded_call
 from ._sharded import ShardedParams
 from ._tree import check_names, tree_info
 
-__all__ = ["Apply", "Params", "functionalize"]
+__all__ = ["Apply", "Params", "apply_of", "functionalize"]
 
 
 class Params(dict):
@@ -56,6 +56,9 @@ class Apply:
         self.hooked: set[str] = set()  # unit module paths carrying shardfn's hooks
         self.prepared: dict[int, Any] = {}  # id(layout) -> (layout, slots), see shardfn._call
         self.calls: list[dict[str, Any]] = []  # the units of the sharded calls in progress (innermost last)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Apply":
+        return self  # a function: a copied module tree still names the model function of its trees
 
     @property
     def training(self) -> bool:
@@ -123,4 +126,13 @@ def functionalize(model: nn.Module) -> tuple[Params, Apply]:
         memo[id(b)] = torch.empty_like(b, device="meta")
     skeleton = copy.deepcopy(model, memo)
     params.module = skeleton
-    return params, Apply(skeleton, info.names)
+    apply = Apply(skeleton, info.names)
+    # The model function of every tree made from these params (see apply_of).
+    skeleton.__dict__["_shardfn_apply"] = apply
+    return params, apply
+
+
+def apply_of(tree: Any) -> Apply | None:
+    """The ``apply`` of the model a tree was made from (``params`` of :func:`functionalize`,
+    and every ``ShardedParams`` made from them), or None for a plain mapping."""
+    return getattr(getattr(tree, "module", None), "__dict__", {}).get("_shardfn_apply")

@@ -35,6 +35,8 @@ from ._guard import Where, check_alive, guarded
 from ._layout import Layout
 from ._mesh import Mesh
 from ._compile import backend_of
+from ._deprecated import as_loss, old_options
+from ._functionalize import apply_of
 from ._psum import Gradients, sum_of_squares
 from ._runtime import Accumulate, Runtime, active
 from ._schedule import Deviated, Run, Schedule
@@ -72,11 +74,12 @@ class GradOut(NamedTuple):
 class Grad:
     """``grad_fn(sharded, batch) -> (loss, grads, metrics)``; see :func:`jit_grad`."""
 
-    def __init__(self, loss_fn: Callable[..., Any], mesh: Mesh, *, micro_batches: int = 1,
+    def __init__(self, loss: tuple[Callable[..., Any], bool], mesh: Mesh, *, micro_batches: int = 1,
                  accumulate: Accumulate = Accumulate.REDUCE_EACH, sync_buffers: bool = True, overlap: bool = True,
                  prefetch: bool | int = True, has_aux: bool = False, mean_aux: bool = False, what: str = "grad_fn",
                  compile: str | None = None, keep_gathered: bool = False):
-        self.loss_fn = loss_fn
+        # loss_fn(apply, params, batch), and whether it reads apply ([Note: one loss convention])
+        self.loss_fn, self.needs_apply = loss
         self.mesh = mesh
         self.micro_batches = micro_batches
         self.accumulate = accumulate
@@ -117,6 +120,12 @@ class Grad:
             raise ValueError(
                 f"{self.what}(sharded, ...): the shards live on {sharded.mesh!r} but this {self.what} was built for "
                 f"{self.mesh!r}. Shard with the same mesh you pass to jit_step / jit_grad."
+            )
+        if self.needs_apply and apply_of(sharded) is None:
+            raise TypeError(
+                f"{self.what}(sharded, ...): loss_fn(apply, params, batch) needs the apply of the model these shards "
+                "were made from, and they were made from a plain mapping, which names no model. Shard the params "
+                "of shardfn.functionalize(model) (they carry the model)."
             )
         if self.layout is None:
             self.layout = sharded.layout
@@ -201,9 +210,10 @@ class Grad:
         # Gradients of the mean over micro-batches and ranks (see [Note: averaging
         # gradients]), times the fp16 loss scale, divided out below.
         factor = rt.loss_factor(k) * scale
+        apply = apply_of(sharded)
         for i, mb in enumerate(batches):
             rt.start_micro_batch(last=i == k - 1)
-            loss, count, aux = objective(self.loss_fn(sharded, mb), self.has_aux, bool(leaves))
+            loss, count, aux = objective(self.loss_fn(apply, sharded, mb), self.has_aux, bool(leaves))
             if counts and (count is None) != (counts[0] is None):
                 raise TypeError("loss_fn returned shardfn.Mean for some micro-batches and a plain loss for others; "
                                 "return one kind in a step.")
@@ -333,8 +343,11 @@ def _flat_aux(auxes: list[Any]) -> tuple[torch.Tensor, Any]:
     return flat_tensor, unflatten
 
 
-def check_options(loss_fn: Any, mesh: Any, micro_batches: int, accumulate: Accumulate | str, has_aux: bool,
-                  mean_aux: bool, what: str, prefetch: Any = True) -> Accumulate:
+AUX = (None, "rank", "mean")  # what loss_fn returns and metrics["aux"] holds: see jit_step(aux=...)
+
+
+def check_options(loss_fn: Any, mesh: Any, micro_batches: int, accumulate: Accumulate | str, aux: str | None,
+                  what: str, prefetch: Any = True) -> Accumulate:
     """The arguments jit_step and jit_grad share, checked; returns ``accumulate`` parsed."""
     if not (isinstance(prefetch, int) and prefetch >= 0):  # a bool is an int: True is 1
         raise ValueError(f"{what}(prefetch={prefetch!r}): how many units to gather ahead of the running one: "
@@ -345,11 +358,13 @@ def check_options(loss_fn: Any, mesh: Any, micro_batches: int, accumulate: Accum
         raise TypeError(f"{what}: mesh must be a shardfn.Mesh, got {type(mesh).__name__}")
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"{what}: micro_batches must be a positive int, got {micro_batches!r}")
-    if mean_aux and not has_aux:
-        raise ValueError(f"{what}(mean_aux=True) averages loss_fn's aux: pass has_aux=True too.")
+    if aux not in AUX:
+        raise ValueError(f"{what}(aux={aux!r}): None (loss_fn returns the loss), \"rank\" (it returns (loss, aux); "
+                         "metrics['aux'] is this rank's) or \"mean\" (the same, averaged over micro-batches and ranks).")
     return Accumulate.parse(accumulate)
 
 
+@old_options
 def jit_grad(
     loss_fn: Callable[..., Any],
     mesh: Mesh,
@@ -359,8 +374,7 @@ def jit_grad(
     sync_buffers: bool = True,
     overlap: bool = True,
     prefetch: bool | int = True,
-    has_aux: bool = False,
-    mean_aux: bool = False,
+    aux: str | None = None,
     keep_gathered: bool = False,
     compile: bool | str = False,
 ) -> Grad:
@@ -368,7 +382,8 @@ def jit_grad(
 
     For loops that do something other than one optimizer update per batch: DiLoCo's outer
     step, per-unit gradient statistics, the gradient noise scale, an update of your own.
-    ``loss_fn``, the batch and every option mean what they mean for :func:`shardfn.jit_step`,
+    ``loss_fn(apply, params, batch)``, the batch and every option mean what they mean for
+    :func:`shardfn.jit_step`,
     which runs this same code and then its optimizer (see [Note: gradients as a tree]);
     ``compile`` too: each unit module's forward compiled by ``torch.compile``.
 
@@ -391,7 +406,8 @@ def jit_grad(
         >>> updates, opt_state = opt.update(grads, opt_state, sharded)
         >>> shardfn.optim.apply_updates_(sharded, updates)
     """
-    accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, has_aux, mean_aux, "jit_grad", prefetch)
-    return Grad(loss_fn, mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
-                overlap=overlap, prefetch=prefetch, has_aux=has_aux, mean_aux=mean_aux,
+    accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, aux, "jit_grad", prefetch)
+    return Grad(as_loss(loss_fn, "jit_grad", stacklevel=5), mesh, micro_batches=micro_batches, accumulate=accumulate,
+                sync_buffers=sync_buffers, overlap=overlap, prefetch=prefetch, has_aux=aux is not None,
+                mean_aux=aux == "mean",
                 keep_gathered=bool(keep_gathered), compile=backend_of(compile, "jit_grad"))

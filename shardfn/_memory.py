@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -40,7 +41,22 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-__all__ = ["LiveBytes", "track_live_bytes"]
+__all__ = ["LiveBytes", "parse_size", "track_live_bytes"]
+
+
+def parse_size(size: int | str, what: str) -> int:
+    """Bytes in ``size``: a positive int, or a string of a number and a unit, ``"40GiB"``,
+    ``"80GB"``, ``"500MB"``, ``"512KiB"``, ``"2TB"`` (K, M, G, T: powers of 1000; with ``i``,
+    of 1024), ``"1000B"``. ``what`` names the argument in the error."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B\s*", size, re.I) if isinstance(size, str) else None
+    if not m or (m.group(3) and not m.group(2)):
+        raise ValueError(f"{what}: {size!r} is not a size: give bytes as a positive int, or a string such as "
+                         "'40GiB', '80GB' or '500MB'.")
+    unit = m.group(2).upper()
+    scale = (1024 if m.group(3) else 1000) ** ("KMGT".find(unit) + 1) if unit else 1
+    return int(float(m.group(1)) * scale)
 
 _RESIZES = {torch.ops.aten.resize_.default, torch.ops.inductor.resize_storage_bytes_.default}
 

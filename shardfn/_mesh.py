@@ -19,7 +19,16 @@ from ._events import Purpose
 
 __all__ = ["Mesh"]
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+DEFAULT_TIMEOUT = 600.0  # seconds: the process group's own timeout
+
+
+def seconds(value: float | datetime.timedelta, what: str) -> float:
+    """A timeout in seconds, from a positive number of seconds or a ``timedelta``."""
+    if isinstance(value, datetime.timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what}: a timeout is a positive number of seconds or a datetime.timedelta, got {value!r}.")
+    return float(value)
 
 _NO_ENV = (
     "Mesh.from_env(): the default process group is not initialised and torchrun's variables "
@@ -59,16 +68,14 @@ class Mesh:
             self._device = torch.device("cuda", torch.cuda.current_device())
         else:
             self._device = torch.device(device_mesh.device_type)
-        if not (isinstance(step_timeout, (int, float)) and step_timeout > 0):
-            raise ValueError(f"Mesh: step_timeout must be a positive number of seconds, got {step_timeout!r}")
-        self._step_timeout = float(step_timeout)
+        self._step_timeout = seconds(step_timeout, "Mesh(step_timeout=...)")
         _register_groups(device_mesh, self._step_timeout)
 
     # -- construction ------------------------------------------------------------------
 
     @classmethod
-    def from_env(cls, *, replicate: int | str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-                 step_timeout: float = _guard.DEFAULT_STEP_TIMEOUT) -> "Mesh":
+    def from_env(cls, *, replicate: int | str | None = None, timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+                 step_timeout: float | datetime.timedelta = _guard.DEFAULT_STEP_TIMEOUT) -> "Mesh":
         """A mesh over the whole world.
 
         Initialises the default process group from torchrun's variables (``RANK``,
@@ -81,7 +88,8 @@ class Mesh:
                 replicas of ``world / R`` shards (consecutive ranks share a replica);
                 ``"nodes"`` for one replica per node (``R`` = torchrun's ``--nnodes``,
                 read as ``WORLD_SIZE / LOCAL_WORLD_SIZE``), so ``shard`` runs within a node.
-            timeout: the process group's timeout (torch's own limit on any collective).
+            timeout: the process group's timeout (torch's own limit on any collective), in
+                seconds or a ``datetime.timedelta`` (as every timeout of the library). Default 600 s.
             step_timeout: seconds a rank waits for the others at any shardfn collective
                 before every waiting rank raises :class:`shardfn.CommError` naming the
                 ranks that did not come (stopped, dead, or busy elsewhere); see
@@ -89,7 +97,7 @@ class Mesh:
                 others at once; this bounds only the silent cases. Default 60 s.
         """
         if not dist.is_initialized():
-            _init_from_env(timeout)
+            _init_from_env(datetime.timedelta(seconds=seconds(timeout, "Mesh.from_env(timeout=...)")))
         if replicate == "nodes":
             if "LOCAL_WORLD_SIZE" not in os.environ:
                 raise ValueError(
@@ -101,7 +109,7 @@ class Mesh:
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None, *, replicate: int | None = None,
-                   step_timeout: float = _guard.DEFAULT_STEP_TIMEOUT) -> "Mesh":
+                   step_timeout: float | datetime.timedelta = _guard.DEFAULT_STEP_TIMEOUT) -> "Mesh":
         """A mesh over an existing process group (the default group when ``None``).
 
         With ``replicate=R`` (default group only) the mesh is 2-D: ``R`` replicas of
@@ -240,15 +248,19 @@ class Mesh:
         C.broadcast_mesh(buf, self, src, Purpose.USER)
         return obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())
 
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, op: str | dist.ReduceOp = "mean") -> torch.Tensor:
         """A new tensor: ``tensor`` reduced over every rank of the mesh (``"mean"``,
-        ``"sum"``, ``"max"`` or ``"min"``), the same on every rank, on ``tensor``'s device.
-        A mean of integers is a float tensor.
+        ``"sum"``, ``"max"`` or ``"min"``, in any case, or torch's ``ReduceOp.AVG``, ``SUM``,
+        ``MAX``, ``MIN``), the same on every rank, on ``tensor``'s device. A mean of integers
+        is a float tensor.
 
         Example:
             >>> val_loss = mesh.reduce(torch.tensor(local_loss))     # the mean over ranks
         """
         ops = {"mean": C.SUM, "sum": C.SUM, "max": C.MAX, "min": C.MIN}
+        torch_ops = {dist.ReduceOp.AVG: "mean", dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max",
+                     dist.ReduceOp.MIN: "min"}
+        op = torch_ops.get(op, op) if not isinstance(op, str) else op.lower()
         if op not in ops:
             raise ValueError(f"mesh.reduce(tensor, op={op!r}): op must be one of {sorted(ops)}.")
         if not isinstance(tensor, torch.Tensor):

@@ -75,15 +75,7 @@ class Strategy(enum.Enum):
 
     @classmethod
     def parse(cls, value: "Strategy | str") -> "Strategy":
-        if isinstance(value, Strategy):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls[value.upper()]
-            except KeyError:
-                pass
-        names = ", ".join(repr(s.value) for s in cls)
-        raise ValueError(f"Unknown strategy {value!r}. Use one of {names}, or a Plan.")
+        return parse_enum(cls, value, "strategy (or pass a shardfn.Plan)")
 
 
 class RematMode(enum.Enum):
@@ -111,7 +103,7 @@ class Placement(enum.Enum):
     def parse(cls, value: "Placement | str | Whole") -> "Placement | Whole":
         if isinstance(value, Whole):
             return value
-        return parse_enum(cls, value.lower() if isinstance(value, str) else value, "placement")
+        return parse_enum(cls, value, "placement")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,14 +139,18 @@ def whole(select: Callable[[str, tuple[int, ...]], bool] | None = None) -> Whole
 
 
 def parse_enum(cls: type[enum.Enum], value: object, what: str) -> Any:
-    """``value`` as a member of the enum ``cls``: a member, or the value of one."""
+    """``value`` as a member of the enum ``cls``: a member, or a string naming one by its name
+    or its value, in any case (``"FULL_SHARD"``, ``"full_shard"``; ``"local"``, ``"LOCAL"``):
+    every enum of the library parses the same way."""
     if isinstance(value, cls):
         return value
-    try:
-        return cls(value)
-    except ValueError:
-        choices = " or ".join(f"{cls.__name__}.{m.name} ({m.value!r})" for m in cls)
-        raise ValueError(f"{what}: {value!r} is not one of them; use {choices}.") from None
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for member in cls:
+            if key in (member.name.lower(), str(member.value).lower()):
+                return member
+    choices = ", ".join(repr(m.value) for m in cls)
+    raise ValueError(f"{what}: {value!r} is not one of {choices} (or {cls.__name__}.<NAME>).")
 
 
 # Matmuls and the scaled-dot-product-attention kernels of the CPU and CUDA backends.
@@ -336,12 +332,12 @@ def HybridShardZero2(**fields: Any) -> Plan:
 _FIELDS = ("units", "precision", "remat", "optional", "offload", "reshard_after_forward", "placement")
 
 
-def make_plan(strategy: Plan | Strategy | str, **fields: Any) -> Plan:
-    """``shard()``'s ``strategy`` argument plus keyword fields -> a Plan."""
+def make_plan(plan: Plan | Strategy | str, **fields: Any) -> Plan:
+    """``shard()``'s (or ``reshard()``'s) ``plan`` argument plus keyword fields -> a Plan."""
     unknown = set(fields) - set(_FIELDS)
     if unknown:
         raise TypeError(f"shard(): unknown plan field(s) {sorted(unknown)}; the fields are {list(_FIELDS)}.")
     given = {k: v for k, v in fields.items() if v is not None}
-    if isinstance(strategy, Plan):
-        return dataclasses.replace(strategy, **given) if given else strategy
-    return Plan(strategy, **given)
+    if isinstance(plan, Plan):
+        return dataclasses.replace(plan, **given) if given else plan
+    return Plan(plan, **given)

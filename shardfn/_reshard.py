@@ -25,7 +25,8 @@ from ._layout import Layout
 from ._mesh import Mesh
 from ._offload import place_on_host
 from ._plan import Plan, Strategy, make_plan
-from ._sharded import ShardedParams, full_units, layout_for, make_subgroups, unit_views, verify_agreement
+from ._agreement import verify_agreement
+from ._sharded import ShardedParams, full_units, layout_for, make_subgroups, unit_views
 
 __all__ = ["reshard"]
 
@@ -39,6 +40,10 @@ def reshard(
     units: Any = None,
     precision: Any = None,
     remat: Any = None,
+    optional: Any = None,
+    offload: Any = None,
+    reshard_after_forward: Any = None,
+    placement: Any = None,
 ) -> tuple[ShardedParams, Any]:
     """The same parameters, buffers and optimizer state under another plan or mesh.
 
@@ -53,7 +58,9 @@ def reshard(
         plan: the target strategy or :class:`shardfn.Plan`; default the current plan.
         mesh: the target mesh (same number of ranks; e.g. a 2-D mesh for HYBRID_SHARD);
             default the current one.
-        units, precision, remat: replace those fields of the plan, as in ``shard``.
+        units, precision, remat, optional, offload, reshard_after_forward, placement:
+            :class:`shardfn.Plan`'s fields, as in :func:`shardfn.shard`: each one given
+            replaces the plan's.
 
     Returns:
         ``(sharded, opt_state)`` under the new layout, bitwise equal to the inputs as full
@@ -73,7 +80,9 @@ def reshard(
             "reshard keeps the world; to change the number of ranks, save a checkpoint (shardfn.checkpoint.save) "
             "and load it into shards made on the new world."
         )
-    plan = make_plan(plan if plan is not None else old.plan, units=units, precision=precision, remat=remat)
+    plan = make_plan(plan if plan is not None else old.plan, units=units, precision=precision, remat=remat,
+                     optional=optional, offload=offload, reshard_after_forward=reshard_after_forward,
+                     placement=placement)
     # What shard() needs to build the layout: the global shapes (meta) and the buffers.
     stand_in = Params({
         n: torch.empty(leaf.shape, dtype=leaf.dtype, device="meta").requires_grad_(leaf.requires_grad)

@@ -22,14 +22,13 @@ import contextlib
 import json
 import math
 import os
-import re
 import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["Source", "Writer", "parse_size"]
+__all__ = ["Source", "Writer"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -41,18 +40,6 @@ _CODES = {
     torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
 }
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or ``"5GB"`` / ``"500MB"`` / ``"2GiB"`` as ``save_pretrained`` takes them."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B\s*", str(size), re.I)
-    if not m:
-        raise ValueError(f"max_shard_size={size!r}: give bytes as an int or a string such as '5GB' or '500MB'.")
-    unit = m.group(2).upper()
-    scale = (1024 if m.group(3) else 1000) ** ("KMGT".find(unit) + 1) if unit else 1
-    return int(float(m.group(1)) * scale)
 
 
 class Source:

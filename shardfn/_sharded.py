@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 from collections.abc import Callable, Iterator, Mapping
@@ -13,6 +12,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from . import _collectives as C
+from ._deprecated import renamed
+from ._agreement import verify_agreement, verify_same_values
 from ._events import Purpose
 from ._guard import guarded
 from ._layout import Layout, build_layout
@@ -29,13 +30,6 @@ from ._safetensors import Source
 from ._tree import TensorTree, check_names, tree_info
 
 __all__ = ["ShardedParams", "gather", "shard"]
-
-_DISAGREE = (
-    "[rank {rank}] shard(): ranks disagree about the layout (fingerprints by rank: {fps}). Every rank must "
-    "call shard() with the same model, strategy, units and mesh, in the same order; ranks {bad} differ "
-    "from rank 0. This is checked before any parameter collective, so nothing was corrupted."
-)
-
 
 class ShardedParams(TensorTree):
     """This rank's state: a read-only mapping name -> tensor, plus its layout and mesh.
@@ -120,23 +114,25 @@ pytree.register_pytree_node(
 )
 
 
+@renamed(strategy="plan")
 def shard(
     params: Mapping[str, torch.Tensor],
     mesh: Mesh,
-    strategy: Plan | Strategy | str = "FULL_SHARD",
+    plan: Plan | Strategy | str = "FULL_SHARD",
     *,
     units: Any = None,
     precision: Precision | None = None,
     remat: Any = None,
     optional: Any = None,
     offload: Offload | None = None,
+    reshard_after_forward: Any = None,
     placement: Placement | str | None = None,
     seed: int | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     src_rank: int | None = None,
     weights: str | os.PathLike | None = None,
 ) -> ShardedParams:
-    """This rank's shards of ``params`` under ``strategy`` on ``mesh``.
+    """This rank's shards of ``params`` under ``plan`` on ``mesh``.
 
     Args:
         params: the model's state, name -> full tensor, as returned by
@@ -144,8 +140,9 @@ def shard(
             carries lets ``units=by_module_type(...)`` resolve and tells buffers from
             parameters). Every rank passes the same values (same seed, or loaded weights).
         mesh: a :class:`shardfn.Mesh`.
-        strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, a
-            :class:`shardfn.Strategy`, or a :class:`shardfn.Plan` bundling the fields below.
+        plan: a :class:`shardfn.Plan`, or a strategy (``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``,
+            ``"NO_SHARD"``, ... or a :class:`shardfn.Strategy`). The keyword fields below
+            are :class:`shardfn.Plan`'s, all seven: each one given replaces the plan's.
         units: which parameters travel together (one collective per unit and direction):
             a unit policy (``by_module_type(Block)``, ``by_param_count(n)``, ``by_prefix(...)``),
             module classes, or module paths. Default: each block of the model's outermost
@@ -164,6 +161,9 @@ def shard(
             memory (pinned on CUDA); each unit is copied to the compute device just before
             its all-gather, gradient shards come back after their reduction, and the
             optimizer runs on the host. Buffers stay on the device. See [Note: offload].
+        reshard_after_forward: whether each unit lets go of its gathered parameters after
+            its forward (the strategy's rule by default): ``True``, ``False``, a sub-group
+            size to keep them sharded within (ZeRO++'s hpZ), or a dict unit name -> one of those.
         placement: how each unit is cut into shards: ``"flat"`` (the default: the unit's
             parameters laid end to end and cut into equal pieces, so a shard of a parameter
             is a 1-D piece of it; all-gathers with no copy in or out) or ``"rows"`` (each
@@ -204,8 +204,8 @@ def shard(
     if not isinstance(mesh, Mesh):
         raise TypeError(f"shard(): mesh must be a shardfn.Mesh (Mesh.from_env()), got {type(mesh).__name__}")
     with guarded(mesh):  # an argument refused on one rank reaches the others (at the layout agreement)
-        plan = make_plan(strategy, units=units, precision=precision, remat=remat, optional=optional, offload=offload,
-                         placement=placement)
+        plan = make_plan(plan, units=units, precision=precision, remat=remat, optional=optional, offload=offload,
+                         reshard_after_forward=reshard_after_forward, placement=placement)
         return _shard(params, mesh, plan, seed, init_fn, src_rank, weights)
 
 
@@ -370,55 +370,6 @@ def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
         raise ValueError(
             f"shard(): {strategy.value} runs on a 1-D mesh, but {mesh!r} is 2-D. Use HYBRID_SHARD (or "
             "HYBRID_SHARD_ZERO2) on a 2-D mesh, or build a 1-D mesh with Mesh.from_env()."
-        )
-
-
-def verify_agreement(layout: Layout, mesh: Mesh, salt: int = 0, hint: str = "") -> None:
-    """Raises on every rank if any two ranks' layouts (or ``salt``) differ.
-
-    One all-gather of an int64 per mesh axis, so every rank sees every fingerprint.
-    """
-    if mesh.size == 1 or mesh.backend == "fake":  # a fake world (planning) has one process and no data
-        return
-    fp = torch.tensor([layout.fingerprint() ^ salt], dtype=torch.int64, device=mesh.device)
-    allfp = C.all_gather_mesh(fp, mesh, Purpose.LAYOUT).tolist()  # index i is mesh rank i
-    if len(set(allfp)) > 1:
-        bad = [r for r, f in enumerate(allfp) if f != allfp[0]]
-        raise ValueError(_DISAGREE.format(rank=mesh.rank, fps=allfp, bad=bad) + (f"\nOn this rank: {hint}" if hint else ""))
-
-
-_SAMPLE = 4096  # elements of each tensor that its value fingerprint reads
-
-
-def _value_digest(t: torch.Tensor) -> int:
-    """A fingerprint of a tensor's values: a hash of the bytes of up to 4096 elements spread
-    over it (exact bytes, so the same values give the same digest on any hardware)."""
-    flat = t.detach().reshape(-1)
-    sample = flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE].contiguous().cpu()
-    data = sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
-
-
-def verify_same_values(params: Mapping[str, torch.Tensor], layout: Layout, mesh: Mesh) -> None:
-    """Raises on every rank if ranks pass different values for some tensor (a model built
-    with a different seed on some rank): one all-gather of one int64 per tensor."""
-    if mesh.size == 1 or mesh.backend == "fake":
-        return
-    names = [*layout.leaves, *layout.buffers]
-    mine = torch.tensor([_value_digest(params[n]) for n in names], dtype=torch.int64, device=mesh.device)
-    every = C.all_gather_mesh(mine, mesh, Purpose.LAYOUT).view(mesh.size, -1).cpu()
-    differ = (every != every[0]).any(0).nonzero().flatten().tolist()
-    if differ:
-        first = names[differ[0]]
-        groups: dict[int, list[int]] = {}
-        for r in range(mesh.size):
-            groups.setdefault(int(every[r, differ[0]]), []).append(r)
-        raise ValueError(
-            f"[rank {mesh.rank}] shard(): the ranks hold different values for {len(differ)} of the {len(names)} "
-            f"tensors, first {first!r} (ranks {' vs '.join(str(g) for g in groups.values())} agree among "
-            f"themselves). Every rank must pass the same initial values, or the replicas differ forever: seed every "
-            f"rank the same before building the model (torch.manual_seed(0)), or pass shard(..., src_rank=0) to "
-            f"take rank 0's values everywhere."
         )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ._buffers import StepBuffers
 from ._compile import backend_of
+from ._deprecated import as_loss, old_options
 from ._grad import Grad, check_options
 from ._guard import Where, guarded
 from ._mesh import Mesh
@@ -35,7 +36,7 @@ _NONFINITE = (
     "[rank {rank}] step: the global loss ({loss}) or gradient norm ({norm}) is not finite; nothing was updated. "
     "Ranks whose own loss was not finite: {loss_ranks}; ranks holding non-finite gradient shards: {grads}. Find the "
     "cause (a bad batch on those ranks, a learning rate too high, fp16 overflow: jit_step(loss_scale=...)), or "
-    "pass jit_step(..., skip_nonfinite=True) to skip such steps on every rank (metrics['skipped'] says so)."
+    "pass jit_step(..., on_nonfinite=\"skip\") to skip such steps on every rank (metrics['skipped'] says so)."
 )
 
 
@@ -54,6 +55,10 @@ class Step:
         self.optimizer = optimizer
         self.donate = donate
         self.loss_scale = loss_scale
+        # The update path, chosen once (see the three methods below); the function, not a
+        # bound method, which would hold the step in a reference cycle.
+        in_place = donate and getattr(optimizer, "update_", None) is not None
+        self._update = Step._in_place if in_place else Step._donated if donate else Step._fresh
         self._expected: tuple[Any, Any] | None = None  # (layout, what init builds: see _check_structure)
         self._accepted: Any = None  # a state structure found equal to it in another order
 
@@ -69,7 +74,6 @@ class Step:
         inner = opt_state.opt_state if self.loss_scale is not None else opt_state
         scale = float(opt_state.scale) if self.loss_scale is not None else 1.0
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=self.donate, track=self.grad.sync_buffers)
-        updates = None
         with self.grad.run(sharded, batch, buffers, scale) as (_, grads, metrics):
             metrics.update(hyperparams(self.optimizer, inner))
             skip = False
@@ -89,38 +93,53 @@ class Step:
                 skip = True
             if self.skip_nonfinite:
                 metrics["skipped"] = skip
-            # Donation with an in-place optimizer (optim [Note: donation]): params and state
-            # are updated in place and the gradients serve as scratch; else update + apply.
-            in_place = self.donate and getattr(self.optimizer, "update_", None) is not None
-            if not skip:
-                with torch.profiler.record_function("shardfn::optimizer"):
-                    if in_place or sharded.layout.offloaded:
-                        current().settle()  # no all-gather may still be reading the shards
-                    if sharded.layout.offloaded:  # the optimizer runs on the host ([Note: offload])
-                        wait_for_device(self.mesh.device)  # no copy to the device may still be reading a shard
-                    if in_place:
-                        inner = self.optimizer.update_(grads, inner, sharded)
-                    else:
-                        updates, inner = self.optimizer.update(grads, inner, sharded)
-            replaced = buffers.replaced(sharded)
-            if updates is None or self.donate:
-                if updates is not None:
-                    apply_updates_(sharded, updates)
-                new = sharded.replace(replaced) if replaced else sharded
+            if skip:
+                new = _with_buffers(sharded, buffers)
             else:
-                params = apply_updates(sharded.params(), updates)
-                if sharded.layout.offloaded:  # new shards, in host memory like the old ones ([Note: offload])
-                    params = {n: place_on_host(t.detach(), self.mesh.device).requires_grad_(t.requires_grad)
-                              for n, t in params.items()}
-                else:  # a flat unit's new shards as views of one buffer again ([Note: placements])
-                    params = unit_views(params, sharded.layout, sharded.layout.shard_rank(self.mesh))
-                    for n, t in params.items():
-                        t.requires_grad_(sharded.layout.leaves[n].requires_grad)
-                new = sharded.replace({**params, **buffers.work})
+                with torch.profiler.record_function("shardfn::optimizer"):
+                    new, inner = self._update(self, sharded, grads, inner, buffers)
             if sharded.layout.strategy is Strategy.SHARD_OPTIMIZER:  # [Note: replicated parameters]
                 refresh(new, current().observers)
         opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner
         return new, opt_state, metrics
+
+    # -- the update: one of three paths, chosen when the step is built -----------------------
+
+    def _quiet(self, sharded: ShardedParams) -> None:
+        """Before the shards are written in place, or read on the host: no all-gather still
+        reads them, and (offload) no copy to the device ([Note: offload])."""
+        current().settle()
+        if sharded.layout.offloaded:  # the optimizer runs on the host
+            wait_for_device(self.mesh.device)
+
+    def _in_place(self, sharded: ShardedParams, grads: Any, inner: Any, buffers: StepBuffers) -> tuple[ShardedParams, Any]:
+        """Donation with an in-place optimizer (optim [Note: donation]): parameters and state
+        are updated in place, the gradients serve as scratch."""
+        self._quiet(sharded)
+        inner = self.optimizer.update_(grads, inner, sharded)
+        return _with_buffers(sharded, buffers), inner
+
+    def _donated(self, sharded: ShardedParams, grads: Any, inner: Any, buffers: StepBuffers) -> tuple[ShardedParams, Any]:
+        """Donation with an optimizer without ``update_``: its updates added into the shards."""
+        self._quiet(sharded)
+        updates, inner = self.optimizer.update(grads, inner, sharded)
+        apply_updates_(sharded, updates)
+        return _with_buffers(sharded, buffers), inner
+
+    def _fresh(self, sharded: ShardedParams, grads: Any, inner: Any, buffers: StepBuffers) -> tuple[ShardedParams, Any]:
+        """``donate=False``: new shards and buffers; the arguments stay untouched."""
+        if sharded.layout.offloaded:
+            self._quiet(sharded)
+        updates, inner = self.optimizer.update(grads, inner, sharded)
+        params = apply_updates(sharded.params(), updates)
+        if sharded.layout.offloaded:  # new shards, in host memory like the old ones ([Note: offload])
+            params = {n: place_on_host(t.detach(), self.mesh.device).requires_grad_(t.requires_grad)
+                      for n, t in params.items()}
+        else:  # a flat unit's new shards as views of one buffer again ([Note: placements])
+            params = unit_views(params, sharded.layout, sharded.layout.shard_rank(self.mesh))
+            for n, t in params.items():
+                t.requires_grad_(sharded.layout.leaves[n].requires_grad)
+        return sharded.replace({**params, **buffers.work}), inner
 
     def _check(self, sharded: Any, opt_state: Any) -> None:
         self.grad.check(sharded)
@@ -171,6 +190,12 @@ class Step:
             "(or load it from a checkpoint into step.init(sharded)).")
 
 
+def _with_buffers(sharded: ShardedParams, buffers: StepBuffers) -> ShardedParams:
+    """``sharded`` with the buffers the forward replaced (rather than updated in place)."""
+    replaced = buffers.replaced(sharded)
+    return sharded.replace(replaced) if replaced else sharded
+
+
 def _quick(tree: Any) -> tuple[Any, list[Any]]:
     """The structure, and each leaf's shape and dtype (a tensor) or type: cheap to compare."""
     leaves, spec = pytree.tree_flatten(tree)
@@ -209,8 +234,9 @@ def check_opt_state(opt_state: Any, sharded: ShardedParams) -> None:
         )
 
 
+@old_options
 def jit_step(
-    loss_fn: Callable[[Mapping[str, torch.Tensor], Any], torch.Tensor],
+    loss_fn: Callable[..., Any],
     mesh: Mesh,
     *,
     optimizer: GradientTransformation,
@@ -222,15 +248,16 @@ def jit_step(
     overlap: bool = True,
     prefetch: bool | int = True,
     keep_gathered: bool = False,
-    has_aux: bool = False,
-    mean_aux: bool = False,
-    skip_nonfinite: bool = False,
+    aux: str | None = None,
+    on_nonfinite: str | None = None,
     compile: bool | str = False,
 ) -> Step:
     """Builds ``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``.
 
-    ``loss_fn(params, batch)`` is written as for one device: it calls ``apply(params, ...)``
-    (as many times as it likes) and returns the mean loss over its batch, or a
+    ``loss_fn(apply, params, batch)`` is written as for one device: it calls ``apply(params,
+    ...)`` (as many times as it likes; ``apply`` is the model function of the shards, from
+    :func:`shardfn.functionalize`, and every entry point that takes a loss passes it: [Note:
+    one loss convention]) and returns the mean loss over its batch, or a
     :class:`shardfn.Mean` ``(total, count)`` (a sum and the number of elements summed, for
     losses over padded tokens: the step then optimises the mean over every element of the
     global batch, see [Note: token-weighted losses]). Each rank passes its own slice of the
@@ -241,7 +268,8 @@ def jit_step(
     :class:`shardfn.MicroBatches` of micro-batches of any sizes.
 
     Args:
-        loss_fn: ``(params, batch) -> scalar tensor``.
+        loss_fn: ``(apply, params, batch) -> scalar tensor``. The former ``(params, batch)``
+            still works for one release, with a ``DeprecationWarning``.
         mesh: the mesh the shards live on.
         optimizer: a :class:`shardfn.optim.GradientTransformation`, run on local shards.
         donate: update the shards, buffers and optimizer state in place (as JAX's
@@ -263,7 +291,8 @@ def jit_step(
             rank (running statistics) over all ranks after the backward, so every rank
             holds the same values (see [Note: buffers in a step]).
         loss_scale: a :class:`shardfn.DynamicLossScale` for fp16 training: skips steps
-            whose gradients overflow on any rank; the scale lives in the optimizer state
+            whose gradients overflow on any rank (``on_nonfinite`` is then ``"skip"``) and
+            lowers the scale; the scale lives in the optimizer state
             (build it with ``step.init(sharded)``); ``metrics`` then has ``loss_scale``
             (the scale this step used) and ``skipped``.
         overlap: issue each unit's gradient reduction asynchronously, overlapping the
@@ -278,19 +307,21 @@ def jit_step(
             one all-gather per unit and step instead of one or two per micro-batch, for the
             memory of all gathered units at once. With ``accumulate="local"`` also one
             reduction per unit and step.
-        has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` a pytree of tensors (accuracy,
-            router statistics), as JAX's ``has_aux``. ``metrics["aux"]`` is this rank's aux
-            (a list, one per micro-batch, when there are several).
-        mean_aux: with ``has_aux``: ``metrics["aux"]`` is the aux averaged over micro-batches
-            and ranks instead (fp32 tensors of the same tree), riding on the metrics
-            all-reduce (4 bytes per element more, no extra collective).
-        skip_nonfinite: a step whose global loss or gradient norm is not finite (on any
-            rank) skips its update on every rank, leaving parameters and optimizer state as
-            they were, and reports ``metrics["skipped"] = True`` (``False`` otherwise). The
-            decision rides on the metrics all-reduce. Without it such a step raises
+        aux: ``None``: ``loss_fn`` returns the loss. ``"rank"``: it returns ``(loss, aux)``,
+            ``aux`` a pytree of tensors (accuracy, router statistics), as JAX's
+            ``has_aux``, and ``metrics["aux"]`` is this rank's aux (a list, one per
+            micro-batch, when there are several). ``"mean"``: the same, but
+            ``metrics["aux"]`` is the aux averaged over micro-batches and ranks (fp32
+            tensors of the same tree), riding on the metrics all-reduce (4 bytes per
+            element more, no extra collective). Replaces ``has_aux`` / ``mean_aux``.
+        on_nonfinite: what a step whose global loss or gradient norm is not finite (on any
+            rank) does. ``"raise"`` (the default without ``loss_scale``): raise
             ``FloatingPointError`` on every rank, naming the ranks whose loss was not
-            finite, before anything changes. (With ``loss_scale``, overflowing steps are
-            skipped and the scale lowered, as always.)
+            finite, before anything changes. ``"skip"`` (the default, and the only choice,
+            with ``loss_scale``): skip the update on every rank, leaving parameters and
+            optimizer state as they were, and report ``metrics["skipped"] = True``
+            (``False`` otherwise). The decision rides on the metrics all-reduce. Replaces
+            ``skip_nonfinite``.
         compile: ``True`` compiles with ``torch.compile`` (inductor) each unit module's own
             forward (regional compilation: blocks of one class share one graph) and the
             built-in optimizers' in-place update; the gathers, reductions, prefetch and
@@ -310,7 +341,9 @@ def jit_step(
         >>> opt_state = step.init(sharded)         # = opt.init(sharded) without loss_scale
         >>> sharded, opt_state, metrics = step(sharded, opt_state, batch)
     """
-    accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, has_aux, mean_aux, "jit_step", prefetch)
+    accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, aux, "jit_step", prefetch)
+    if on_nonfinite not in (None, "raise", "skip"):
+        raise ValueError(f"jit_step(on_nonfinite={on_nonfinite!r}): \"raise\" or \"skip\".")
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
         raise TypeError(
             f"jit_step: optimizer must have init and update functions (a GradientTransformation such as "
@@ -318,7 +351,10 @@ def jit_step(
         )
     if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
         raise TypeError(f"jit_step: loss_scale must be a shardfn.DynamicLossScale, got {loss_scale!r}")
-    grad = Grad(loss_fn, mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
-                overlap=overlap, prefetch=prefetch, has_aux=has_aux, mean_aux=mean_aux, what="step",
+    if loss_scale is not None and on_nonfinite == "raise":
+        raise ValueError("jit_step(loss_scale=..., on_nonfinite=\"raise\"): a loss-scaled step skips the steps whose "
+                         "gradients overflow and lowers the scale; leave on_nonfinite out (it is \"skip\").")
+    grad = Grad(as_loss(loss_fn, "jit_step", stacklevel=5), mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
+                overlap=overlap, prefetch=prefetch, has_aux=aux is not None, mean_aux=aux == "mean", what="step",
                 compile=backend_of(compile, "jit_step"), keep_gathered=bool(keep_gathered))
-    return Step(grad, optimizer, donate, loss_scale, bool(skip_nonfinite))
+    return Step(grad, optimizer, donate, loss_scale, on_nonfinite == "skip" and loss_scale is None)

@@ -34,7 +34,8 @@ import torch.distributed.checkpoint as dcp
 from ._checkpoint import _FORMAT, _META, _SELF, _changed, _corrupted, _digest, _meta_digest, _publish, _read_meta
 from ._checkpoint import _SafeReader
 from ._compat import written_files
-from ._safetensors import Source, Writer, parse_size
+from ._memory import parse_size
+from ._safetensors import Source, Writer
 
 __all__ = ["checkpoint_to_safetensors", "main", "safetensors_to_checkpoint"]
 
@@ -55,7 +56,7 @@ def checkpoint_to_safetensors(src: str, dst: str, dtype: torch.dtype | None = No
 
     plan = [(n, shape, cast(stored[f"{kind}/{n}"].properties.dtype)) for kind, n, shape in names]
     os.makedirs(dst, exist_ok=True)
-    writer = Writer(dst, plan, parse_size(max_shard_size))
+    writer = Writer(dst, plan, parse_size(max_shard_size, "max_shard_size"))
     for file in writer.files:  # one output file's tensors in memory at a time
         group = [(kind, n, shape) for kind, n, shape in names if writer.file_of[n] == file]
         state = {f"{kind}/{n}": torch.empty(stored[f"{kind}/{n}"].size, dtype=stored[f"{kind}/{n}"].properties.dtype)

@@ -68,3 +68,19 @@ def pytest_sessionstart(session):
     if reporter is not None:
         for line in _environment_lines():
             reporter.write_line(line)
+
+
+def dotted(node):
+    """The names of a dotted expression (``sf.optim.adamw`` -> ``["sf", "optim", "adamw"]``),
+    or None for anything else (a call, a subscript). Used by the tests that read code in
+    docs and docstrings."""
+    import ast
+
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+

@@ -61,7 +61,7 @@ def measured_peak(plan, micro_batches):
     sharded = sf.shard(params, mesh, plan)
     opt = sf.optim.adamw(1e-3)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt, micro_batches=micro_batches)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro_batches)
     g = torch.Generator().manual_seed(mesh.rank)
     batch = tuple(torch.randint(0, SMALL.vocab_size, (4, SMALL.seq_len), generator=g) for _ in range(2))
     sharded, state, _ = step(sharded, state, batch)

@@ -108,7 +108,7 @@ def bind_errors():
     # After the error the module holds no state, and a call works again.
     with sf.bind(apply, sharded) as model:
         ok = model(PROMPT).shape == (2, 4, CFG.vocab_size)
-    def loss_fn(p, b):
+    def loss_fn(apply, p, b):
         with sf.bind(apply, p):
             pass
         return apply(p, b).sum()

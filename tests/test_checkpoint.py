@@ -20,7 +20,7 @@ def _train(strategy, replicate=None, steps=2, seed=0):
     sharded = sf.shard(params, mesh, strategy)
     opt = sf.optim.adamw(1e-2)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
     for b in gpt_batches(steps):
         sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
     return mesh, sharded, state, step, apply

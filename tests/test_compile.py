@@ -55,7 +55,7 @@ def _train(plan, compile, steps=4):
     sharded = sf.shard(params, mesh, plan)
     opt = sf.optim.adamw(lambda count: 1e-3 * 0.8**count, weight_decay=0.1)  # a new lr every step
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, compile=compile)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt, compile=compile)
     losses, counts, stats = [], [], []
     for b in gpt_batches(steps):
         with sf.record_collectives() as log, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -117,7 +117,7 @@ def test_compile_bf16_matches_eager_bf16(clusters):
 
 def _refused(compile):
     try:
-        sf.jit_step(lambda p, b: p, sf.Mesh.from_group(), optimizer=sf.optim.sgd(0.1), compile=compile)
+        sf.jit_step(lambda apply, p, b: p, sf.Mesh.from_group(), optimizer=sf.optim.sgd(0.1), compile=compile)
     except (TypeError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return "accepted"
@@ -137,7 +137,7 @@ def _grads(compile):
     torch.manual_seed(0)
     params, apply = sf.functionalize(gpt_model())
     sharded = sf.shard(params, mesh, "FULL_SHARD")
-    grad_fn = sf.jit_grad(lambda p, b: gpt_loss(apply, p, b), mesh, compile=compile)
+    grad_fn = sf.jit_grad(gpt_loss, mesh, compile=compile)
     batch = split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
     grad_fn(sharded, batch)  # compiles
     with torch.profiler.profile() as prof:

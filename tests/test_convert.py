@@ -25,7 +25,7 @@ def train_and_save(path):
     sharded = sf.shard(params, mesh, "FULL_SHARD")
     opt = sf.optim.adamw(1e-2)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: apply(p, b, labels=b).loss, mesh, optimizer=opt)
+    step = sf.jit_step(lambda apply, p, b: apply(p, b, labels=b).loss, mesh, optimizer=opt)
     for _ in range(2):
         sharded, state, _ = step(sharded, state, tokens()[mesh.rank : mesh.rank + 1])
     sf.checkpoint.save(path, sharded, state, extra={"step": 2})

@@ -183,7 +183,7 @@ def count_step(strategy, precision, placement="rows"):
     state = opt.init(sharded)
     log = CopyLog()
 
-    def loss_fn(p, b):
+    def loss_fn(apply, p, b):
         log.phase = "forward"
         try:
             return lm_loss(apply(p, b["x"]), b["y"])

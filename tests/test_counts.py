@@ -24,7 +24,7 @@ def _setup(strategy, optimizer=None, prefetch=False, placement="flat"):
     sharded = sf.shard(params, mesh, strategy, placement=placement)
     opt = optimizer or sf.optim.sgd(0.1)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=opt, prefetch=prefetch)
+    step = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=opt, prefetch=prefetch)
     g = torch.Generator().manual_seed(0)
     batch = {k: torch.randint(0, 31, (12, 8), generator=g) for k in ("x", "y")}
     return mesh, sharded, state, step, split_batch(batch, mesh.rank, mesh.size), full_numel, rows
@@ -144,13 +144,14 @@ def test_persistent_state_is_the_padded_one_nth_share(clusters, world, placement
 def reduce_scatter_average(values):
     """Each rank contributes `rank + 1` times `values`: the average is known exactly."""
     from shardfn import _collectives as C
+    from shardfn._events import Purpose
 
     N, r = dist.get_world_size(), dist.get_rank()
     inp = torch.tensor(values, dtype=torch.float32).repeat(N) * (r + 1)
     out = torch.empty(len(values))
-    C.reduce_scatter(out, inp, dist.group.WORLD, sf.Purpose.TEST)
+    C.reduce_scatter(out, inp, dist.group.WORLD, Purpose.TEST)
     t = torch.full((3,), float(r + 1))
-    C.all_reduce(t, dist.group.WORLD, sf.Purpose.TEST)
+    C.all_reduce(t, dist.group.WORLD, Purpose.TEST)
     return out, t
 
 
@@ -174,6 +175,7 @@ def reduce_scatter_chunks():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from shardfn import _collectives as C
+    from shardfn._events import Purpose
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -193,7 +195,7 @@ def reduce_scatter_chunks():
             for asynchronous in (False, True):
                 got = torch.empty(4, dtype=dtype)
                 with sf.record_collectives() as log, Ops() as ops:
-                    work = C.reduce_scatter(got, inp, dist.group.WORLD, sf.Purpose.TEST, op=op, async_op=asynchronous)
+                    work = C.reduce_scatter(got, inp, dist.group.WORLD, Purpose.TEST, op=op, async_op=asynchronous)
                     if work is not None:
                         work.wait()
                 out[(str(dtype), name, asynchronous)] = (got.float(), dict(log.bytes()), sorted(set(ops.names)))

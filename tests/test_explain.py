@@ -42,7 +42,7 @@ def measured(plan, replicate):
     sharded = sf.shard(params, mesh, plan)
     opt = sf.optim.adamw(1e-3)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
     g = torch.Generator().manual_seed(mesh.rank)
     x, y = (torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g) for _ in range(2))
     sharded, state, _ = step(sharded, state, (x, y))
@@ -157,7 +157,7 @@ def peak_with(overlap):
     sharded = sf.shard(params, mesh, "FULL_SHARD")
     opt = sf.optim.sgd(0.1)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt, overlap=overlap)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, overlap=overlap)
     x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
     sharded, state, _ = step(sharded, state, (x, x))
     with sf.track_live_bytes(sharded, state) as mem:

@@ -24,7 +24,7 @@ def _training(mesh, stop_in_loss=False):
     sharded = sf.shard(params, mesh, "FULL_SHARD")
     opt = adamw(1e-2)
 
-    def loss_fn(p, b):
+    def loss_fn(apply, p, b):
         h = apply(p, b)
         if stop_in_loss and b.shape[0] == 5:  # the faulty step: rank 1 stops halfway through it
             dist.distributed_c10d._get_default_store().set("pid1", str(os.getpid()))

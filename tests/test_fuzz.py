@@ -259,7 +259,7 @@ def fuzz_worker(case: Case) -> dict:
         params, apply = sf.functionalize(model)
         sharded = sf.shard(params, mesh, strategy, **plan)
         opt = _opt(case.optimizer)
-        step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt, micro_batches=case.micro_batches)
+        step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=case.micro_batches)
         return sharded, step, opt.init(sharded), apply
 
     def good_batch(seed):
@@ -270,7 +270,7 @@ def fuzz_worker(case: Case) -> dict:
     sharded, step, state, apply = setup(_model())
     sharded, state, _ = step(sharded, state, good_batch(100 + rank))
     # The bad ranks' step of a "micro_batch_count" case: another jit_step(micro_batches=...).
-    other_step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=_opt(case.optimizer),
+    other_step = sf.jit_step(loss_fn, mesh, optimizer=_opt(case.optimizer),
                              micro_batches=case.variant[0]) if case.kind == "micro_batch_count" and is_bad else step
     bad_state = _bad_opt_state(case, sharded, state) if case.kind == "opt_state" and is_bad else state
     before = _copy(_flat(sharded, state, bad_state))

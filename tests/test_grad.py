@@ -37,7 +37,7 @@ def grads_of_one_batch(strategy, micro_batches):
     torch.manual_seed(0)
     params, apply = sf.functionalize(gpt_model())
     sharded = sf.shard(params, mesh, strategy)
-    grad_fn = sf.jit_grad(lambda p, b: token_mean(apply, p, b), mesh, micro_batches=micro_batches)
+    grad_fn = sf.jit_grad(token_mean, mesh, micro_batches=micro_batches)
     batch = split_batch(padded_batches(1)[0], mesh.rank, mesh.size)
     loss, grads, metrics = grad_fn(sharded, batch)
     layout = sharded.layout
@@ -86,7 +86,7 @@ def step_vs_grad(steps=3):
         sharded = sf.shard(params, mesh, "FULL_SHARD")
         opt = chain(clip_by_global_norm(0.05), ADAMW())
         state = opt.init(sharded)
-        loss_fn = lambda p, b: token_mean(apply, p, b)  # noqa: E731
+        loss_fn = token_mean
         step, grad_fn = sf.jit_step(loss_fn, mesh, optimizer=opt, donate=False), sf.jit_grad(loss_fn, mesh)
         losses = []
         for b in padded_batches(steps):
@@ -152,7 +152,7 @@ def sgd_with_buffers():
         sharded = sf.shard(params, mesh, "FULL_SHARD")
         opt = sgd(0.1)
         state = opt.init(sharded)
-        loss_fn = lambda p, b: conv_loss(apply, p, b)  # noqa: E731
+        loss_fn = conv_loss
         local = split_batch(conv_batches(1)[0], mesh.rank, mesh.size)
         if use_grad:
             _, grads, _ = sf.jit_grad(loss_fn, mesh)(sharded, local)

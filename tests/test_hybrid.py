@@ -44,7 +44,7 @@ def hybrid_counts(strategy, replicate):
     sharded = sf.shard(params, mesh, strategy)
     opt = sf.optim.adamw(1e-3)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=opt)
+    step = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=opt)
     g = torch.Generator().manual_seed(0)
     batch = split_batch({k: torch.randint(0, 31, (8, 8), generator=g) for k in ("x", "y")}, mesh.rank, mesh.size)
     sharded, state, _ = step(sharded, state, batch)

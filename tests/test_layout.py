@@ -94,9 +94,9 @@ def test_layout_printout_and_costs():
 
 def test_plan_parsing_and_repr():
     assert sf.Plan("full_shard").strategy is sf.Strategy.FULL_SHARD
-    assert sf.FullShard(units=[Block]).units == sf.by_module_type(Block)
-    assert "by_module_type(Block)" in repr(sf.ShardGradOp(units=Block))
-    with pytest.raises(ValueError, match="Unknown strategy 'FULL'.*'FULL_SHARD'"):
+    assert sf.Plan("FULL_SHARD", units=[Block]).units == sf.by_module_type(Block)
+    assert "by_module_type(Block)" in repr(sf.Plan("shard_grad_op", units=Block))
+    with pytest.raises(ValueError, match="'FULL' is not one of 'FULL_SHARD'"):
         sf.Plan("FULL")
     assert sf.Plan("hybrid_shard_zero2").strategy is sf.Strategy.HYBRID_SHARD_ZERO2
     assert not sf.Strategy.HYBRID_SHARD_ZERO2.reshard_after_forward and sf.Strategy.HYBRID_SHARD.reshard_after_forward

@@ -88,7 +88,7 @@ def micro_batch_run(strategy, accumulate, loss_name):
     opt = ADAMW()
     state = opt.init(sharded)
     loss_fn = {"token_mean": token_mean, "mean_of_means": mean_of_means}[loss_name]
-    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt, accumulate=accumulate)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, accumulate=accumulate)
     losses = []
     for b in padded_batches():
         local = split_batch(b, mesh.rank, mesh.size)
@@ -127,7 +127,7 @@ def unequal_numbers_of_micro_batches():
     opt = ADAMW()
     state = opt.init(sharded)
     before = sf.gather(sharded)
-    step = sf.jit_step(lambda p, b: token_mean(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(token_mean, mesh, optimizer=opt)
     local = split_batch(padded_batches(1)[0], mesh.rank, mesh.size)
     parts = [local] if dist.get_rank() == 0 else [{k: v[:3] for k, v in local.items()}, {k: v[3:] for k, v in local.items()}]
     try:
@@ -149,7 +149,7 @@ def no_elements():
     params, apply = sf.functionalize(gpt_model())
     sharded = sf.shard(params, mesh, "FULL_SHARD")
     opt = ADAMW()
-    step = sf.jit_step(lambda p, b: token_mean(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(token_mean, mesh, optimizer=opt)
     batch = split_batch(padded_batches(1)[0], mesh.rank, mesh.size)
     batch["y"][:] = -100
     try:
@@ -180,7 +180,7 @@ def aux_run(mean_aux, micro_batches):
     params, apply = sf.functionalize(gpt_model())
     sharded = sf.shard(params, mesh, "FULL_SHARD")
     opt = ADAMW()
-    step = sf.jit_step(lambda p, b: with_aux(apply, p, b), mesh, optimizer=opt, has_aux=True, mean_aux=mean_aux,
+    step = sf.jit_step(with_aux, mesh, optimizer=opt, aux="mean" if mean_aux else "rank",
                        micro_batches=micro_batches)
     batch = split_batch(padded_batches(1)[0], mesh.rank, mesh.size)
     batch["y"] = batch["y"].clamp(min=0)
@@ -228,7 +228,7 @@ def metrics_bytes(use_mean):
     params, apply = sf.functionalize(gpt_model())
     sharded = sf.shard(params, mesh, "FULL_SHARD")
     opt = ADAMW()
-    step = sf.jit_step(lambda p, b: (token_mean if use_mean else mean_of_means)(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(lambda apply, p, b: (token_mean if use_mean else mean_of_means)(apply, p, b), mesh, optimizer=opt)
     batch = split_batch(padded_batches(1)[0], mesh.rank, mesh.size)
     with sf.record_collectives() as log:
         step(sharded, opt.init(sharded), batch)

@@ -36,7 +36,7 @@ def counted_step(plan, **options):
     sharded = sf.shard(params, mesh, plan)
     opt = sf.optim.adamw(1e-3)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, **options)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt, **options)
     batch = split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
     sharded, state, _ = step(sharded, state, batch)
     with sf.record_collectives() as log, sf.track_residency() as res, sf.track_live_bytes(sharded, state, batch) as mem:
@@ -73,7 +73,7 @@ def test_prefetch_depth_bounds_the_units_gathered_at_once(clusters):
 def test_prefetch_depth_must_be_a_count():
     mesh = object.__new__(sf.Mesh)
     with pytest.raises(ValueError, match="how many units to gather ahead"):
-        sf.jit_step(lambda p, b: 0, mesh, optimizer=adamw(1e-3), prefetch=-1)
+        sf.jit_step(lambda apply, p, b: 0, mesh, optimizer=adamw(1e-3), prefetch=-1)
 
 
 # -- per-unit reshard after forward --------------------------------------------------------
@@ -194,7 +194,7 @@ def zero1_step(precision=None):
     sharded = sf.shard(params, mesh, "SHARD_OPTIMIZER", precision=precision)
     opt = sf.optim.adamw(1e-3)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
     batch = split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
     with sf.record_collectives() as first:
         sharded, state, _ = step(sharded, state, batch)
@@ -209,7 +209,7 @@ def zero1_step(precision=None):
     with torch.no_grad():
         sharded[name].mul_(0.5)
     truth = sf.gather(sharded)
-    grad_fn = sf.jit_grad(lambda p, b: gpt_loss(apply, p, b), mesh)
+    grad_fn = sf.jit_grad(gpt_loss, mesh)
     with sf.record_collectives() as after:
         loss, _, _ = grad_fn(sharded, batch)
     return {
@@ -229,7 +229,7 @@ def _fresh_loss(full, mesh, batch):
     model.load_state_dict(full)
     params, apply = sf.functionalize(model)
     return float(gpt_loss(apply, params, batch).detach()) if mesh.size == 1 else float(
-        sf.jit_grad(lambda p, b: gpt_loss(apply, p, b), mesh)(sf.shard(params, mesh, "NO_SHARD"), batch)[0])
+        sf.jit_grad(gpt_loss, mesh)(sf.shard(params, mesh, "NO_SHARD"), batch)[0])
 
 
 def test_shard_optimizer_is_zero1_one_reduce_scatter_then_one_all_gather_per_unit(clusters):
@@ -266,7 +266,7 @@ def sgd_step(plan, twice=False, **options):
     sharded = sf.shard(params, mesh, plan)
     opt = sf.optim.sgd(0.1)
 
-    def loss(p, b):
+    def loss(apply, p, b):
         return gpt_loss(apply, p, b) + (gpt_loss(apply, p, {"x": b["y"], "y": b["x"]}) if twice else 0)
 
     step = sf.jit_step(loss, mesh, optimizer=opt, **options)
@@ -319,7 +319,7 @@ def keep_gathered_on_rank0_only():
     opt = sf.optim.sgd(0.1)
     state = opt.init(sharded)
     before = {n: t.clone() for n, t in sharded.params().items()}
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, micro_batches=2,
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt, micro_batches=2,
                        keep_gathered=mesh.rank == 0)
     try:
         step(sharded, state, split_batch(gpt_batches(1)[0], mesh.rank, mesh.size))

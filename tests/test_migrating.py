@@ -30,6 +30,8 @@ import pytest
 import torch
 
 import shardfn as sf
+from conftest import dotted
+from shardfn._step import Step  # what jit_step returns
 
 pytestmark = pytest.mark.slow
 
@@ -239,7 +241,7 @@ def test_methods_on_shardfn_objects_exist():
         "sharded": _instance_names(sf.ShardedParams),
         "sharded.layout": _instance_names(sf.Layout),
         "apply": set(dir(apply)),
-        "step": _instance_names(sf.Step),
+        "step": _instance_names(Step),
     }
     bad = []
     for receiver, names in receivers.items():
@@ -256,15 +258,10 @@ def _code_spans() -> list[str]:
 
 def _callee(func: ast.expr):
     """The shardfn callable a call names (``sf.a.b``, ``mesh.reduce``, ...), or None."""
-    parts = []
-    while isinstance(func, ast.Attribute):
-        parts.append(func.attr)
-        func = func.value
-    if not isinstance(func, ast.Name):
+    parts = dotted(func)
+    if parts is None:
         return None
-    parts.append(func.id)
-    parts.reverse()
-    roots = {"sf": sf, "mesh": sf.Mesh, "sharded": sf.ShardedParams, "step": sf.Step}
+    roots = {"sf": sf, "mesh": sf.Mesh, "sharded": sf.ShardedParams, "step": Step}
     if parts[0] not in roots:
         return None
     obj = roots[parts[0]]

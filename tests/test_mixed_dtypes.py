@@ -87,7 +87,7 @@ def train(strategy, remat):
     sharded = sf.shard(params, mesh, strategy, remat=sf.Remat() if remat else None)
     o = opt()
     state = o.init(sharded)
-    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=o)
+    step = sf.jit_step(loss_fn, mesh, optimizer=o)
     for b in batches():
         sharded, state, metrics = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
     lay = sharded.layout
@@ -190,7 +190,7 @@ def round_trips(path):
     mesh = sf.Mesh.from_group()
     params, apply = sf.functionalize(lora_gpt2())
     sharded = sf.shard(params, mesh, "FULL_SHARD")
-    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=sf.optim.adamw(1e-3))
+    step = sf.jit_step(loss_fn, mesh, optimizer=sf.optim.adamw(1e-3))
     sharded, state, _ = step(sharded, step.init(sharded), split_batch(batches()[0], mesh.rank, mesh.size))
     sf.checkpoint.save(path, sharded, state)
     fresh = sf.shard(sf.functionalize(lora_gpt2())[0], mesh, "NO_SHARD")

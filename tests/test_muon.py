@@ -233,7 +233,7 @@ def _ns_calls(world_steps):
         sharded = sf.shard(params, mesh, "FULL_SHARD", placement=sf.whole(matrices))
         opt = optimizer()
         state = opt.init(sharded)
-        step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt)
+        step = sf.jit_step(loss_fn, mesh, optimizer=opt)
         with sf.record_collectives() as log:
             for b in batches(world_steps):
                 sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
@@ -270,7 +270,7 @@ def _save_muon(path, opt_name="muon", placement=None):
     sharded = sf.shard(params, mesh, "FULL_SHARD", placement=placement or sf.whole(matrices))
     opt = _optimizer_named(opt_name)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
     for b in batches(2):
         sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
     sf.checkpoint.save(path, sharded, state)
@@ -283,7 +283,7 @@ def _resume_muon(path, strategy, placement, opt_name="muon"):
     sharded = sf.shard(params, mesh, strategy, placement=placement)
     opt = _optimizer_named(opt_name)
     sharded, state, _ = sf.checkpoint.load(path, sharded, opt.init(sharded))
-    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
     losses = []
     for b in batches(4)[2:]:
         sharded, state, m = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
@@ -356,11 +356,11 @@ def _adafactor_collectives():
     sharded = sf.shard(params, mesh, "FULL_SHARD")
     opt = adafactor_opt()
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
     sharded, state, _ = step(sharded, state, split_batch(batches(1)[0], mesh.rank, mesh.size))
     with sf.record_collectives() as log:
         sharded, state, _ = step(sharded, state, split_batch(batches(1)[0], mesh.rank, mesh.size))
-    return log.counts(purpose=sf.Purpose.PSUM), log.bytes(purpose=sf.Purpose.PSUM)
+    return log.counts(purpose="psum"), log.bytes(purpose="psum")
 
 
 def test_adafactor_sums_its_statistics_in_two_all_reduces_per_step(clusters):

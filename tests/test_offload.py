@@ -81,7 +81,7 @@ def offloaded_step(strategy, precision=None, offload=OFF, micro_batches=1):
     sharded = sf.shard(params, mesh, strategy, precision=precision, offload=offload)
     opt = sf.optim.adamw(1e-3)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, micro_batches=micro_batches)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt, micro_batches=micro_batches)
     batch = split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
     sharded, state, _ = step(sharded, state, batch)  # the first step, then count a steady one
     def host_bytes(sharded, state):  # the distinct storages of the shards and the optimizer state
@@ -159,7 +159,7 @@ def state_paths(tmp):
     loaded = sf.shard(src, mesh, "FULL_SHARD", offload=OFF, src_rank=0)
     opt = sf.optim.adamw(1e-3)
     state = opt.init(off)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
     off, state, _ = step(off, state, split_batch(gpt_batches(1)[0], mesh.rank, mesh.size))
     sf.checkpoint.save(f"{tmp}/ck", off, state)
     fresh = sf.shard(params, mesh, "FULL_SHARD", offload=OFF)
@@ -189,7 +189,7 @@ def outside_a_step():
         gpt_loss(apply, sharded, batch).backward()
         grads[name] = {n: t.grad for n, t in sharded.params().items()}
         opt = sf.optim.adamw(1e-3)
-        step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, donate=False)
+        step = sf.jit_step(gpt_loss, mesh, optimizer=opt, donate=False)
         new[name], _, _ = step(sharded, opt.init(sharded), batch)
     return {
         "grads_equal": all(torch.equal(grads["plain"][n], grads["offload"][n]) for n in grads["plain"]),

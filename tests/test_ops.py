@@ -63,7 +63,7 @@ def _shardfn_ops(strategy, units, precision):
     sharded = sf.shard(params, mesh, strategy, units=units, precision=precision)
     opt = sf.optim.adamw(1e-3, weight_decay=0.1)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt)
+    step = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt)
     batch = _batch()
     for _ in range(2):
         sharded, state, _ = step(sharded, state, batch)

@@ -1020,7 +1020,7 @@ def donation_step(name, donate, overflow):
 
     opt = optim.GradientTransformation(inner.init, update, inner.hyperparams, update_ if inner.update_ else None)
     step = sf.jit_step(
-        lambda p, b: F.mse_loss(apply(p, b["x"]), b["y"]) * b["k"], mesh, optimizer=opt, donate=donate,
+        lambda apply, p, b: F.mse_loss(apply(p, b["x"]), b["y"]) * b["k"], mesh, optimizer=opt, donate=donate,
         loss_scale=sf.DynamicLossScale() if overflow else None,
     )
     gen = torch.Generator().manual_seed(mesh.rank)

@@ -101,7 +101,7 @@ def _train(strategy, placement, steps=3):
     sharded = sf.shard(params, mesh, strategy, placement=placement)
     opt = OPTIMIZERS["adamw"]()
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
     losses, comm = [], []
     for b in gpt_batches(steps):
         sharded, state, m = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
@@ -155,7 +155,7 @@ def _save(path, placement):
     sharded = sf.shard(params, mesh, "FULL_SHARD", placement=placement)
     opt = OPTIMIZERS["adamw"]()
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
     for b in gpt_batches(2):
         sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
     sf.checkpoint.save(path, sharded, state)
@@ -170,7 +170,7 @@ def _load(path, placement, strategy):
     opt = OPTIMIZERS["adamw"]()
     sharded, state, _ = sf.checkpoint.load(path, sharded, opt.init(sharded))
     loaded = sf.gather(sharded), {k: sf.gather(sharded.replace(dict(v))) for k, v in (("mu", state.mu), ("nu", state.nu))}
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
     _, _, m = step(sharded, state, split_batch(gpt_batches(3)[2], mesh.rank, mesh.size))
     return loaded, float(m["loss"])
 
@@ -212,7 +212,7 @@ def _optimizer_ops(placement, opt_name, donate):
     sharded = sf.shard(params, mesh, "FULL_SHARD", placement=placement)
     opt = OPTIMIZERS[opt_name]()
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, donate=donate)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt, donate=donate)
     update_, ops = opt.update_, Ops()
 
     def counted(*args, **kwargs):
@@ -223,7 +223,7 @@ def _optimizer_ops(placement, opt_name, donate):
             ops.inside = False
 
     opt_counted = opt._replace(update_=counted)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt_counted, donate=donate)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt_counted, donate=donate)
     losses = []
     with ops:
         for b in gpt_batches(3):
@@ -306,7 +306,7 @@ def _train_whole(strategy, placement, steps=3):
     sharded = sf.shard(params, mesh, plan)
     opt = OPTIMIZERS["adamw"]()
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
     losses = []
     with sf.record_collectives() as log:
         for b in gpt_batches(steps):

@@ -42,7 +42,7 @@ def sharded_run(strategy, precision, units=None):
     sharded = sf.shard(params, mesh, strategy, units=units, precision=precision)
     opt = sf.optim.sgd(LR)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
     losses, calls = [], []
     for b in gpt_batches(STEPS):
         with sf.record_collectives() as log:
@@ -166,7 +166,7 @@ def sharded_fp16_scaled(strategy, init_scale, growth_interval, steps):
     sharded = sf.shard(params, mesh, strategy, precision=FP16)
     opt = sf.optim.sgd(LR)
     scale = sf.DynamicLossScale(init_scale=init_scale, growth_interval=growth_interval)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, loss_scale=scale)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt, loss_scale=scale)
     state = step.init(sharded)  # the optimizer's state and the loss scale
     trace = []
     for b in gpt_batches(steps):
@@ -212,7 +212,7 @@ def _bn_sharded(precision, units):
         return "refused", str(e)
     opt = sf.optim.sgd(0.1)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: nn.functional.cross_entropy(apply(p, b[0]).float(), b[1]), mesh, optimizer=opt)
+    step = sf.jit_step(lambda apply, p, b: nn.functional.cross_entropy(apply(p, b[0]).float(), b[1]), mesh, optimizer=opt)
     losses = []
     for b in _bn_batches():
         sharded, state, m = step(sharded, state, b)

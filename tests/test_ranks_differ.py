@@ -85,7 +85,7 @@ def _setup(model, strategy="FULL_SHARD", **plan):
 def moe_experts_as_units():
     mesh, apply, sharded = _setup(moe_model(), units=EXPERTS)
     opt = adamw(1e-2)
-    step = sf.jit_step(functools.partial(mse, apply), mesh, optimizer=opt)
+    step = sf.jit_step(mse, mesh, optimizer=opt)
     state = opt.init(sharded)
     batch = moe_batches(1, rows=8, seed=10 + mesh.rank)[0]  # each rank's tokens choose their own experts
     before = _snapshot(sharded, state)
@@ -100,7 +100,7 @@ def skipped_block(skip_ranks, at_step, steps=None):
     mesh, apply, sharded = _setup(Stack())
     opt = adamw(1e-2)
 
-    def loss_fn(params, batch):
+    def loss_fn(apply, params, batch):
         skip = (1,) if mesh.rank in skip_ranks and batch["n"] == at_step else ()
         return apply(params, batch["x"], skip=skip).pow(2).mean()
 
@@ -131,7 +131,7 @@ def stack_reference(at_step, steps, world=2):
     opt = adamw(1e-2)
     state = opt.init(sharded)
 
-    def loss_fn(params, batch):
+    def loss_fn(apply, params, batch):
         skip = (1,) if batch["n"] == at_step else ()
         return apply(params, batch["x"], skip=skip).pow(2).mean()
 
@@ -149,7 +149,7 @@ def raising_then_going_on(kind):
     opt = adamw(1e-2)
     micro = 2 if kind == "micro_batches" else 1
 
-    def loss_fn(params, batch):
+    def loss_fn(apply, params, batch):
         out = apply(params, batch["x"]).pow(2)
         if mesh.rank == 1 and batch["bad"]:
             if kind == "raise":
@@ -175,7 +175,7 @@ def uneven_rows(mean):
     mesh, apply, sharded = _setup(Stack())
     opt = adamw(1e-2)
 
-    def loss_fn(params, batch):
+    def loss_fn(apply, params, batch):
         sq = apply(params, batch["x"]).pow(2).sum(-1)
         return sf.Mean(sq.sum(), sq.numel()) if mean else sq.mean()
 
@@ -191,7 +191,7 @@ def eval_on_one_rank():
     torch.manual_seed(0)
     mesh, apply, sharded = _setup(Stack())
     opt = adamw(1e-2)
-    step = sf.jit_step(lambda p, b: apply(p, b).pow(2).mean(), mesh, optimizer=opt)
+    step = sf.jit_step(lambda apply, p, b: apply(p, b).pow(2).mean(), mesh, optimizer=opt)
     state = opt.init(sharded)
     x = torch.randn(4, 8)
     before = _snapshot(sharded, state)
@@ -318,7 +318,8 @@ def nonfinite_on_one_rank(skip):
     torch.manual_seed(0)
     mesh, apply, sharded = _setup(Stack())
     opt = adamw(1e-2)
-    step = sf.jit_step(lambda p, b: apply(p, b).pow(2).mean(), mesh, optimizer=opt, skip_nonfinite=skip)
+    step = sf.jit_step(lambda apply, p, b: apply(p, b).pow(2).mean(), mesh, optimizer=opt,
+                       on_nonfinite="skip" if skip else "raise")
     state = opt.init(sharded)
     x = torch.randn(4, 8)
     if mesh.rank == 1:
@@ -340,7 +341,7 @@ def test_a_nonfinite_loss_on_one_rank(clusters, skip):
             assert out["error"] is None and out["skipped"] is True and out["next_skipped"] is False
         else:
             assert out["error"] == "FloatingPointError", out
-            assert "Ranks whose own loss was not finite: [1]" in out["message"] and "skip_nonfinite=True" in out["message"]
+            assert "Ranks whose own loss was not finite: [1]" in out["message"] and 'on_nonfinite="skip"' in out["message"]
 
 
 def differently_seeded(src_rank):
@@ -371,7 +372,7 @@ def hybrid_raise_on_one_rank(bad_rank):
     sharded = sf.shard(params, mesh, "HYBRID_SHARD")
     opt = adamw(1e-2)
 
-    def loss_fn(params, batch):
+    def loss_fn(apply, params, batch):
         if mesh.rank == bad_rank and batch["bad"]:
             raise KeyError("no such column")
         return apply(params, batch["x"]).pow(2).mean()
@@ -408,7 +409,7 @@ def moe_optional_training(strategy, steps):
     assert [u.path for u in sharded.layout.units if u.optional] == EXPERTS
     opt = ADAMW()
     state = opt.init(sharded)
-    step = sf.jit_step(functools.partial(mse, apply), mesh, optimizer=opt)
+    step = sf.jit_step(mse, mesh, optimizer=opt)
     for batch in moe_batches(steps, rows=6):
         ran.append(set())
         sharded, state, _ = step(sharded, state, sf.testing.split_batch(batch, mesh.rank, mesh.size))

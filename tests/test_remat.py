@@ -36,7 +36,7 @@ def train(strategy, remat, replicate=None, prefetch=False):
     sharded = sf.shard(params, mesh, strategy, remat=remat)
     opt = sf.optim.sgd(0.05, momentum=0.9)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: gpt_loss(apply, p, b), mesh, optimizer=opt, prefetch=prefetch)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt, prefetch=prefetch)
     for b in gpt_batches():
         with sf.record_collectives() as log, sf.track_residency() as res:
             sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))

@@ -23,7 +23,7 @@ def _everything(sharded, state):
     }
 
 
-def reshard_run(name, source, target, replicate_target, units_target):
+def reshard_run(name, source, target, replicate_target, units_target, fields=None):
     model_fn, loss_fn, batches = MODELS[name]
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
@@ -31,22 +31,22 @@ def reshard_run(name, source, target, replicate_target, units_target):
     sharded = sf.shard(params, mesh, source)
     opt = sf.optim.adamw(1e-3)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
     data = [split_batch(b, mesh.rank, mesh.size) for b in batches(3)]
     for b in data[:2]:
         sharded, state, _ = step(sharded, state, b)
     before = _everything(sharded, state)
     target_mesh = sf.Mesh.from_group(replicate=replicate_target) if replicate_target else mesh
     with sf.record_collectives() as log:
-        moved, moved_state = sf.reshard(sharded, state, target, mesh=target_mesh, units=units_target)
+        moved, moved_state = sf.reshard(sharded, state, target, mesh=target_mesh, units=units_target, **(fields or {}))
     after = _everything(moved, moved_state)
     # Training goes on under the new layout, as it would have under the old one (to rounding:
     # the reductions add the same numbers in another order).
-    new_step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), target_mesh, optimizer=opt)
+    new_step = sf.jit_step(loss_fn, target_mesh, optimizer=opt)
     moved, moved_state, m_new = new_step(moved, moved_state, split_batch(batches(3)[2], target_mesh.rank, target_mesh.size))
     sharded, state, m_old = step(sharded, state, data[2])
     return {
-        "before": before, "after": after, "layout": repr(moved.layout),
+        "before": before, "after": after, "layout": repr(moved.layout), "plan": repr(moved.layout.plan),
         "losses": (m_new["loss"], m_old["loss"]),
         "continued": (full_state(moved), full_state(sharded)),
         "reshard_collectives": sorted({(c.kind.value, c.purpose.value) for c in log.calls}),
@@ -85,6 +85,20 @@ def test_reshard_keeps_the_state_bitwise(clusters, name, world, source, target, 
             moved, kept = r["continued"]
             for n in kept:
                 torch.testing.assert_close(moved[n], kept[n], rtol=1e-5, atol=1e-6)
+
+
+def test_reshard_takes_every_field_of_a_plan(clusters):
+    """The fields shard() takes, reshard() takes: here placement, offload and the reshard rule."""
+    fields = {"placement": "rows", "offload": sf.Offload(params=True, optimizer=True),
+              "reshard_after_forward": {"blocks.1": False}}
+    for r in clusters[2].run(reshard_run, "gpt", "FULL_SHARD", None, None, None, fields):
+        for part in ("state", "mu", "nu"):
+            for n in r["before"][part]:
+                assert torch.equal(r["after"][part][n], r["before"][part][n]), (part, n)
+        assert "placement='rows'" in r["plan"] and "offload=" in r["plan"], r["plan"]
+        assert "reshard_after_forward={'blocks.1': False}" in r["plan"], r["plan"]
+        new_loss, old_loss = r["losses"]
+        assert new_loss == pytest.approx(old_loss, rel=1e-6)
 
 
 def reshard_errors():

@@ -66,7 +66,7 @@ def _train(name, strategy, replicate=None, steps=2, seed=0, micro_batches=1, opt
     sharded = sf.shard(params, mesh, strategy)
     opt = opt or sf.optim.adamw(1e-2)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt, micro_batches=micro_batches)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro_batches)
     metrics = None
     for b in batches(steps):
         sharded, state, metrics = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
@@ -433,7 +433,7 @@ def flags_after_steps(donate):
     initial = _buffers(sharded)
     opt = sf.optim.sgd(0.1)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: conv_loss(apply, p, b), mesh, optimizer=opt, donate=donate)
+    step = sf.jit_step(conv_loss, mesh, optimizer=opt, donate=donate)
     for b in conv_batches(2):
         new, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
         if not donate:
@@ -465,7 +465,7 @@ def remat_with_batchnorm(mode):
     sharded = sf.shard(params, mesh, "FULL_SHARD", remat=remat)
     opt = sf.optim.sgd(0.1)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: conv_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(conv_loss, mesh, optimizer=opt)
     for b in conv_batches(2):
         sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
     return full_state(sharded)

@@ -44,7 +44,7 @@ def accumulation_counts(mode, k):
     params, apply = sf.functionalize(MLP([6, 6, 6, 6]))
     sharded = sf.shard(params, mesh, "FULL_SHARD")  # 3 units: layers.0, layers.1, layers.2
     opt = sgd(0.1)
-    step = sf.jit_step(lambda p, b: mlp_loss(apply, p, b), mesh, optimizer=opt, micro_batches=k, accumulate=mode)
+    step = sf.jit_step(mlp_loss, mesh, optimizer=opt, micro_batches=k, accumulate=mode)
     batch = {"x": torch.randn(2 * k, 6), "y": torch.randn(2 * k, 6)}
     with sf.record_collectives() as log:
         _, _, metrics = step(sharded, opt.init(sharded), batch)
@@ -86,7 +86,7 @@ def step_metrics(strategy, replicate):
     params, apply = sf.functionalize(mlp_model())
     sharded = sf.shard(params, mesh, strategy)
     opt = adamw(lambda count: 0.01 / (1 + count), weight_decay=0.0)
-    step = sf.jit_step(lambda p, b: mlp_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(mlp_loss, mesh, optimizer=opt)
     state = opt.init(sharded)
     out = []
     for batch in mlp_batches():
@@ -172,7 +172,7 @@ def lora_bytes():
     sharded = sf.shard(params, mesh, "FULL_SHARD")
     opt = adamw(1e-2)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda p, b: mlp_loss(apply, p, b), mesh, optimizer=opt)
+    step = sf.jit_step(mlp_loss, mesh, optimizer=opt)
     batch = split_batch(mlp_batches(12, 5)[0], mesh.rank, mesh.size)
     with sf.record_collectives() as log:
         sharded, state, _ = step(sharded, state, batch)

@@ -12,8 +12,10 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .._batch import Mean
+from .._deprecated import renamed
 from .._functionalize import Apply, functionalize
 from .._mesh import Mesh
+from .._plan import Plan, Strategy
 from .._sharded import ShardedParams, gather, shard
 from .._step import jit_step
 from ..optim import GradientTransformation, apply_updates
@@ -85,19 +87,21 @@ def full_state(sharded: ShardedParams) -> dict[str, torch.Tensor]:
     return out
 
 
+@renamed(strategy="plan")
 def sharded_training(
     model_fn,
     loss_fn: LossFn,
     batches,
     optimizer,
-    strategy,
+    plan: Plan | Strategy | str,
     units=None,
     *,
     seed: int = 0,
     replicate: int | None = None,
     step_options: Mapping[str, Any] | None = None,
 ):
-    """Runs on every rank of a cluster: the same training, sharded.
+    """Runs on every rank of a cluster: the same training, sharded, with
+    ``loss_fn(apply, params, batch)`` as :func:`check_equivalence` takes it.
 
     Returns ``{"losses", "state", "shards", "buffers"}``: the loss of every step, the final
     full state (:func:`full_state`), this rank's local shard of every parameter as
@@ -108,12 +112,12 @@ def sharded_training(
     """
     mesh = Mesh.from_group(replicate=replicate)
     torch.manual_seed(seed)
-    params, apply = functionalize(model_fn())
-    sharded = shard(params, mesh, strategy, units=units)
+    params, _ = functionalize(model_fn())  # the shards carry the model's apply
+    sharded = shard(params, mesh, plan, units=units)
     del params
     opt = optimizer()
     state = opt.init(sharded)
-    step = jit_step(lambda p, b: loss_fn(apply, p, b), mesh, optimizer=opt, **(step_options or {}))
+    step = jit_step(loss_fn, mesh, optimizer=opt, **(step_options or {}))
     losses = []
     for batch in batches:
         sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.rank, mesh.size))

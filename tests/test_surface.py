@@ -1,0 +1,282 @@
+"""The public surface agrees with itself: one name per concept, one loss convention, the
+same plan fields wherever a plan is built, enums, sizes and timeouts that parse one way,
+``__all__`` holding what users call, and docstring examples whose names and keywords exist.
+The next drift fails here (docs/migrating.md, "Changes", lists what moved)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import datetime
+import functools
+import inspect
+import re
+import warnings
+
+import pytest
+import torch
+
+import shardfn as sf
+from conftest import dotted
+import shardfn.optim
+import shardfn.testing
+from shardfn._memory import parse_size
+from shardfn._mesh import seconds
+from shardfn.testing import check_equivalence
+from shardfn.testing.models import GPT, GPTConfig, lm_loss
+
+# Old spellings, gone from every public signature (docs/migrating.md, "Changes").
+OLD_NAMES = {"batch_example": "batch", "has_aux": "aux", "mean_aux": "aux", "skip_nonfinite": "on_nonfinite"}
+# A parameter that takes a concept goes by its name (or a role name for it).
+CONCEPTS = {"plan": ("Plan", {"plan", "base"}), "mesh": ("Mesh", {"mesh"})}
+PLAN_FIELDS = [f.name for f in dataclasses.fields(sf.Plan) if f.name != "strategy"]
+CFG = GPTConfig(vocab_size=17, seq_len=4, d_model=8, n_layers=2, n_heads=2)
+
+
+def _namespaces() -> list[tuple[str, object]]:
+    return [("shardfn", sf), ("shardfn.optim", sf.optim), ("shardfn.testing", sf.testing)]
+
+
+def public_callables() -> list[tuple[str, object]]:
+    """Every public function and class of the three public namespaces, and the public
+    methods of those classes: ``(qualified name, object)``."""
+    out = []
+    for prefix, module in _namespaces():
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not callable(obj) or inspect.ismodule(obj):
+                continue
+            out.append((f"{prefix}.{name}", obj))
+            if inspect.isclass(obj):
+                for attr, member in vars(obj).items():
+                    if not attr.startswith("_") and inspect.isfunction(member):
+                        out.append((f"{prefix}.{name}.{attr}", member))
+    return out
+
+
+def _parameters(fn: object) -> list[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def test_all_holds_what_users_call_and_each_name_is_documented():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no name of __all__ is a deprecated one
+        objects = {name: getattr(sf, name) for name in sf.__all__}
+    assert not set(sf._DEPRECATED) & set(sf.__all__)
+    assert all(inspect.getdoc(obj) for obj in objects.values()), [n for n, o in objects.items() if not inspect.getdoc(o)]
+    for name in ("LeafLayout", "UnitLayout", "BufferLayout", "Purpose", "Grad", "Step", "FullShard", "HybridShardZero2"):
+        with pytest.warns(DeprecationWarning, match="goes in the next release"):
+            assert getattr(sf, name) is not None
+
+
+def _loss(apply, params, batch):
+    return lm_loss(apply(params, batch["x"]), batch["y"])
+
+
+def test_one_name_per_concept():
+    bad = []
+    for qual, fn in public_callables():
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for p in params:
+            annotation = str(p.annotation)
+            if p.name in OLD_NAMES:
+                bad.append(f"{qual}({p.name}=): now {OLD_NAMES[p.name]}=")
+            for concept, (kind, names) in CONCEPTS.items():
+                # a plan is "Plan | Strategy | str"; a mesh a Mesh or, to plan for, a world size or pair
+                takes = re.search(rf"\b{kind}\b", annotation) is not None or (
+                    concept == "mesh" and re.fullmatch(r"int \| tuple\[int, int\]( \| None)?", annotation) is not None)
+                if takes and p.name not in names:
+                    bad.append(f"{qual}({p.name}=) takes a {concept}: call it {concept}=")
+            if p.name == "strategy" and "Plan" in annotation or p.name == "strategy" and p.annotation is p.empty:
+                bad.append(f"{qual}(strategy=) takes a plan or a strategy: call it plan=")
+    assert not bad, "public signatures that name a concept otherwise:\n" + "\n".join(sorted(bad))
+
+
+def test_every_entry_point_that_builds_a_plan_takes_all_of_its_fields():
+    # the functions that build a plan from a plan (or a strategy) and fields of their own
+    takers = [(q, fn) for q, fn in public_callables() if inspect.isfunction(fn)
+              and {"plan", "precision"} <= set(_parameters(fn))]
+    assert {q for q, _ in takers} >= {"shardfn.shard", "shardfn.reshard"}
+    for qual, fn in takers:
+        params = _parameters(fn)
+        assert set(PLAN_FIELDS) <= set(params), (qual, sorted(set(PLAN_FIELDS) - set(params)))
+        assert "plan" in params, qual
+
+
+def test_every_entry_point_that_takes_a_loss_says_one_convention():
+    takers = [(q, fn) for q, fn in public_callables() if "loss_fn" in _parameters(fn)]
+    assert {"shardfn.jit_step", "shardfn.jit_grad", "shardfn.explain", "shardfn.autoplan",
+            "shardfn.testing.check_equivalence"} <= {q for q, _ in takers}
+    for qual, fn in takers:
+        doc = inspect.getdoc(fn) or ""
+        assert "(apply, params, batch)" in doc, qual
+        assert not re.search(r"loss_fn\(params, batch\)", doc.replace("former ``(params, batch)``", "")), qual
+
+
+def gpt_model():
+    return GPT(CFG)
+
+
+def train_with_one_loss():
+    """One top-level loss through jit_grad and jit_step on shards (they pass the apply of
+    the tree they run), against a plain one-process gradient of the global batch."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    reference = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in params.items()}
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    g = torch.Generator().manual_seed(1)
+    batch = {k: torch.randint(0, CFG.vocab_size, (2 * mesh.size, CFG.seq_len), generator=g) for k in "xy"}
+    mine = {k: v.chunk(mesh.size)[mesh.rank] for k, v in batch.items()}
+    loss, grads, _ = sf.jit_grad(_loss, mesh)(sharded, mine)
+    ref_loss = _loss(apply, reference, batch)
+    ref_loss.backward()
+    ref_norm = torch.stack([t.grad.pow(2).sum() for t in reference.values() if t.grad is not None]).sum().sqrt()
+    step = sf.jit_step(_loss, mesh, optimizer=sf.optim.sgd(0.1))
+    _, _, metrics = step(sharded, step.init(sharded), mine)
+    return float(loss), metrics["loss"], float(ref_loss), float(grads.global_norm), float(ref_norm)
+
+
+def test_one_loss_serves_every_entry_point(clusters):
+    loss, step_loss, ref_loss, norm, ref_norm = clusters[2].run(train_with_one_loss)[0]
+    assert loss == pytest.approx(ref_loss, rel=1e-6) and step_loss == pytest.approx(ref_loss, rel=1e-6)
+    assert norm == pytest.approx(ref_norm, rel=1e-5)
+    # ... explain and autoplan (no process group here: both simulate on a fake world) ...
+    with torch.device("meta"):
+        model = GPT(CFG)
+    tokens = torch.zeros(1, CFG.seq_len, dtype=torch.long)
+    report = sf.explain(model, 2, "FULL_SHARD", {"x": tokens, "y": tokens}, loss_fn=_loss, verbose=False)
+    found = sf.autoplan(model, 2, "1GiB", {"x": tokens, "y": tokens}, loss_fn=_loss, verbose=False)
+    assert report.peak_bytes and found.chosen is not None
+    # ... and the testing kit, which builds the model in every process
+    rows = torch.arange(2 * CFG.seq_len).reshape(2, CFG.seq_len) % CFG.vocab_size
+    check_equivalence(gpt_model, _loss, [{"x": rows, "y": rows.flip(1)}], optimizer=functools.partial(sf.optim.sgd, 0.1),
+                      strategies=["FULL_SHARD"], world_sizes=[2], clusters=clusters)
+
+
+def old_spellings():
+    """The former spellings still work, each with a warning naming the new one."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    seen = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sharded = sf.shard(params, mesh, strategy="SHARD_GRAD_OP")
+        step = sf.jit_step(lambda p, b: _loss(apply, p, b), mesh, optimizer=sf.optim.sgd(0.1), has_aux=False,
+                           skip_nonfinite=True)
+        batch = {k: torch.zeros(2, CFG.seq_len, dtype=torch.long) for k in "xy"}
+        _, _, metrics = step(sharded, step.init(sharded), batch)
+        seen = [(str(w.message), w.filename) for w in caught if issubclass(w.category, DeprecationWarning)]
+    return sharded.layout.strategy.value, metrics["skipped"], seen
+
+
+def test_old_spellings_work_for_one_release_with_a_warning(clusters):
+    strategy, skipped, seen = clusters[2].run(old_spellings)[0]
+    assert strategy == "SHARD_GRAD_OP" and skipped is False
+    assert all(filename == __file__ for _, filename in seen), seen  # each names the line that used the old spelling
+    seen = [message for message, _ in seen]
+    for old, new in [("shard(strategy=...)", "shard(plan=...)"), ("jit_step: a loss_fn(params, batch)",
+                                                                 "loss_fn(apply, params, batch)"),
+                     ("jit_step(has_aux=..., mean_aux=...)", 'aux="rank"'),
+                     ("jit_step(skip_nonfinite=...)", 'on_nonfinite="skip"')]:
+        assert any(old in m and new in m for m in seen), (old, seen)
+    with pytest.raises(TypeError, match="pass plan= only"):
+        sf.shard({}, None, plan="FULL_SHARD", strategy="FULL_SHARD")
+
+
+def test_enums_parse_their_names_and_values_in_any_case():
+    for enum in (sf.Strategy, sf.RematMode, sf.Placement, sf.Accumulate):
+        for member in enum:
+            for text in (member.name, member.name.lower(), str(member.value), str(member.value).upper()):
+                assert enum.parse(text) is member, (enum, text)
+        with pytest.raises(ValueError, match=f"is not one of .*{enum.__name__}"):
+            enum.parse("no such thing")
+
+
+def test_sizes_and_timeouts_parse_one_way():
+    assert parse_size("40GiB", "x") == 40 * 2**30 and parse_size("80GB", "x") == 80 * 10**9
+    assert parse_size("512 KiB", "x") == 512 * 1024 and parse_size("2tb", "x") == 2 * 10**12
+    assert parse_size(1000, "x") == parse_size("1000B", "x") == 1000
+    for bad in ("forty", "3iB", 0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="save_pretrained\\(max_shard_size=...\\): .* is not a size"):
+            parse_size(bad, "save_pretrained(max_shard_size=...)")
+    assert seconds(datetime.timedelta(minutes=2), "t") == seconds(120, "t") == 120.0
+    for bad in (0, -3, "60", None):
+        with pytest.raises(ValueError, match="a positive number of seconds or a datetime.timedelta"):
+            seconds(bad, "Mesh.from_env(timeout=...)")
+
+
+# -- docstring examples -------------------------------------------------------------------
+
+
+def _examples() -> list[tuple[str, str]]:
+    """``(where, source)`` of every docstring example (its ``>>>`` and ``...`` lines) of the public callables."""
+    out = []
+    for qual, fn in public_callables() + [(p, m) for p, m in _namespaces()]:
+        lines = [line.strip() for line in (inspect.getdoc(fn) or "").splitlines()]
+        source = [line[4:] for line in lines if line.startswith((">>> ", "... "))]
+        if source:
+            out.append((qual, "\n".join(source)))
+    return out
+
+
+def _resolve(node: ast.AST) -> object | None:
+    """The public object an expression names (``sf.x``, ``shardfn.optim.y``, a bare public
+    name), or None for anything else (a user's variable)."""
+    parts = dotted(node)
+    if parts is None:
+        return None
+    if parts[0] in ("sf", "shardfn"):
+        obj: object = sf
+        for attr in parts[1:]:
+            obj = getattr(obj, attr)  # a missing or deprecated name fails here
+        return obj
+    for _, module in _namespaces():
+        if parts[0] in module.__all__:
+            obj = getattr(module, parts[0])
+            for attr in parts[1:]:
+                obj = getattr(obj, attr)
+            return obj
+    return None
+
+
+def test_docstring_examples_use_names_keywords_and_the_loss_that_exist():
+    examples = _examples()
+    assert len(examples) > 25, len(examples)
+    checked, bad = 0, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for where, source in examples:
+            try:
+                tree = ast.parse(source)
+            except SyntaxError:  # a with-block without its body, an elided line
+                tree = ast.parse("\n".join(line for line in source.splitlines() if not line.rstrip().endswith(":")))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef) and "loss" in node.name:
+                    if [a.arg for a in node.args.args][:1] != ["apply"]:
+                        bad.append(f"{where}: def {node.name}({', '.join(a.arg for a in node.args.args)})")
+                if isinstance(node, (ast.Attribute, ast.Name)):
+                    try:
+                        _resolve(node)
+                    except (AttributeError, DeprecationWarning) as e:
+                        bad.append(f"{where}: {ast.unparse(node)}: {e}")
+                if isinstance(node, ast.Call) and node.keywords:
+                    try:
+                        fn = _resolve(node.func)
+                    except (AttributeError, DeprecationWarning):
+                        continue  # reported above
+                    params = inspect.signature(fn).parameters if callable(fn) else {}
+                    if fn is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                        continue
+                    checked += 1
+                    bad += [f"{where}: {ast.unparse(node.func)}({k.arg}=...)" for k in node.keywords
+                            if k.arg and k.arg not in params]
+    assert checked > 15, checked  # the parse keeps finding calls
+    assert not bad, "docstring examples that do not match the code:\n" + "\n".join(bad)
