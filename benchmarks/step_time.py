@@ -34,7 +34,12 @@ shardfn (``shardfn.shard`` with default units: one per Block, plus the root;
   ``torch.compile(block.forward)``, as torchtitan compiles per block);
 * ``shardfn_full_rows``: ``shardfn_full`` with ``placement="rows"`` (each parameter cut on
   dim 0: a copy into and out of every all-gather) where the others use shardfn's default
-  flat placement; ``shardfn_full`` is compared with it.
+  flat placement; ``shardfn_full`` is compared with it;
+* ``shardfn_no_shard_nobuckets``: ``shardfn_no_shard`` with ``Plan(bucket_bytes=0)``, one
+  all-reduce per unit (``shardfn_no_shard`` is compared with it: what buckets buy).
+
+``--preset small`` trains the latency-bound regime instead (d_model 64, 24 layers, seq 16,
+batch 1 per rank, vocab 64: 25 units of ~50k parameters), with its own pairs and targets.
 
 Method: a ratio is only as good as the pair's isolation. With every configuration built in
 the same processes, each ran slower (FSDP2 at 1,907 ms/step instead of 1,371) and some more
@@ -146,6 +151,7 @@ class Spec:
     bf16: bool = False  # parameters gathered and computed in bfloat16, gradients reduced in fp32
     compiled: bool = False  # shardfn: jit_step(compile=True); fsdp2: each Block's forward compiled (regional)
     placement: str = "flat"  # shardfn: Plan(placement=...); "flat" is shardfn's default
+    buckets: bool = True  # shardfn: Plan(bucket_bytes=0) when False (each unit reduces alone)
 
 
 SPECS = {
@@ -163,6 +169,7 @@ SPECS = {
     "shardfn_w1": Spec("shardfn", world1=True),
     "shardfn_full_compiled": Spec("shardfn", compiled=True),
     "shardfn_full_rows": Spec("shardfn", placement="rows"),
+    "shardfn_no_shard_nobuckets": Spec("shardfn", strategy="NO_SHARD", buckets=False),
 }
 CONFIGS = tuple(SPECS)
 # The compared pairs (configuration, peer) and the issue's target for each: the largest
@@ -178,6 +185,17 @@ PAIRS = {
     ("shardfn_full_compiled", "shardfn_full"): None,
     ("shardfn_full_compiled", "fsdp2_compiled"): None,
     ("shardfn_full", "shardfn_full_rows"): None,
+}
+# The two regimes (--preset): "big" units, where compute hides the collectives (the default
+# GPT above), and "small" ones, latency-bound as a GPU is where compute shrinks a hundredfold:
+# 25 units of 50k parameters, where each collective's latency and each unit's host work show
+# (issue "Buckets"). Each preset has its model and its targets; explicit sizes override.
+PRESETS = {
+    "big": {"dims": {"d_model": 512, "layers": 8, "heads": 4, "seq": 128, "vocab": 256, "batch": 4}, "targets": PAIRS},
+    "small": {"dims": {"d_model": 64, "layers": 24, "heads": 2, "seq": 16, "vocab": 64, "batch": 1},
+              "targets": {("shardfn_no_shard", "ddp"): 1.10, ("shardfn_full", "fsdp2"): 0.50,
+                          ("shardfn_full", "ddp"): 1.50, ("shardfn_grad_op", "fsdp2_noreshard"): None,
+                                      ("shardfn_no_shard", "shardfn_no_shard_nobuckets"): None}},
 }
 WARMUP = 2
 LOSS_TOL = 1e-4  # fp32 configurations among themselves
@@ -314,6 +332,7 @@ def build_shardfn_step(spec: Spec, model: torch.nn.Module, lr: float):
     opt = sf.optim.adamw(lr)
     precision = sf.Precision(param=torch.bfloat16, reduce=torch.float32) if spec.bf16 else None
     placement = {"placement": spec.placement} if spec.placement != "flat" else {}  # (an older shardfn has none)
+    placement.update({} if spec.buckets else {"bucket_bytes": 0})
     state = {"sharded": sf.shard(params, mesh, spec.strategy, precision=precision, **placement)}
     del params  # the full parameters are not part of the trained state
     state["opt"] = opt.init(state["sharded"])
@@ -516,7 +535,8 @@ def _same_counts(recorded: dict[str, int], counted: dict[str, int], world: int) 
     return abs(header) <= 1024 and mine == {k: v for k, v in recorded.items() if k != "all_gather"}
 
 
-def summarise_pairs(pairs: list[tuple[str, str]], together: dict, alone: dict, summary: dict, cpu: bool) -> list[dict]:
+def summarise_pairs(pairs: list[tuple[str, str]], together: dict, alone: dict, summary: dict, cpu: bool,
+                    targets: dict) -> list[dict]:
     """Per pair: the ratio of step times measured both ways, with its spread over repeats.
 
     interleaved: in each repeat the pair alone in one fresh set of processes, a step of
@@ -530,7 +550,7 @@ def summarise_pairs(pairs: list[tuple[str, str]], together: dict, alone: dict, s
         sep = [_time(a, cpu) / _time(b, cpu) for a, b in zip(alone[config], alone[peer])]
         med = statistics.median(_time(a, cpu) for a in alone[config]) / statistics.median(
             _time(b, cpu) for b in alone[peer])
-        limit = PAIRS.get((config, peer))
+        limit = targets.get((config, peer))
         peak, peer_peak = summary[config]["peak_mib_per_rank"], summary[peer]["peak_mib_per_rank"]
         out.append({
             "config": config, "peer": peer, "metric": "cpu ms per rank" if cpu else "wall ms",
@@ -664,19 +684,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--world", type=int, default=2, help="ranks (single and shardfn_w1 use 1)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every measurement, each in fresh processes")
     p.add_argument("--steps", type=int, default=6, help="timed steps per run, after 2 warm-up steps")
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank (world-size-1 runs: world x this)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="big",
+                   help="the model and targets of one regime: big units (default) or small, latency-bound ones")
+    p.add_argument("--d-model", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--batch", type=int, help="sequences per rank (world-size-1 runs: world x this)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
-    p.add_argument("--pairs", default=",".join(f"{c}:{q}" for c, q in PAIRS),
-                   help="comma list of configuration:peer, from " + ",".join(CONFIGS))
+    p.add_argument("--pairs", help="comma list of configuration:peer, from " + ",".join(CONFIGS)
+                   + "; default: the preset's compared pairs")
     p.add_argument("--out", default="benchmarks/results/step_time.json", help="JSON; the plot goes next to it (.png)")
     args = p.parse_args()
+    preset = PRESETS[args.preset]
+    for name, value in preset["dims"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.pairs = args.pairs or ",".join(f"{c}:{q}" for c, q in preset["targets"])
     args.pairs = [tuple(x.strip().split(":")) for x in args.pairs.split(",") if x.strip()]
     bad = [":".join(x) for x in args.pairs if len(x) != 2 or not all(c in SPECS for c in x) or x[0] == x[1]
            or SPECS[x[0]].world1 != SPECS[x[1]].world1]
@@ -728,7 +755,7 @@ def main() -> None:
                   f"{peer:<18} {r[peer]['ms_per_step']:8.1f} ms/step  ratio "
                   f"{r[config]['ms_per_step'] / r[peer]['ms_per_step']:.3f}", flush=True)
     summary = summarise_configs(alone, counted, args.world)
-    pairs = summarise_pairs(args.pairs, together, alone, summary, cpu)
+    pairs = summarise_pairs(args.pairs, together, alone, summary, cpu, PRESETS[args.preset]["targets"])
     load_after = os.getloadavg()
     print(f"load average after: {load_after[0]:.2f}\n")
     print(config_table(summary))

@@ -60,6 +60,7 @@ class UnitCost:
     reduce_bytes: int  # reduce-scatter input + all-reduce tensor per step
     placement: str = "flat"  # "flat", "rows" or "whole" ([Note: placements])
     padding: int = 0  # elements of padding, all ranks together: what the placement costs beyond the parameters
+    bucket: str = ""  # the bucket it reduces in ([Note: buckets]); its own name when it reduces alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,9 @@ class Explanation:
             peak = f", at most {mib(self.host_peak_bytes)} MiB during a step" if self.host_peak_bytes is not None else ""
             rows.append(f"  offloaded to host memory per rank (shards, gradients, optimizer state): "
                         f"{mib(self.host_bytes)} MiB between steps{peak}")
+        shared = sorted({u.bucket for u in self.units if u.bucket and u.bucket != u.name})
+        if shared:
+            rows.append(f"  buckets (units whose gradients reduce in one collective): {', '.join(shared)}")
         if self.transfers:
             moves = ", ".join(f"{k} x{c} copies = {mib(b)} MiB" for k, (c, b) in sorted(self.transfers.items()))
             rows.append(f"  host <-> device copies per step and rank: {moves}")
@@ -267,9 +271,17 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
             unit = layout.unit_of(name).name
             optim_bytes[unit] = optim_bytes.get(unit, 0) + leaf.numel() * leaf.element_size()
     moved: dict[str, dict[str, int]] = {}
+    buckets = {layout.bucket_name(b): b for b in layout.buckets}
     if log is not None:
         for c in log.calls:
             kind = "gather" if c.kind is Collective.ALL_GATHER else "reduce"
+            members = buckets.get(c.unit, ())
+            if len(members) > 1:  # a bucket's collective: each unit its own gradients' share
+                for i in members:
+                    u = layout.units[i]
+                    moved.setdefault(u.name, {}).setdefault(kind, 0)
+                    moved[u.name][kind] += u.grad_numel * u.reduce_dtype.itemsize
+                continue
             moved.setdefault(c.unit, {}).setdefault(kind, 0)
             moved[c.unit][kind] += c.nbytes
         collectives: dict[str, tuple[int, int]] = {}
@@ -295,6 +307,7 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
             reduce_bytes=moved.get(u.name, {}).get("reduce", 0),
             placement="whole" if u.whole else "flat" if u.flat else "rows",
             padding=u.numel * layout.world - sum(math.prod(leaf.shape) for leaf in leaves),
+            bucket=layout.bucket_name(layout.bucket_of(u)),
         ))
     transfers = {d: (log.transfer_copies()[d], b) for d, b in log.transfer_bytes().items()} if log is not None else {}
     return Explanation(layout.strategy.value, tuple(layout.mesh_shape), tuple(units), collectives, persistent, peak,

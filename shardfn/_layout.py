@@ -38,6 +38,7 @@ leaves; every packing below places each piece at its offset and zeros the rest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -153,6 +154,9 @@ class BufferLayout:
     persistent: bool  # in model.state_dict(), so in gather(), checkpoints and exports
 
 
+FIRST_BUCKET_BYTES = 2**20  # see Layout.buckets
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """What every rank agrees on about a sharded tree. Printing it shows the plan."""
@@ -225,6 +229,52 @@ class Layout:
     def full_bytes(self) -> int:
         return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in self.leaves.values())
 
+    @functools.cached_property
+    def buckets(self) -> tuple[tuple[int, ...], ...]:
+        """[Note: buckets] The units whose gradient reductions travel together, as tuples of
+        unit indices in layout order; every unit that reduces is in exactly one.
+
+        Under NO_SHARD (a world of one ``shard``, replicas to average over) a unit's
+        reduction is one all-reduce of its gradient buffer, whatever its size: small units
+        pay a collective's latency each. So neighbouring units share one buffer and one
+        all-reduce, DDP's buckets: taken from the last unit back (backward's order),
+        each bucket up to ``plan.bucket_bytes`` bytes of gradients (a unit larger than that
+        alone), one reduce dtype per bucket; the first, up to 1 MiB (DDP's first bucket), so
+        that its all-reduce starts early and overlaps the rest of backward. Optional units reduce at the end of backward,
+        on their own; ``bucket_bytes=0`` turns buckets off. The sharded strategies reduce
+        each unit on its own (their buffers are ``[world, n]``, and a unit's columns of a
+        shared one are not contiguous).
+        """
+        reducing = [u for u in self.units if u.grad_numel]
+        if not (self.world == 1 and self.replicas > 1 and self.plan.bucket_bytes):
+            return tuple((u.index,) for u in reducing)
+        out: list[list[int]] = []
+        size, dtype = 0, None
+        for u in reversed(reducing):
+            nbytes = u.grad_numel * u.reduce_dtype.itemsize
+            alone = u.optional or (out and self.units[out[-1][0]].optional)
+            # the first bucket ready is small, so that communication starts early (DDP's 1 MiB)
+            cap = min(FIRST_BUCKET_BYTES, self.plan.bucket_bytes) if len(out) == 1 else self.plan.bucket_bytes
+            if not out or alone or u.reduce_dtype != dtype or size + nbytes > cap:
+                out.append([])
+                size = 0
+            out[-1].insert(0, u.index)
+            size, dtype = size + nbytes, u.reduce_dtype
+        return tuple(tuple(b) for b in reversed(out))
+
+    def bucket_of(self, unit: UnitLayout) -> tuple[int, ...]:
+        """The bucket holding ``unit`` (``(unit.index,)`` when it reduces alone or not at all)."""
+        return self._bucket_index.get(unit.index, (unit.index,))
+
+    @functools.cached_property
+    def _bucket_index(self) -> dict[int, tuple[int, ...]]:
+        return {i: b for b in self.buckets for i in b}
+
+    def bucket_name(self, bucket: tuple[int, ...]) -> str:
+        """How collectives and ``explain`` name a bucket: its unit, or its first and last units."""
+        first, last = self.units[bucket[0]].name, self.units[bucket[-1]].name
+        return first if len(bucket) == 1 else f"{first}..{last}"
+
     def collectives_per_step(self) -> dict[str, tuple[int, int]]:
         """Expected ``{kind: (count, bytes)}`` of one training step on one rank.
 
@@ -236,7 +286,7 @@ class Layout:
         needs no gradient, is not gathered again: a step then issues one all-gather fewer
         than this predicts, which counts two for every non-root unit.)
         SHARD_GRAD_OP gathers once; all reduce-scatter once. NO_SHARD all-reduces once
-        per unit. The hybrid strategies do what FULL_SHARD / SHARD_GRAD_OP do over the
+        per bucket of units (:attr:`buckets`). The hybrid strategies do what FULL_SHARD / SHARD_GRAD_OP do over the
         ``shard`` axis, then all-reduce each unit's shard-sized gradient over
         ``replicate``. An axis of size one issues nothing. Not counted here: the step's
         metrics all-reduce per mesh axis (8 bytes, plus 4 per floating-point buffer), and
@@ -247,6 +297,10 @@ class Layout:
             for kind, (count, nbytes) in self.unit_collectives(u).items():
                 c, b = out.get(kind, (0, 0))
                 out[kind] = (c + count, b + nbytes)
+        shared = sum(len(b) - 1 for b in self.buckets)  # a bucket's units share its one all-reduce
+        if shared:
+            c, b = out["all_reduce"]
+            out["all_reduce"] = (c - shared, b)
         return out
 
     def unit_collectives(self, u: UnitLayout) -> dict[str, tuple[int, int]]:

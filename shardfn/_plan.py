@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from ._memory import parse_size
 from ._offload import Offload
 from ._precision import Precision
 from ._units import DefaultUnits, UnitPolicy, UnitsArg, as_policy
@@ -232,6 +233,9 @@ def _as_remat(remat: Any) -> Remat | None:
     return Remat(units=remat)
 
 
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb=25; see [Note: buckets]
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A strategy plus its policies; immutable, hashable, printable.
@@ -250,6 +254,8 @@ class Plan:
     # bool | int, or ((unit name, bool | int), ...): see shardfn._sharded.reshard_rules
     reshard_after_forward: Any = None
     placement: Placement | Whole = Placement.FLAT  # see [Note: placements]
+    # bytes of gradients per bucket: neighbouring units reduce together ([Note: buckets])
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __init__(
         self,
@@ -262,6 +268,7 @@ class Plan:
         offload: Offload | None = None,
         reshard_after_forward: bool | int | Mapping[str, bool | int] | None = None,
         placement: Placement | Whole | str | None = None,
+        bucket_bytes: int | str | None = None,
     ):
         object.__setattr__(self, "strategy", Strategy.parse(strategy))
         object.__setattr__(self, "units", as_policy(units))
@@ -286,6 +293,8 @@ class Plan:
                             "(an int), or a dict unit name -> one of those, e.g. {'blocks.7': False}.")
         object.__setattr__(self, "reshard_after_forward", rule)
         object.__setattr__(self, "placement", Placement.FLAT if placement is None else Placement.parse(placement))
+        object.__setattr__(self, "bucket_bytes", DEFAULT_BUCKET_BYTES if bucket_bytes is None else
+                           0 if bucket_bytes == 0 else parse_size(bucket_bytes, "Plan(bucket_bytes=...)"))
 
     def __repr__(self) -> str:
         extra = f", precision={self.precision!r}" if self.precision != Precision() else ""
@@ -296,6 +305,7 @@ class Plan:
         extra += f", reshard_after_forward={dict(rule) if isinstance(rule, tuple) else rule!r}" if rule is not None else ""
         shown = self.placement.value if isinstance(self.placement, Placement) else self.placement
         extra += f", placement={shown!r}" if self.placement is not Placement.FLAT else ""
+        extra += f", bucket_bytes={self.bucket_bytes}" if self.bucket_bytes != DEFAULT_BUCKET_BYTES else ""
         return f"Plan({self.strategy.value}, units={self.units!r}{extra})"
 
 
@@ -329,7 +339,7 @@ def HybridShardZero2(**fields: Any) -> Plan:
     return Plan(Strategy.HYBRID_SHARD_ZERO2, **fields)
 
 
-_FIELDS = ("units", "precision", "remat", "optional", "offload", "reshard_after_forward", "placement")
+_FIELDS = ("units", "precision", "remat", "optional", "offload", "reshard_after_forward", "placement", "bucket_bytes")
 
 
 def make_plan(plan: Plan | Strategy | str, **fields: Any) -> Plan:

@@ -65,19 +65,19 @@ import torch
 
 from . import _collectives as C
 from ._events import Purpose
-from ._packing import pack_unit
 from ._offload import to_host
+from ._packing import pack_unit
 
 if TYPE_CHECKING:
     from ._gather import Unit
 
-__all__ = ["UnitGrads"]
+__all__ = ["Bucket", "UnitGrads", "attach_buckets"]
 
 
 class UnitGrads:
     """The gradients of one unit during a runtime (see [Note: one reduction per unit])."""
 
-    __slots__ = ("unit", "store", "nodes", "graphed", "acc", "replicate_group")
+    __slots__ = ("unit", "store", "nodes", "graphed", "acc", "replicate_group", "bucket")
 
     def __init__(self, unit: Unit, store: bool):
         self.unit = unit
@@ -88,6 +88,7 @@ class UnitGrads:
         self.nodes = 0  # GatherUnit nodes built in forward whose backward has not run
         self.graphed = False  # a node was built since the last reduction
         self.acc: Any = None  # the unsharded gradient buffer (a world of one: a list of per-leaf gradients)
+        self.bucket: Bucket | None = None  # the units it reduces with ([Note: buckets]), in a step
 
     def count_node(self) -> None:
         self.nodes += 1
@@ -127,9 +128,13 @@ class UnitGrads:
             self.reduce()
 
     def reduce(self) -> None:
-        """Reduces the accumulated gradients once; the runtime collects the result."""
+        """Reduces the accumulated gradients once (with its bucket's, when it has one); the
+        runtime collects the result."""
         rt = self.unit.runtime
-        rt.reduced.append((self.unit, self._issue(asynchronous=rt.overlap)))
+        if self.bucket is not None:
+            self.bucket.add(self.unit)
+        else:
+            rt.reduced.append((self.unit, self._issue(asynchronous=rt.overlap)))
         self.graphed = False
 
     # -- accumulating ---------------------------------------------------------------------
@@ -142,8 +147,8 @@ class UnitGrads:
         if self._plain:
             self._own(grads, leaves, device)
             return
-        if self.store:  # the previous unit's reduction: done, and its buffer freed, before this one's exists
-            unit.runtime.wait_pending()
+        if self.store and self.bucket is None:  # the previous unit's reduction: done, and its buffer freed,
+            unit.runtime.wait_pending()  # before this one's exists (buckets: see Runtime.add_pending)
         buf = self._packed(grads, leaves, lay.world, device)
         self.acc = buf if self.acc is None else self.acc.add_(buf)
 
@@ -153,7 +158,10 @@ class UnitGrads:
         buffer of the reduce dtype, each straight into its columns of every rank's row
         (``rows``: the world) or, in a flat unit, at its offset; cast on the way, padding zeroed."""
         u = self.unit.unit
-        buf = torch.empty(rows, u.grad_numel, dtype=u.reduce_dtype, device=device)
+        if self.bucket is not None and self.acc is None:  # straight into the unit's part of the bucket's buffer
+            buf = self.bucket.part(self.unit).view(1, -1)
+        else:
+            buf = torch.empty(rows, u.grad_numel, dtype=u.reduce_dtype, device=device)
         kept = [(g, leaf) for g, leaf in zip(grads, leaves) if leaf.grad_offset >= 0]
         pack_unit(buf, [g if g is not None else torch.zeros(leaf.shape, dtype=u.param_dtype, device=device)
                         for g, leaf in kept], rows, [leaf.start for _, leaf in kept] if u.flat else None)
@@ -255,3 +263,60 @@ class UnitGrads:
     def shard_grads(self, out: Any) -> dict[str, torch.Tensor]:
         """Leaf name -> shard gradient, trainable leaves only."""
         return {n: g for n, g in zip(self.unit.unit.leaves, self.shard_grads_list(out)) if g is not None}
+
+
+class Bucket:
+    """Units whose gradients share one buffer and one all-reduce ([Note: buckets] in
+    shardfn._layout): each unit packs into its part; the last one ready issues the
+    collective, and each unit's reduced gradient is its part of the result."""
+
+    __slots__ = ("units", "offsets", "numel", "name", "buffer", "ready")
+
+    def __init__(self, units: list[Unit]):
+        self.units = units
+        self.offsets = [sum(u.unit.grad_numel for u in units[:i]) for i in range(len(units))]
+        self.numel = sum(u.unit.grad_numel for u in units)
+        self.name = units[0].layout.bucket_name(tuple(u.unit.index for u in units))
+        self.buffer: torch.Tensor | None = None  # allocated by the first unit to pack
+        self.ready: list[Unit] = []  # units whose gradients are all in their part
+
+    def part(self, unit: Unit) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.numel, dtype=unit.unit.reduce_dtype, device=unit.device)
+        i = self.units.index(unit)
+        return self.buffer[self.offsets[i] : self.offsets[i] + unit.unit.grad_numel]
+
+    def add(self, unit: Unit) -> None:
+        self.ready.append(unit)
+        if len(self.ready) == len(self.units):
+            self.issue()
+
+    def issue(self) -> None:
+        """One all-reduce of the buffer. Called early, after a backward, for a bucket some of
+        whose units did not reduce in it (they were not used): their parts are zero, and
+        they get nothing, as alone they would have issued nothing."""
+        rt = self.units[0].runtime
+        buf, ready = self.buffer, self.ready
+        for unit in self.units:
+            if unit not in ready:
+                self.part(unit).zero_()
+        work = C.all_reduce(buf, self.units[0].grads.replicate_group, Purpose.REDUCE, self.name, op=rt.reduce_op,
+                            async_op=rt.overlap, to=rt.observers)
+        if rt.overlap:
+            rt.add_pending(work, buf, bucket=True)
+        for unit, off in zip(self.units, self.offsets):
+            if unit in ready:
+                rt.reduced.append((unit, buf[off : off + unit.unit.grad_numel]))
+            unit.grads.acc = None
+        self.buffer, self.ready = None, []
+
+
+def attach_buckets(units: dict[int, Unit]) -> None:
+    """Gives the units of a step's own tree their buckets (those of more than one unit)."""
+    layout = next(iter(units.values())).layout if units else None
+    for members in layout.buckets if layout is not None else ():
+        if len(members) > 1:
+            bucket = Bucket([units[i] for i in members])
+            for unit in bucket.units:
+                unit.grads.bucket = bucket
+

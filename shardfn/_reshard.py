@@ -44,6 +44,7 @@ def reshard(
     offload: Any = None,
     reshard_after_forward: Any = None,
     placement: Any = None,
+    bucket_bytes: Any = None,
 ) -> tuple[ShardedParams, Any]:
     """The same parameters, buffers and optimizer state under another plan or mesh.
 
@@ -58,7 +59,7 @@ def reshard(
         plan: the target strategy or :class:`shardfn.Plan`; default the current plan.
         mesh: the target mesh (same number of ranks; e.g. a 2-D mesh for HYBRID_SHARD);
             default the current one.
-        units, precision, remat, optional, offload, reshard_after_forward, placement:
+        units, precision, remat, optional, offload, reshard_after_forward, placement, bucket_bytes:
             :class:`shardfn.Plan`'s fields, as in :func:`shardfn.shard`: each one given
             replaces the plan's.
 
@@ -82,7 +83,7 @@ def reshard(
         )
     plan = make_plan(plan if plan is not None else old.plan, units=units, precision=precision, remat=remat,
                      optional=optional, offload=offload, reshard_after_forward=reshard_after_forward,
-                     placement=placement)
+                     placement=placement, bucket_bytes=bucket_bytes)
     # What shard() needs to build the layout: the global shapes (meta) and the buffers.
     stand_in = Params({
         n: torch.empty(leaf.shape, dtype=leaf.dtype, device="meta").requires_grad_(leaf.requires_grad)

@@ -170,15 +170,18 @@ class Runtime:
 
     # -- reductions ----------------------------------------------------------------------
 
-    def add_pending(self, work: Any, keepalive: Any) -> None:
-        """Tracks an asynchronous reduction, the only one in flight.
+    def add_pending(self, work: Any, keepalive: Any, bucket: bool = False) -> None:
+        """Tracks an asynchronous reduction, the only one in flight (a bucket's: one of several).
 
         Each pending reduction keeps its unit's unsharded gradient buffer alive, so the
         next unit's reduction waits for it before allocating its own buffer (see
         shardfn._reduce): holding them all until the end of backward would cost the whole
-        model's unsharded gradients, and even two at once raise the peak of backward.
+        model's unsharded gradients, and even two at once raise the peak of backward. A
+        bucket's buffer is the gradients themselves (NO_SHARD: the reduced gradient is its
+        part of the buffer), held to the update anyway: buckets do not wait for each other
+        ([Note: buckets]).
         """
-        invariant(not self._pending, "wait_pending() before starting another reduction")
+        invariant(bucket or not self._pending, "wait_pending() before starting another reduction")
         self._pending.append((work, keepalive))
 
     def wait_pending(self) -> None:
@@ -213,6 +216,11 @@ class Runtime:
                 for unit in units.values():
                     unit.grads.flush(self.reduces_now())
                     self.wait_pending()
+                for unit in units.values():  # a bucket some of whose units were not used ([Note: buckets])
+                    bucket = unit.grads.bucket
+                    if bucket is not None and bucket.ready and self.reduces_now():
+                        bucket.issue()
+                        self.wait_pending()
         self._finish_reduced()
         for unit, out in self.reduced:
             for name, g in unit.grads.shard_grads(out).items():

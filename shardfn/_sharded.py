@@ -127,6 +127,7 @@ def shard(
     offload: Offload | None = None,
     reshard_after_forward: Any = None,
     placement: Placement | str | None = None,
+    bucket_bytes: int | str | None = None,
     seed: int | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     src_rank: int | None = None,
@@ -142,7 +143,7 @@ def shard(
         mesh: a :class:`shardfn.Mesh`.
         plan: a :class:`shardfn.Plan`, or a strategy (``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``,
             ``"NO_SHARD"``, ... or a :class:`shardfn.Strategy`). The keyword fields below
-            are :class:`shardfn.Plan`'s, all seven: each one given replaces the plan's.
+            are :class:`shardfn.Plan`'s, all eight: each one given replaces the plan's.
         units: which parameters travel together (one collective per unit and direction):
             a unit policy (``by_module_type(Block)``, ``by_param_count(n)``, ``by_prefix(...)``),
             module classes, or module paths. Default: each block of the model's outermost
@@ -169,6 +170,9 @@ def shard(
             is a 1-D piece of it; all-gathers with no copy in or out) or ``"rows"`` (each
             parameter cut on dim 0, ``ceil(rows / world)`` rows per rank, zero-padded); see
             :class:`shardfn.Placement`.
+        bucket_bytes: bytes of gradients that reduce in one collective ([Note: buckets]):
+            under NO_SHARD neighbouring units share one all-reduce, as DDP's buckets do
+            (default ``25 * 2**20``, or a size such as ``"25MiB"``; 0: one per unit).
         seed: deferred init: ``params`` may be meta tensors (a model built under
             ``torch.device("meta")``); each unit is materialised in turn on every rank,
             initialised by ``reset_parameters()`` (and ``init_fn(module)``) from a seed
@@ -205,7 +209,7 @@ def shard(
         raise TypeError(f"shard(): mesh must be a shardfn.Mesh (Mesh.from_env()), got {type(mesh).__name__}")
     with guarded(mesh):  # an argument refused on one rank reaches the others (at the layout agreement)
         plan = make_plan(plan, units=units, precision=precision, remat=remat, optional=optional, offload=offload,
-                         reshard_after_forward=reshard_after_forward, placement=placement)
+                         reshard_after_forward=reshard_after_forward, placement=placement, bucket_bytes=bucket_bytes)
         return _shard(params, mesh, plan, seed, init_fn, src_rank, weights)
 
 

@@ -14,14 +14,14 @@ CFG = GPTConfig(vocab_size=31, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 FOUR = 4  # bytes per fp32 element
 
 
-def _setup(strategy, optimizer=None, prefetch=False, placement="flat"):
+def _setup(strategy, optimizer=None, prefetch=False, placement="flat", **fields):
     """One step's setup; ``prefetch=False`` so that the exact gather/free order below holds."""
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(GPT(CFG))
     full_numel = {n: p.numel() for n, p in params.items()}
     rows = {n: (p.shape[0] if p.dim() else 1) for n, p in params.items()}
-    sharded = sf.shard(params, mesh, strategy, placement=placement)
+    sharded = sf.shard(params, mesh, strategy, placement=placement, **fields)
     opt = optimizer or sf.optim.sgd(0.1)
     state = opt.init(sharded)
     step = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=opt, prefetch=prefetch)
@@ -44,8 +44,8 @@ def storage_bytes(tensors):
     return sum(storages.values())
 
 
-def count_one_step(strategy, placement="flat"):
-    mesh, sharded, state, step, batch, full_numel, rows = _setup(strategy, placement=placement)
+def count_one_step(strategy, placement="flat", **fields):
+    mesh, sharded, state, step, batch, full_numel, rows = _setup(strategy, placement=placement, **fields)
     step(sharded, state, batch)  # a first step, then count a steady-state one
     with sf.record_collectives() as log, sf.track_residency() as res:
         step(sharded, state, batch)
@@ -66,6 +66,7 @@ def count_one_step(strategy, placement="flat"):
                                  for b in blocks],
         "expected_root_bytes": padded_bytes(root, full_numel, rows, N if strategy != "NO_SHARD" else 1, placement),
         "layout_expectation": sharded.layout.collectives_per_step(),
+        "buckets": [sharded.layout.bucket_name(b) for b in sharded.layout.buckets],
         "max_live": res.max_live,
         "events": res.events,
     }
@@ -108,13 +109,28 @@ def test_shard_grad_op_one_gather_one_reduce_scatter_per_unit(clusters, placemen
     assert [e for e, _ in r["events"]] == ["gather"] * 3 + ["free"] * 3
 
 
-def test_no_shard_one_all_reduce_per_unit(clusters):
+def test_no_shard_one_all_reduce_per_bucket(clusters):
+    """NO_SHARD reduces in buckets ([Note: buckets]): every unit of this small model in one
+    all-reduce by default (25 MiB), one per unit without buckets, and a cap between the two
+    cuts the units from the last one back."""
     r = clusters[2].run(count_one_step, "NO_SHARD")[0]
     blocks, root = r["expected_block_bytes"], r["expected_root_bytes"]
-    assert r["counts"] == {"all_reduce": 4 + 1}
-    assert r["bytes"] == {"all_reduce": sum(blocks) + root + 8}
-    assert r["layout_expectation"] == {"all_reduce": (4, sum(blocks) + root)}
+    total = sum(blocks) + root
+    assert r["buckets"] == ["<root>..blocks.2"]
+    assert r["counts"] == {"all_reduce": 1 + 1}  # the bucket's, and the metrics'
+    assert r["bytes"] == {"all_reduce": total + 8}
+    assert [unit for (_, unit), _, _ in r["calls"]["all_reduce"]] == ["<root>..blocks.2", ""]
+    assert r["layout_expectation"] == {"all_reduce": (1, total)}
     assert r["max_live"] == 3
+    alone = clusters[2].run(count_one_step, "NO_SHARD", bucket_bytes=0)[0]
+    assert alone["buckets"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    assert alone["counts"] == {"all_reduce": 4 + 1} and alone["bytes"] == r["bytes"]
+    assert alone["layout_expectation"] == {"all_reduce": (4, total)}
+    assert root < blocks[0]  # so a cap of two blocks holds the last two, then the first and the root
+    two = clusters[2].run(count_one_step, "NO_SHARD", bucket_bytes=2 * blocks[0])[0]
+    assert two["buckets"] == ["<root>..blocks.0", "blocks.1..blocks.2"]
+    assert two["counts"] == {"all_reduce": 2 + 1} and two["bytes"] == r["bytes"]
+    assert two["layout_expectation"] == {"all_reduce": (2, total)}
 
 
 def persistent_bytes(strategy, placement="flat"):

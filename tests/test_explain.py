@@ -200,3 +200,22 @@ def test_a_token_weighted_loss_plans_too():
     report = sf.explain(GPT(CFG), 2, "FULL_SHARD", torch.zeros(2, CFG.seq_len, dtype=torch.long), loss_fn=token_mean,
                         verbose=False)
     assert report.collectives["all_reduce"] == (1, 12)  # the count rides on the metrics all-reduce
+
+
+def test_explain_shows_the_buckets():
+    """Under NO_SHARD the units reduce in buckets ([Note: buckets]): explain names each unit's,
+    counts one all-reduce per bucket, and prints the buckets; a smaller cap makes more."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    one = sf.explain(model, 2, "NO_SHARD", verbose=False)
+    names = [u.name for u in one.units]
+    assert {u.bucket for u in one.units} == {f"{names[0]}..{names[-1]}"}
+    assert one.collectives["all_reduce"][0] == 1
+    assert f"buckets (units whose gradients reduce in one collective): {names[0]}..{names[-1]}" in str(one)
+    block = next(u.grad_bytes for u in one.units if u.name == "blocks.0")
+    cut = sf.explain(model, 2, sf.Plan("NO_SHARD", bucket_bytes=block), verbose=False)
+    assert cut.collectives["all_reduce"] == (len({u.bucket for u in cut.units}), one.collectives["all_reduce"][1])
+    assert len({u.bucket for u in cut.units}) > 1
+    alone = sf.explain(model, 2, sf.Plan("NO_SHARD", bucket_bytes=0), verbose=False)
+    assert all(u.bucket == u.name for u in alone.units) and "buckets (" not in str(alone)
+    assert alone.collectives["all_reduce"][0] == len(alone.units)

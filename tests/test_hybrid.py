@@ -85,8 +85,9 @@ def test_hybrid_collectives_per_process_group(clusters, strategy):
 
 
 def test_degenerate_axes_issue_only_what_they_need(clusters):
-    per_group = clusters[4].run(hybrid_counts, "HYBRID_SHARD", 4)[0][0]  # 4x1: replicas only
-    assert set(per_group) == {("replicate", "all_reduce")} and per_group[("replicate", "all_reduce")][0] == 4 + 1
+    per_group = clusters[4].run(hybrid_counts, "HYBRID_SHARD", 4)[0][0]  # 4x1: replicas only, as NO_SHARD:
+    # every unit's gradient in one bucket's all-reduce ([Note: buckets]), and the metrics'
+    assert set(per_group) == {("replicate", "all_reduce")} and per_group[("replicate", "all_reduce")][0] == 1 + 1
     per_group = clusters[4].run(hybrid_counts, "HYBRID_SHARD", 1)[0][0]  # 1x4: shards only
     assert ("replicate", "all_reduce") not in per_group and per_group[("shard", "all_gather")][0] == 7
 

@@ -71,16 +71,18 @@ def counts_with_two_applies(strategy):
     for c in log.calls:
         per_unit.setdefault((c.kind.value, c.purpose.value, c.unit), 0)
         per_unit[(c.kind.value, c.purpose.value, c.unit)] += 1
-    return per_unit, [u.name for u in sharded.layout.units]
+    return per_unit, [u.name for u in sharded.layout.units], [sharded.layout.bucket_name(b) for b in sharded.layout.buckets]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_applies_reduce_each_unit_once(clusters, strategy):
-    per_unit, units = clusters[2].run(counts_with_two_applies, strategy)[0]
+    per_unit, units, buckets = clusters[2].run(counts_with_two_applies, strategy)[0]
     blocks = [u for u in units if u != "<root>"]
-    for u in units:
-        kind = "all_reduce" if strategy == "NO_SHARD" else "reduce_scatter"
-        assert per_unit[(kind, "reduce", u)] == 1, u
+    kind = "all_reduce" if strategy == "NO_SHARD" else "reduce_scatter"
+    assert sorted(key[2] for key in per_unit if key[:2] == (kind, "reduce")) == sorted(buckets)
+    for bucket in buckets:  # a unit alone under the sharded strategies; NO_SHARD's units together ([Note: buckets])
+        assert per_unit[(kind, "reduce", bucket)] == 1, bucket
+    assert (strategy == "NO_SHARD") == (buckets == ["<root>..blocks.1"])
     if strategy == "FULL_SHARD":  # each call gathers each block for forward and again for backward
         assert all(per_unit[("all_gather", "gather", b)] == 2 and per_unit[("all_gather", "regather", b)] == 2
                    for b in blocks)
@@ -129,6 +131,41 @@ def test_a_unit_whose_output_is_unused_reduces_zeros_on_every_rank(clusters):
     # so every rank issues the same reductions, and SGD leaves it unchanged.
     for r in clusters[2].run(unused_output):
         assert r == {"aux_unchanged": True, "head_changed": True, "reductions": ["<root>", "aux", "blocks.0", "blocks.1"]}
+
+
+class SkipsAux(TwoHeads):
+    """``aux`` is never called: its unit builds no graph node and reduces nothing."""
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = F.gelu(b(x))
+        return self.head(x), x
+
+
+def skipped_unit_in_a_bucket(bucket_bytes, micro_batches):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(SkipsAux())
+    sharded = sf.shard(params, mesh, "NO_SHARD", units=sf.by_prefix("blocks.0", "blocks.1", "aux"),
+                       bucket_bytes=bucket_bytes)
+    opt = sgd(0.1, momentum=0.9)
+    step = sf.jit_step(lambda apply, p, b: F.mse_loss(apply(p, b["x"])[0], b["y"]), mesh, optimizer=opt,
+                       micro_batches=micro_batches, accumulate="local" if micro_batches > 1 else "reduce_each")
+    state = opt.init(sharded)
+    with sf.record_collectives() as log:
+        for b in mlp_batches(12, 5, steps=2):
+            sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+    return sf.gather(sharded), sorted({c.unit for c in log.select(purpose="reduce")})
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_bucket_whose_unit_never_ran_reduces_the_others_exactly(clusters, micro_batches):
+    """[Note: buckets]: a bucket one of whose units never ran still reduces the others, once,
+    after the backward, to the same values as without buckets; the skipped unit stays as it was."""
+    alone, alone_units = clusters[2].run(skipped_unit_in_a_bucket, 0, micro_batches)[0]
+    bucketed, units = clusters[2].run(skipped_unit_in_a_bucket, None, micro_batches)[0]
+    assert alone_units == ["<root>", "blocks.0", "blocks.1"] and units == ["<root>..aux"]
+    assert alone.keys() == bucketed.keys() and all(torch.equal(alone[n], bucketed[n]) for n in alone)
 
 
 # -- the testing kit compares every rank's shard, padding included ---------------------------------
