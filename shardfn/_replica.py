@@ -19,7 +19,9 @@ The replica is a cache, never the truth: the shards are. It is valid while every
 was gathered from is the same tensor at the same version (``_version``), so anything that
 changes a shard outside the step (``checkpoint.load`` in place, ``apply_updates_`` after
 ``jit_grad``) makes the next use gather again instead of computing with stale values.
-A tree rebuilt by pytree utilities has no replica; its next step gathers in forward.
+A tree rebuilt by pytree utilities has no replica; its next step gathers in forward. The
+replica is set when a tree is made (the step returns a new tree holding it) and never
+changed afterwards: a ``ShardedParams`` is immutable.
 """
 
 from __future__ import annotations
@@ -48,22 +50,25 @@ def replica_of(sharded: Any, index: int, shards: list[torch.Tensor]) -> list[tor
     return kept[0]
 
 
-def refresh(sharded: Any, to: Any) -> None:
-    """All-gathers every unit's (updated) shards into the tree's replica: one all-gather per
-    unit, in layout order, cast to the param dtype on the way (see the note)."""
+def refresh(sharded: Any, to: Any, donated: bool) -> Any:
+    """The tree with a new replica: every unit's (updated) shards all-gathered, one all-gather
+    per unit, in layout order, cast to the param dtype on the way (see the note). A tree is
+    never changed once made; a donated one (``jit_step(donate=True)``) hands its old replica
+    over, so that the old and the new replica of one unit are alive at once, no more."""
+    from ._sharded import ShardedParams
+
     layout, mesh = sharded.layout, sharded.mesh
     if layout.world == 1:
-        return
+        return sharded
     group, rank = mesh.group("shard"), layout.shard_rank(mesh)
-    if sharded.replicas is None:
-        sharded.replicas = {}
+    replicas = sharded._donate_replicas() if donated else dict(sharded.replicas or {})
     with torch.no_grad():
         for u in layout.units:
             shards = [sharded[n] for n in u.leaves]
             out = torch.empty(layout.world, u.numel, dtype=u.param_dtype, device=mesh.device)
             pack_shards(out[rank], shards, layout.offloaded, to, u.name, layout.offsets(u, rank) if u.flat else None)
             C.all_gather(out.view(-1), out[rank], group, Purpose.REPLICA, u.name, to=to)
-            # replaced unit by unit: the old and the new replica of one unit are alive at once, no more
-            sharded.replicas[u.index] = (unpack_unit(out, [layout.leaves[n] for n in u.leaves], layout.world),
-                                         _stamp(shards))
+            # replaced unit by unit
+            replicas[u.index] = (unpack_unit(out, [layout.leaves[n] for n in u.leaves], layout.world), _stamp(shards))
             del out
+    return ShardedParams(sharded, layout, mesh, sharded.module, replicas)

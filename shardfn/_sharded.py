@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -48,21 +49,32 @@ class ShardedParams(TensorTree):
         >>> print(sharded.layout)                          # units, bytes per rank, collectives
     """
 
-    __slots__ = ("layout", "mesh", "module", "replicas")
+    __slots__ = ("layout", "mesh", "module", "_replicas")
 
-    def __init__(self, data: Mapping[str, torch.Tensor], layout: Layout, mesh: Mesh, module: nn.Module | None = None):
+    def __init__(self, data: Mapping[str, torch.Tensor], layout: Layout, mesh: Mesh, module: nn.Module | None = None,
+                 replicas: Mapping[int, Any] | None = None):
         self._data = dict(data)
         self.layout = layout
         self.mesh = mesh
         self.module = module  # the model's module tree on the meta device (no state), when known
-        self.replicas: dict[int, Any] | None = None  # SHARD_OPTIMIZER's gathered units ([Note: replicated parameters])
+        # SHARD_OPTIMIZER's gathered units ([Note: replicated parameters]), set when the tree is
+        # made (a step returns a new tree with them), never changed afterwards
+        self._replicas: dict[int, Any] | None = dict(replicas) if replicas else None
+
+    @property
+    def replicas(self) -> Mapping[int, Any] | None:
+        """SHARD_OPTIMIZER's kept full parameters by unit index (read-only; None for none)."""
+        return types.MappingProxyType(self._replicas) if self._replicas is not None else None
 
     def replace(self, values: Mapping[str, torch.Tensor]) -> "ShardedParams":
-        """A new tree with the same layout, some leaves replaced."""
-        new = ShardedParams({**self._data, **values}, self.layout, self.mesh, self.module)
-        if self.replicas:  # still valid for the leaves that are the same (see shardfn._replica)
-            new.replicas = dict(self.replicas)
-        return new
+        """A new tree with the same layout, some leaves replaced (and SHARD_OPTIMIZER's replica,
+        still valid for the leaves that are the same: see shardfn._replica)."""
+        return ShardedParams({**self._data, **values}, self.layout, self.mesh, self.module, self._replicas)
+
+    def _donate_replicas(self) -> dict[int, Any]:
+        """Hands this donated tree's replica over, leaving it none (see shardfn._replica.refresh)."""
+        kept, self._replicas = self._replicas or {}, None
+        return kept
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """Tensors the tree holds besides its leaves: SHARD_OPTIMIZER's replica of the full

@@ -99,7 +99,7 @@ class Step:
                 with torch.profiler.record_function("shardfn::optimizer"):
                     new, inner = self._update(self, sharded, grads, inner, buffers)
             if sharded.layout.strategy is Strategy.SHARD_OPTIMIZER:  # [Note: replicated parameters]
-                refresh(new, current().observers)
+                new = refresh(new, current().observers, donated=self.donate)
         opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner
         return new, opt_state, metrics
 

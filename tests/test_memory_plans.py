@@ -257,6 +257,31 @@ def test_shard_optimizer_equals_one_device(clusters):
             world_sizes=[world], clusters=clusters, step_options={"micro_batches": 2})
 
 
+def zero1_trees(donate):
+    """What a SHARD_OPTIMIZER step does to the trees: the returned one holds the new replica;
+    the one passed in is never changed, except that a donated one hands its replica over."""
+    sharded, state, step, batch = sgd_step("SHARD_OPTIMIZER", donate=donate)
+    sharded, state, _ = step(sharded, state, batch)  # a tree with a replica
+    before = dict(sharded.replicas)
+    new, _, _ = step(sharded, state, batch)
+    out = {"new_has_all": sorted(new.replicas) == sorted(before), "new_differs": new is not sharded,
+           "old_kept": sharded.replicas is not None and all(sharded.replicas[i] is before[i] for i in before)}
+    for attempt in (lambda: setattr(new, "replicas", {}), lambda: new.replicas.__setitem__(0, None)):
+        try:
+            attempt()
+            out.setdefault("changed", True)
+        except (AttributeError, TypeError):
+            pass
+    return out
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_a_step_returns_a_new_tree_and_never_changes_one(clusters, donate):
+    for r in clusters[2].run(zero1_trees, donate):
+        assert r["new_has_all"] and r["new_differs"] and "changed" not in r, r
+        assert r["old_kept"] is (not donate), r  # a donated tree was consumed: its replica moved to the new one
+
+
 def sgd_step(plan, twice=False, **options):
     """The test GPT under ``plan`` with SGD: (sharded, state, step, this rank's batch); the
     loss calls apply twice (two views of the batch) if ``twice``."""
