@@ -36,7 +36,7 @@ import torch.nn as nn
 from . import _guard as G
 from ._call import units_for
 from ._events import Purpose
-from ._guard import guarded
+from ._guard import Where, guarded
 from ._runtime import Runtime, current
 from ._sharded import ShardedParams
 
@@ -103,7 +103,7 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
         # An error on one rank reaches the others at their next collective (guarded); ranks
         # that made different calls learn it at the latest here, at the end of the block
         # (see the agreement below).
-        with torch.no_grad(), guarded(sharded.mesh):
+        with torch.no_grad(), guarded(sharded.mesh, Where.BIND):
             yield apply.module
         returned = True
     finally:

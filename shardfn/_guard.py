@@ -80,8 +80,9 @@ _UNITS: dict[str, int] = {}
 class Where:
     """What a rank is doing when it issues a collective (the header's ``where``)."""
 
-    OTHER, STEP, APPLY = 0, 1, 2
-    NAMES = {0: "outside a step (shard, gather, a checkpoint)", 1: "in a step", 2: "in apply outside a step"}
+    OTHER, STEP, APPLY, BIND = 0, 1, 2, 3
+    NAMES = {0: "outside a step (shard, gather, a checkpoint)", 1: "in a step", 2: "in apply outside a step",
+             3: "inside `with shardfn.bind(...)`"}
 
 
 class DivergenceError(RuntimeError):

@@ -154,6 +154,7 @@ def test_ranks_whose_calls_inside_bind_differ_all_raise_the_same_error(clusters)
         # each rank's message says what every rank was about to do
         assert "rank 0: the end of its `with shardfn.bind(...)` block" in message, message
         assert "rank 1: all_gather (gather of" in message and "synced_gpus=True" in message, message
+        assert "float32, inside `with shardfn.bind(...)`" in message, message  # where rank 1 was
     assert shape0 == shape1 == (CFG.vocab_size, CFG.d_model)
 
 
