@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import enum
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -95,10 +95,7 @@ from ._offload import copy_stream, join_stream, pack_shards, to_device
 from ._packing import shard_buffer, unpack_unit
 from ._plan import RematMode
 from ._reduce import UnitGrads
-from ._runtime import invariant
-
-if TYPE_CHECKING:
-    from ._runtime import Runtime
+from ._runtime import Runtime, invariant
 
 __all__ = ["GatherUnit", "State", "Unit", "Use", "saved_handles"]
 

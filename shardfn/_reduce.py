@@ -59,7 +59,7 @@ right after the backward, so at most one unsharded gradient buffer is in flight.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -67,9 +67,7 @@ from . import _collectives as C
 from ._events import Purpose
 from ._offload import to_host
 from ._packing import pack_unit
-
-if TYPE_CHECKING:
-    from ._gather import Unit
+from ._runtime import RunningUnit
 
 __all__ = ["Bucket", "UnitGrads", "attach_buckets"]
 
@@ -79,7 +77,7 @@ class UnitGrads:
 
     __slots__ = ("unit", "store", "nodes", "graphed", "acc", "replicate_group", "bucket")
 
-    def __init__(self, unit: Unit, store: bool):
+    def __init__(self, unit: RunningUnit, store: bool):
         self.unit = unit
         # Gradients are averaged over the other ranks holding the same shard: the
         # "replicate" axis of a 2-D mesh, or the whole 1-D mesh under NO_SHARD.
@@ -272,21 +270,21 @@ class Bucket:
 
     __slots__ = ("units", "offsets", "numel", "name", "buffer", "ready")
 
-    def __init__(self, units: list[Unit]):
+    def __init__(self, units: list[RunningUnit]):
         self.units = units
         self.offsets = [sum(u.unit.grad_numel for u in units[:i]) for i in range(len(units))]
         self.numel = sum(u.unit.grad_numel for u in units)
         self.name = units[0].layout.bucket_name(tuple(u.unit.index for u in units))
         self.buffer: torch.Tensor | None = None  # allocated by the first unit to pack
-        self.ready: list[Unit] = []  # units whose gradients are all in their part
+        self.ready: list[RunningUnit] = []  # units whose gradients are all in their part
 
-    def part(self, unit: Unit) -> torch.Tensor:
+    def part(self, unit: RunningUnit) -> torch.Tensor:
         if self.buffer is None:
             self.buffer = torch.empty(self.numel, dtype=unit.unit.reduce_dtype, device=unit.device)
         i = self.units.index(unit)
         return self.buffer[self.offsets[i] : self.offsets[i] + unit.unit.grad_numel]
 
-    def add(self, unit: Unit) -> None:
+    def add(self, unit: RunningUnit) -> None:
         self.ready.append(unit)
         if len(self.ready) == len(self.units):
             self.issue()
@@ -311,7 +309,7 @@ class Bucket:
         self.buffer, self.ready = None, []
 
 
-def attach_buckets(units: dict[int, Unit]) -> None:
+def attach_buckets(units: dict[int, RunningUnit]) -> None:
     """Gives the units of a step's own tree their buckets (those of more than one unit)."""
     layout = next(iter(units.values())).layout if units else None
     for members in layout.buckets if layout is not None else ():

@@ -32,7 +32,7 @@ import contextvars
 import enum
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,10 +44,7 @@ from ._events import CollectiveLog, observe, observers
 from ._offload import wait_for_device
 from ._plan import parse_enum
 
-if TYPE_CHECKING:
-    from ._gather import Unit
-
-__all__ = ["Accumulate", "Runtime", "active", "current", "invariant"]
+__all__ = ["Accumulate", "Runtime", "RunningUnit", "active", "current", "invariant"]
 
 
 class Accumulate(enum.Enum):
@@ -66,6 +63,36 @@ def invariant(ok: bool, message: str) -> None:
     if not ok:
         rank = dist.get_rank() if dist.is_initialized() else 0
         raise AssertionError(f"[rank {rank}] shardfn internal error: {message}")
+
+
+class RunningUnit(Protocol):
+    """What the runtime and a unit's reduction (shardfn._reduce) use of a unit at run time,
+    a shardfn._gather.Unit (see [Note: the life of a unit]). Named here, below both, so that
+    neither imports the module of the unit, which imports them."""
+
+    key: tuple[int, int]  # (index of its tree in the runtime, unit index)
+    layout: Any  # the tree's shardfn._layout.Layout
+    unit: Any  # its shardfn._layout.UnitLayout
+    runtime: "Runtime"
+    mesh: Any
+    group: Any  # the process group of its all-gathers and reduce-scatters
+    rank: int  # this rank's row of an all-gather's output
+    grads: Any  # its shardfn._reduce.UnitGrads
+    calls: int
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def prefetchable(self, forward: bool) -> bool: ...
+
+    def prefetch(self, forward: bool) -> None: ...
+
+    def cancel_prefetch(self) -> None: ...
+
+    def end(self) -> None: ...
 
 
 class Runtime:
@@ -104,9 +131,9 @@ class Runtime:
         self.log = CollectiveLog()
         # A step reports to the observers active when it started, and to its own log.
         self.observers = (*observers(), self.log) if in_step else observers()
-        self._trees: list[tuple[Any, dict[int, Unit]]] = []  # (sharded tree, its units by unit index)
+        self._trees: list[tuple[Any, dict[int, RunningUnit]]] = []  # (sharded tree, its units by unit index)
         self._pending: list[tuple[Any, Any]] = []  # the reduction in flight: (work, buffers to keep alive)
-        self.reduced: list[tuple[Unit, Any]] = []  # (unit, reduced shard gradient), in order
+        self.reduced: list[tuple[RunningUnit, Any]] = []  # (unit, reduced shard gradient), in order
         self.finished = 0  # ... of them, the first ones already in the master dtype (UnitGrads.to_master)
         self.owned: set[int] = set()  # storages of gradients handed out in a world of one
 
@@ -131,7 +158,7 @@ class Runtime:
 
     # -- units ---------------------------------------------------------------------------
 
-    def units_of(self, tree: Any, build: Callable[[int], dict[int, Unit]]) -> dict[int, Unit]:
+    def units_of(self, tree: Any, build: Callable[[int], dict[int, RunningUnit]]) -> dict[int, RunningUnit]:
         """The units of ``tree`` in this runtime, built by ``build(tree index)`` on first use."""
         for t, units in self._trees:
             if t is tree:
@@ -140,11 +167,11 @@ class Runtime:
         self._trees.append((tree, units))
         return units
 
-    def units(self) -> Iterator[Unit]:
+    def units(self) -> Iterator[RunningUnit]:
         for _, units in self._trees:
             yield from units.values()
 
-    def _unit_at(self, key: tuple[int, int]) -> Unit | None:
+    def _unit_at(self, key: tuple[int, int]) -> RunningUnit | None:
         i, index = key
         return self._trees[i][1].get(index) if i < len(self._trees) else None
 
