@@ -92,7 +92,7 @@ def gather_all_muon(ns_dtype: torch.dtype, mesh: sf.Mesh, timer: Timer) -> sf.op
         return {k: torch.zeros_like(v) for k, v in params.items() if v.requires_grad}
 
     def update(grads, state, params):
-        group, rank, world = mesh.group("shard"), mesh.rank, mesh.size
+        group, rank, world = mesh.channel("shard"), mesh.rank, mesh.size
         updates, new = {}, {}
         for k, g in grads.items():
             buf = state[k].lerp(g, 1 - MOMENTUM)

@@ -10,7 +10,7 @@ with ``torch.profiler`` on every rank. Per step (rank 0; mean over the profiled 
 * copies: self time of the ops that move bytes without arithmetic (``copy_``, ``cat``,
   ``clone``, ``_to_copy``, ``index_select``-free moves: see ``COPIES``);
 * waiting: time blocked in the wait for a collective (shardfn waits through
-  ``shardfn._guard._wait``, wrapped here in a profiler range; for DDP and FSDP2 the wait
+  ``shardfn._guard.wait``, wrapped here in a profiler range; for DDP and FSDP2 the wait
   happens inside their C++ / hooks and lands in "other");
 * collective calls: self time of the ``c10d`` ops (issuing the collective, and for gloo
   nothing else: the transfer runs on gloo's threads);
@@ -52,17 +52,17 @@ WAIT = "profile::wait"
 @contextlib.contextmanager
 def _waits_as_ranges():
     """Every wait shardfn does for a collective, as a profiler range."""
-    plain = guard._wait
+    plain = guard.wait
 
-    def timed(work, state, what):
+    def timed(work, ch, what):
         with torch.profiler.record_function(WAIT):
-            return plain(work, state, what)
+            return plain(work, ch, what)
 
-    guard._wait = timed
+    guard.wait = timed
     try:
         yield
     finally:
-        guard._wait = plain
+        guard.wait = plain
 
 
 def _self_times(prof) -> tuple[dict[str, float], float]:

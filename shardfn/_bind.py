@@ -121,4 +121,4 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
         if replaced:
             sharded._set_buffers(replaced)
     if returned:  # every rank ends the block here, or the ranks' calls differed: all of them raise
-        G.agree_exit(sharded.mesh.group("shard"), "shardfn.bind(...)")
+        G.agree_exit(sharded.mesh.channel("shard"), "shardfn.bind(...)")

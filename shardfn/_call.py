@@ -102,7 +102,7 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
         return _call(apply, sharded, rt, args, kwargs)
     # Outside a step: a runtime for this call alone; an error in it reaches every rank.
     if sharded.mesh.size > 1:
-        _guard.check_alive("apply(sharded, ...)")
+        sharded.mesh.guard.check_alive("apply(sharded, ...)")
     with _guard.guarded(sharded.mesh, _guard.Where.APPLY):
         return _call(apply, sharded, Runtime(sharded.mesh, in_step=False), args, kwargs)
 

@@ -35,18 +35,18 @@ __all__ = [
 AVG, SUM, MAX, MIN = ReduceOp.AVG, ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN
 
 
-def _record(kind: Collective, group: ProcessGroup, t: torch.Tensor, purpose: Purpose, unit: str, to: Any,
+def _record(kind: Collective, ch: G.Channel, t: torch.Tensor, purpose: Purpose, unit: str, to: Any,
             detail: int = 0, op: ReduceOp | None = None) -> None:
     """Agrees on the collective with the other ranks (see [Note: the schedule guard]; in a
     step, [Note: the pipelined guard]), then reports it."""
     run = G.RUN.get()
     if run is not None:
-        run.collective(group, kind, purpose, unit, t, op, detail)
+        run.collective(ch, kind, purpose, unit, t, op, detail)
     else:
-        G.agree(group, kind, purpose, unit, t.numel() * t.element_size(), detail, t.dtype)
+        G.agree(ch, kind, purpose, unit, t.numel() * t.element_size(), detail, t.dtype)
     to = observers() if to is None else to
     if to:
-        call = CollectiveCall(kind, tuple(dist.get_process_group_ranks(group)), t.numel() * t.element_size(), t.dtype,
+        call = CollectiveCall(kind, ch.ranks, t.numel() * t.element_size(), t.dtype,
                               purpose, unit)
         emit(call, to)
 
@@ -55,32 +55,32 @@ def _range(kind: Collective, purpose: Purpose, unit: str):
     return torch.profiler.record_function(f"shardfn::{kind.value}[{label(purpose, unit)}]")
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str = "",
+def all_gather(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose: Purpose, unit: str = "",
                async_op: bool = False, to: Any = None, detail: int = 0) -> Any:
     """``out`` (``group size * inp.numel()`` elements) receives every rank's ``inp``, rank-major.
 
     ``to``: the observers to report to (default: those active here; a step passes its own).
     ``detail``: a number every rank must agree on (a hash of the shape of ``inp``).
     """
-    _record(Collective.ALL_GATHER, group, out, purpose, unit, to, detail)
+    _record(Collective.ALL_GATHER, ch, out, purpose, unit, to, detail)
     with _range(Collective.ALL_GATHER, purpose, unit):
-        work = all_gather_single(out, inp, group=group, async_op=True)
-    return _done(work, group, async_op, Collective.ALL_GATHER, purpose, unit)
+        work = all_gather_single(out, inp, group=ch.group, async_op=True)
+    return _done(work, ch, async_op, Collective.ALL_GATHER, purpose, unit)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str = "",
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose: Purpose, unit: str = "",
                    op: ReduceOp = AVG, async_op: bool = False, to: Any = None) -> Any:
-    """``out`` receives this rank's chunk of the average (or ``op``) of ``inp`` over ``group``.
+    """``out`` receives this rank's chunk of the average (or ``op``) of ``inp`` over ``ch``'s group.
 
     With ``async_op`` it returns the work handle: ``out`` is valid after ``work.wait()``
     and ``inp`` must stay alive until then.
     """
-    _record(Collective.REDUCE_SCATTER, group, inp, purpose, unit, to, op=op)
+    _record(Collective.REDUCE_SCATTER, ch, inp, purpose, unit, to, op=op)
     with _range(Collective.REDUCE_SCATTER, purpose, unit):
-        work, finish = issue_reduce_scatter(out, inp, group, op)
+        work, finish = issue_reduce_scatter(out, inp, ch.group, op)
     if async_op:
-        return G.Pending(work, group, f"{Collective.REDUCE_SCATTER.value} ({G.label(purpose, unit)})", finish)
-    _done(work, group, False, Collective.REDUCE_SCATTER, purpose, unit)
+        return G.Pending(work, ch, f"{Collective.REDUCE_SCATTER.value} ({G.label(purpose, unit)})", finish)
+    _done(work, ch, False, Collective.REDUCE_SCATTER, purpose, unit)
     if finish is not None:
         finish()
     return None
@@ -147,54 +147,53 @@ class _Works:
         return True
 
 
-def all_reduce(t: torch.Tensor, group: ProcessGroup, purpose: Purpose, unit: str = "", op: ReduceOp = AVG,
+def all_reduce(t: torch.Tensor, ch: G.Channel, purpose: Purpose, unit: str = "", op: ReduceOp = AVG,
                async_op: bool = False, to: Any = None, detail: int = 0) -> Any:
-    """In-place all-reduce of ``t`` over ``group`` (``AVG``, ``SUM`` or ``MAX``).
+    """In-place all-reduce of ``t`` over ``ch``'s group (``AVG``, ``SUM`` or ``MAX``).
 
     ``detail``: a number every rank must agree on, checked with the collective's header
     (the step's metrics all-reduce passes the batch's rows)."""
-    _record(Collective.ALL_REDUCE, group, t, purpose, unit, to, detail, op)
+    _record(Collective.ALL_REDUCE, ch, t, purpose, unit, to, detail, op)
     with _range(Collective.ALL_REDUCE, purpose, unit):
-        work = dist.all_reduce(t, op=op, group=group, async_op=True)
-    return _done(work, group, async_op, Collective.ALL_REDUCE, purpose, unit)
+        work = dist.all_reduce(t, op=op, group=ch.group, async_op=True)
+    return _done(work, ch, async_op, Collective.ALL_REDUCE, purpose, unit)
 
 
-def broadcast(t: torch.Tensor, group_src: int, group: ProcessGroup, purpose: Purpose, unit: str = "") -> None:
-    """``t`` on every rank of ``group`` becomes the ``t`` of its rank ``group_src``."""
-    _record(Collective.BROADCAST, group, t, purpose, unit, None)
+def broadcast(t: torch.Tensor, group_src: int, ch: G.Channel, purpose: Purpose, unit: str = "") -> None:
+    """``t`` on every rank of ``ch`` becomes the ``t`` of its rank ``group_src``."""
+    _record(Collective.BROADCAST, ch, t, purpose, unit, None)
     with _range(Collective.BROADCAST, purpose, unit):
-        work = dist.broadcast(t, group=group, group_src=group_src, async_op=True)
-    _done(work, group, False, Collective.BROADCAST, purpose, unit)
+        work = dist.broadcast(t, group=ch.group, group_src=group_src, async_op=True)
+    _done(work, ch, False, Collective.BROADCAST, purpose, unit)
 
 
-def scatter(out: torch.Tensor, inp: torch.Tensor | None, group_src: int, group: ProcessGroup, purpose: Purpose,
+def scatter(out: torch.Tensor, inp: torch.Tensor | None, group_src: int, ch: G.Channel, purpose: Purpose,
             unit: str = "") -> None:
-    """Rank ``r`` of ``group`` receives row ``r`` of ``inp`` (``[group size, n]``, given on ``group_src``)."""
-    _record(Collective.SCATTER, group, out, purpose, unit, None)
+    """Rank ``r`` of ``ch`` receives row ``r`` of ``inp`` (``[group size, n]``, given on ``group_src``)."""
+    _record(Collective.SCATTER, ch, out, purpose, unit, None)
     with _range(Collective.SCATTER, purpose, unit):
-        work = dist.scatter(out, list(inp.unbind(0)) if inp is not None else None, group=group, group_src=group_src,
+        work = dist.scatter(out, list(inp.unbind(0)) if inp is not None else None, group=ch.group, group_src=group_src,
                             async_op=True)
-    _done(work, group, False, Collective.SCATTER, purpose, unit)
+    _done(work, ch, False, Collective.SCATTER, purpose, unit)
 
 
-def barrier(group: ProcessGroup | None, detail: int = 0) -> None:
-    """Waits for every rank of ``group`` (checkpoint publication; not counted as traffic).
+def barrier(ch: G.Channel, detail: int = 0) -> None:
+    """Waits for every rank of ``ch`` (checkpoint publication; not counted as traffic).
 
     ``detail``: a number every rank must agree on (a checkpoint's digest)."""
-    group = group if group is not None else dist.group.WORLD
-    G.agree(group, Collective.BARRIER, Purpose.CHECKPOINT, "", 0, detail)
+    G.agree(ch, Collective.BARRIER, Purpose.CHECKPOINT, "", 0, detail)
     with torch.profiler.record_function("shardfn::barrier[checkpoint]"):
-        work = dist.barrier(group=group, async_op=True)
-    _done(work, group, False, Collective.BARRIER, Purpose.CHECKPOINT, "")
+        work = dist.barrier(group=ch.group, async_op=True)
+    _done(work, ch, False, Collective.BARRIER, Purpose.CHECKPOINT, "")
 
 
-def _done(work: Any, group: ProcessGroup, async_op: bool, kind: Collective, purpose: Purpose, unit: str) -> Any:
+def _done(work: Any, ch: G.Channel, async_op: bool, kind: Collective, purpose: Purpose, unit: str) -> Any:
     """The handle of an asynchronous collective (its ``wait()`` bounded by the step
     timeout), or, for a blocking one, None once it is done."""
     what = f"{kind.value} ({G.label(purpose, unit)})"
     if async_op:
-        return G.Pending(work, group, what)
-    G.wait(work, group, what)
+        return G.Pending(work, ch, what)
+    G.wait(work, ch, what)
     return None
 
 
@@ -210,7 +209,7 @@ def all_reduce_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose, op: ReduceOp =
     """
     for axis in mesh.axis_names:
         if mesh.axis_size(axis) > 1:
-            all_reduce(t, mesh.group(axis), purpose, op=op, to=to, detail=detail)
+            all_reduce(t, mesh.channel(axis), purpose, op=op, to=to, detail=detail)
 
 
 def barrier_mesh(mesh: Any, detail: int = 0) -> None:
@@ -218,7 +217,7 @@ def barrier_mesh(mesh: Any, detail: int = 0) -> None:
     rank reaches the others through the same groups (see [Note: the schedule guard])."""
     for axis in mesh.axis_names:
         if mesh.axis_size(axis) > 1:
-            barrier(mesh.group(axis), detail)
+            barrier(mesh.channel(axis), detail)
 
 
 def all_gather_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose, detail: int = 0) -> torch.Tensor:
@@ -232,7 +231,7 @@ def all_gather_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose, detail: int = 
         n = mesh.axis_size(axis)
         if n > 1:
             gathered = torch.empty(n * out.numel(), dtype=out.dtype, device=out.device)
-            all_gather(gathered, out, mesh.group(axis), purpose, detail=detail)
+            all_gather(gathered, out, mesh.channel(axis), purpose, detail=detail)
             out = gathered
     return out
 
@@ -246,6 +245,6 @@ def broadcast_mesh(t: torch.Tensor, mesh: Any, src_rank: int, purpose: Purpose) 
     """
     shard = mesh.axis_size("shard")
     if mesh.ndim == 2 and mesh.axis_size("replicate") > 1:
-        broadcast(t, src_rank // shard, mesh.group("replicate"), purpose)
+        broadcast(t, src_rank // shard, mesh.channel("replicate"), purpose)
     if shard > 1:
-        broadcast(t, src_rank % shard, mesh.group("shard"), purpose)
+        broadcast(t, src_rank % shard, mesh.channel("shard"), purpose)

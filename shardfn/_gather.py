@@ -137,7 +137,7 @@ class Unit:
 
     __slots__ = (
         # what it is, for the runtime's length
-        "layout", "unit", "key", "shards", "slots", "mesh", "group", "rank", "runtime", "grads", "replica",
+        "layout", "unit", "key", "shards", "slots", "mesh", "channel", "rank", "runtime", "grads", "replica",
         # where it is in its life (see [Note: the life of a unit])
         "state", "full", "storages", "inflight", "secondary", "use", "outputs", "entry", "handles", "reading",
         "calls", "pinned",
@@ -151,7 +151,7 @@ class Unit:
         self.shards = shards
         self.slots: list[tuple[nn.Module, str, int]] = slots  # where each full tensor goes
         self.mesh = mesh
-        self.group = mesh.group("shard")  # all-gathers and reduce-scatters
+        self.channel = mesh.channel("shard")  # all-gathers and reduce-scatters
         self.rank = layout.shard_rank(mesh)  # this rank's row of an all-gather's output
         self.runtime = runtime
         self.grads = UnitGrads(self, store)
@@ -258,7 +258,7 @@ class Unit:
             if mine is None:  # ROWS, or shards that are not views of one buffer: one pack (see [Note: copies])
                 mine = out[self.rank]
                 pack_shards(mine, self.shards, self.layout.offloaded, self.runtime.observers, self.unit.name, offsets)
-            work = C.all_gather(out.view(-1), mine, self.group, purpose, self.unit.name, async_op=async_op,
+            work = C.all_gather(out.view(-1), mine, self.channel, purpose, self.unit.name, async_op=async_op,
                                 to=self.runtime.observers)
         return work, mine, out
 

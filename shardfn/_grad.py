@@ -31,7 +31,7 @@ from . import _collectives as C
 from ._batch import MicroBatches, agree_on_micro_batches, count_tokens, objective, rows, split, uneven_error
 from ._buffers import StepBuffers
 from ._events import Purpose
-from ._guard import Where, check_alive, guarded
+from ._guard import Where, guarded
 from ._layout import Layout
 from ._mesh import Mesh
 from ._compile import backend_of
@@ -110,7 +110,7 @@ class Grad:
 
     def check(self, sharded: Any) -> None:
         if self.mesh.size > 1:
-            check_alive(f"{self.what}(sharded, ...)")
+            self.mesh.guard.check_alive(f"{self.what}(sharded, ...)")
         if not isinstance(sharded, ShardedParams):
             raise TypeError(
                 f"{self.what}(sharded, ...): expected the ShardedParams from shardfn.shard(), got "

@@ -34,6 +34,18 @@ that did not answer a roll call in the store. The group then holds a collective 
 will never finish, so the process group is unusable: later collectives raise the same
 error at once; restart the job and resume from the last checkpoint.
 
+[Note: the guard's state] The guard keeps no module state: a :class:`Guard` belongs to its
+mesh (``mesh.guard``) and holds one :class:`Channel` per axis group (and sub-group) of
+the mesh: the group, the gloo group its headers travel on and its exchanges so far;
+besides, the unit names it can print, the error that made the process group unusable,
+and counters. Which groups already know of an error travels with the error itself
+(:func:`told`). Two meshes over the same process group (``Mesh.from_env()`` called twice)
+keep their own counts, which only messages read; an error that broke the process group
+is known to the mesh that saw it, and another mesh finds out at its next wait. Collectives take a channel where torch
+takes a process group. What a rank is doing (the header's ``where``), whether it is
+inside a guarded region and the step in progress are context variables, set and reset
+by the ``with`` blocks that own them.
+
 Cost: one small all-gather (56 bytes per rank) per collective, waited before the
 collective starts — except inside a step whose collectives repeat the previous steps',
 where the check is pipelined (see [Note: the pipelined guard] in shardfn._schedule).
@@ -46,7 +58,7 @@ import datetime
 import time
 import traceback
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -58,8 +70,8 @@ from ._events import Collective, Purpose
 from ._memory import on_host
 
 __all__ = [
-    "CommError", "DivergenceError", "PeerError", "Where", "agree", "agree_words", "exchange", "fail", "guarded",
-    "register", "wait", "words",
+    "Channel", "CommError", "DivergenceError", "Guard", "PeerError", "Where", "agree", "agree_exit", "agree_words",
+    "exchange", "fail", "guarded", "wait", "words",
 ]
 
 HEADER = 7
@@ -74,7 +86,6 @@ _KINDS = list(Collective)
 _PURPOSES = list(Purpose)
 _DTYPES = [None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
            torch.bool, torch.int8, torch.int16, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
-_UNITS: dict[str, int] = {}
 
 
 class Where:
@@ -103,100 +114,19 @@ class CommError(RuntimeError):
     process group is unusable from then on."""
 
 
-class _Group:
-    __slots__ = ("control", "timeout", "ranks", "position", "last_failed", "off")
-
-    def __init__(self, group: Any, control: Any, timeout: float):
-        self.control = control
-        self.timeout = timeout
-        self.ranks = tuple(dist.get_process_group_ranks(group))
-        self.position = 0  # header exchanges so far
-        self.last_failed = False  # whether the last exchange carried a failure or a divergence
-        # A world of one, or the fake process group of a planning run (no values to compare).
-        self.off = len(self.ranks) == 1 or dist.get_backend(group) == "fake"
-
-
-_GROUPS: dict[int, tuple[Any, _Group]] = {}  # id(group) -> (group, its state)
-_NAMES: dict[int, str] = {}  # unit hash -> unit name, for messages
-_BROKEN: list[str] = []  # the CommError that made the process group unusable
-_INCIDENTS = [0]  # this rank's failures so far
-HEADERS = [0]  # header exchanges so far (tests count them)
 _WHERE: contextvars.ContextVar[int] = contextvars.ContextVar("shardfn_where", default=Where.OTHER)
 _REGION: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_guarded", default=False)
 # The step in progress, if it checks its schedule (a shardfn._schedule.Run).
 RUN: contextvars.ContextVar[Any] = contextvars.ContextVar("shardfn_run", default=None)
 
 
-def register(group: Any, control: Any = None, timeout: float = DEFAULT_STEP_TIMEOUT) -> None:
-    """Guards ``group``: its headers go over ``control`` (default: the group itself)."""
-    state = _GROUPS.get(id(group))
-    if state is None or state[0] is not group:
-        _GROUPS[id(group)] = (group, _Group(group, control if control is not None else group, timeout))
-    else:
-        state[1].timeout = timeout
-        if control is not None:
-            state[1].control = control
-
-
-def has_control(group: Any) -> bool:
-    entry = _GROUPS.get(id(group))
-    return entry is not None and entry[0] is group and entry[1].control is not group
-
-
-def _state(group: Any) -> _Group:
-    entry = _GROUPS.get(id(group))
-    if entry is None or entry[0] is not group:
-        register(group)
-        entry = _GROUPS[id(group)]
-    return entry[1]
-
-
 def unit_id(name: str) -> int:
-    h = _UNITS.get(name)
-    if h is None:
-        h = _UNITS[name] = zlib.crc32(name.encode()) & 0x7FFFFFFF
-        _NAMES.setdefault(h, name)
-    return h
-
-
-for _context in ("shardfn.bind(...)", "shardfn.on_shards(...)"):
-    unit_id(_context)
-
-
-def words(kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0,
-          dtype: torch.dtype | None = None) -> list[int]:
-    """The first five words of a header (what, unit, bytes, detail, where)."""
-    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-    return [code * 4096 + _KINDS.index(kind) * 64 + _PURPOSES.index(purpose), unit_id(unit) if unit else 0, nbytes,
-            detail, _WHERE.get()]
-
-
-def check_alive(what: str) -> None:
-    """Raises a clear error when the process group is gone or unusable."""
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"shardfn: {what} needs the process group, but it was destroyed (torch.distributed."
-            "destroy_process_group()) or never started. Shards are this rank's pieces of the model and can only be "
-            "used together with the other ranks: gather what you need (shardfn.gather, checkpoint.save) before "
-            "destroying the process group."
-        )
-    if _BROKEN:
-        raise CommError(f"[rank {dist.get_rank()}] shardfn: the process group is unusable since an earlier error; "
-                        f"restart the job and resume from the last checkpoint. The error was:\n{_BROKEN[0]}")
-
-
-def agree(group: Any, kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0,
-          dtype: torch.dtype | None = None) -> None:
-    """Exchanges this collective's header on ``group``; raises unless every rank's is the same."""
-    check_alive(f"{kind.value} ({purpose.value})")
-    state = _state(group)
-    if state.off:
-        return
-    agree_words(state, words(kind, purpose, unit, nbytes, detail, dtype), f"{kind.value} ({label(purpose, unit)})")
+    """The header word for a unit's name (a hash of it; 0 for none)."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF if name else 0
 
 
 # Contexts that issue collectives and agree on their end (:func:`agree_exit`): their names
-# (registered at import, so that a rank that never entered one can name it) and the fix.
+# and the fix.
 _CONTEXTS = {
     "shardfn.bind(...)": (
         "Inside `with shardfn.bind(...)` every forward all-gathers its units on every rank together, so every rank "
@@ -208,28 +138,107 @@ _CONTEXTS = {
 }
 
 
-def agree_exit(group: Any, context: str) -> None:
-    """The end of a ``with`` block that issues collectives: every rank of ``group`` ends
+class Guard:
+    """The schedule guard of one mesh (``mesh.guard``): see [Note: the guard's state]."""
+
+    __slots__ = ("timeout", "channels", "subgroups", "names", "broken", "incidents", "headers")
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.channels: dict[str, Channel] = {}  # mesh axis -> its channel
+        self.subgroups: dict[int, tuple[Channel, int]] = {}  # see Mesh.subgroup
+        self.names = {unit_id(n): n for n in _CONTEXTS}  # unit hash -> name, for messages
+        self.broken: str | None = None  # the CommError that made the process group unusable
+        self.incidents = 0  # this rank's failures so far
+        self.headers = 0  # header exchanges so far (tests count them)
+
+    def channel(self, group: Any, axis: str, control: Any = None) -> "Channel":
+        """A channel over ``group`` whose headers travel on ``control`` (default: the group)."""
+        return Channel(self, group, control if control is not None else group, axis)
+
+    def learn(self, names: dict[int, str]) -> None:
+        """Unit names this rank may have to print for a peer (``Layout.names_by_id``), so
+        that a divergence names units this rank did not run."""
+        if not names.keys() <= self.names.keys():
+            self.names.update(names)
+
+    def check_alive(self, what: str) -> None:
+        """Raises a clear error when the process group is gone or unusable."""
+        check_alive(what)
+        if self.broken is not None:
+            raise CommError(f"[rank {dist.get_rank()}] shardfn: the process group is unusable since an earlier error; "
+                            f"restart the job and resume from the last checkpoint. The error was:\n{self.broken}")
+
+
+class Channel:
+    """A process group as the guard sees it: the group collectives run on, the group its
+    headers go over, and how many exchanges it has seen."""
+
+    __slots__ = ("guard", "group", "control", "axis", "ranks", "position", "off")
+
+    def __init__(self, guard: Guard, group: Any, control: Any, axis: str):
+        self.guard, self.group, self.control, self.axis = guard, group, control, axis
+        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.position = 0  # header exchanges so far
+        # A world of one, or the fake process group of a planning run (no values to compare).
+        self.off = len(self.ranks) == 1 or dist.get_backend(group) == "fake"
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def timeout(self) -> float:
+        return self.guard.timeout
+
+
+def words(kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0,
+          dtype: torch.dtype | None = None) -> list[int]:
+    """The first five words of a header (what, unit, bytes, detail, where)."""
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    return [code * 4096 + _KINDS.index(kind) * 64 + _PURPOSES.index(purpose), unit_id(unit), nbytes, detail,
+            _WHERE.get()]
+
+
+def check_alive(what: str) -> None:
+    """Raises a clear error when the process group was destroyed or never started."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"shardfn: {what} needs the process group, but it was destroyed (torch.distributed."
+            "destroy_process_group()) or never started. Shards are this rank's pieces of the model and can only be "
+            "used together with the other ranks: gather what you need (shardfn.gather, checkpoint.save) before "
+            "destroying the process group."
+        )
+
+
+def agree(ch: Channel, kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0,
+          dtype: torch.dtype | None = None) -> None:
+    """Exchanges this collective's header on ``ch``; raises unless every rank's is the same."""
+    ch.guard.check_alive(f"{kind.value} ({purpose.value})")
+    if ch.off:
+        return
+    if unit:
+        ch.guard.names.setdefault(unit_id(unit), unit)
+    agree_words(ch, words(kind, purpose, unit, nbytes, detail, dtype), f"{kind.value} ({label(purpose, unit)})")
+
+
+def agree_exit(ch: Channel, context: str) -> None:
+    """The end of a ``with`` block that issues collectives: every rank of ``ch`` ends
     it here, or the ranks' calls inside it differed and all of them raise
     DivergenceError, naming what each was doing."""
-    agree(group, Collective.BARRIER, Purpose.EXIT, context, 0)
+    agree(ch, Collective.BARRIER, Purpose.EXIT, context, 0)
 
 
-def agree_words(state: "_Group", mine: list[int], what: str, position: int = 0) -> list[list[int]]:
-    """Exchanges the header ``mine`` (five words) on ``state``'s group; raises
-    DivergenceError unless every rank's is the same; returns them all."""
-    headers = exchange(state, [*mine, OK, position], what)
+def agree_words(ch: Channel, mine: list[int], what: str, position: int = 0) -> list[list[int]]:
+    """Exchanges the header ``mine`` (five words) on ``ch``; raises DivergenceError
+    unless every rank's is the same; returns them all."""
+    headers = exchange(ch, [*mine, OK, position], what)
     if any(h[:STATUS] != headers[0][:STATUS] or h[STATUS] != OK for h in headers):
-        state.last_failed = True
         run = RUN.get()
         if run is not None and any(h[STATUS] == DIVERGED for h in headers):
-            raise DivergenceError(run.explain(state, headers))
-        raise DivergenceError(_diverged(state, headers))
+            raise told(DivergenceError(run.explain(ch, headers)), ch)
+        raise told(DivergenceError(_diverged(ch, headers)), ch)
     return headers
-
-
-def state_of(group: Any) -> "_Group":
-    return _state(group)
 
 
 def label(purpose: Purpose, unit: str) -> str:
@@ -237,89 +246,105 @@ def label(purpose: Purpose, unit: str) -> str:
                                                                       Purpose.REDUCE) else purpose.value
 
 
-def exchange(state: "_Group", mine: list[int], what: str) -> list[list[int]]:
+def exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
     """All ranks' headers (one all-gather on the control group); raises PeerError when a
     peer's header says it failed."""
     me = dist.get_rank()
     with on_host():  # host memory on any device (the control group is gloo's)
-        out = torch.empty(len(state.ranks) * HEADER, dtype=torch.int64)
-        HEADERS[0] += 1
-        work = all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=state.control, async_op=True)
-    _wait(work, state, what)
-    state.position += 1
+        out = torch.empty(ch.size * HEADER, dtype=torch.int64)
+        ch.guard.headers += 1
+        work = all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=ch.control, async_op=True)
+    wait(work, ch, what)
+    ch.position += 1
     headers = out.view(-1, HEADER).tolist()
-    failed = [(r, h[STATUS]) for r, h in zip(state.ranks, headers) if h[STATUS] >= FAILED]
-    state.last_failed = bool(failed)
+    failed = [(r, h[STATUS]) for r, h in zip(ch.ranks, headers) if h[STATUS] >= FAILED]
     if failed and mine[STATUS] < FAILED:
         origin, original = _read_failure(*failed[0])
         others = sorted({_read_failure(r, status)[0] for r, status in failed[1:]} - {origin})
         also = f" (and ranks {others})" if others else ""
-        raise PeerError(
+        raise told(PeerError(
             f"[rank {me}] shardfn: rank {origin} raised{also}, so this rank stops too (nothing was updated):\n"
-            f"  {original}\nSee rank {origin}'s traceback for where.", origin, original)
+            f"  {original}\nSee rank {origin}'s traceback for where.", origin, original), ch)
     return headers
 
 
-def _wait(work: Any, state: _Group, what: str) -> None:
-    if state.off:
+def told(exc: BaseException, ch: Channel) -> BaseException:
+    """``exc``, marked as known to every rank of ``ch``'s group: it was raised from an
+    exchange there (a failure or a divergence every rank saw), so :func:`fail` sends no
+    failed header on that group (every group sees exactly one failed exchange per incident)."""
+    exc.__dict__.setdefault("_shardfn_told", []).append(ch.group)
+    return exc
+
+
+def _known(exc: BaseException) -> list[Any]:
+    """The process groups every rank of which already knows of ``exc`` (or of an exception
+    it was raised from)."""
+    groups: list[Any] = []
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        groups += exc.__dict__.get("_shardfn_told", [])
+        exc = exc.__cause__ or exc.__context__
+    return groups
+
+
+def wait(work: Any, ch: Channel, what: str) -> None:
+    """Waits for a collective's work handle, bounded by the step timeout."""
+    if ch.off:
         work.wait()
         return
     try:
-        work.wait(datetime.timedelta(seconds=state.timeout))
+        work.wait(datetime.timedelta(seconds=ch.timeout))
     except RuntimeError as e:
-        raise _lost(state, what, e) from None
-
-
-def wait(work: Any, group: Any, what: str) -> None:
-    """Waits for a collective's work handle, bounded by the step timeout."""
-    _wait(work, _state(group), what)
+        raise _lost(ch, what, e) from None
 
 
 class Pending:
     """An asynchronous collective's handle whose ``wait()`` is bounded by the step timeout."""
 
-    __slots__ = ("work", "group", "what", "then")
+    __slots__ = ("work", "ch", "what", "then")
 
-    def __init__(self, work: Any, group: Any, what: str, then: Any = None):
-        self.work, self.group, self.what, self.then = work, group, what, then
+    def __init__(self, work: Any, ch: Channel, what: str, then: Any = None):
+        self.work, self.ch, self.what, self.then = work, ch, what, then
 
     def wait(self) -> None:
         """Waits (once), then runs ``then()``, the local part that completes the collective."""
         if self.work is not None:
             work, self.work = self.work, None
-            wait(work, self.group, self.what)
+            wait(work, self.ch, self.what)
             if self.then is not None:
                 self.then()
                 self.then = None
 
 
-def _lost(state: _Group, what: str, error: RuntimeError) -> CommError:
+def _lost(ch: Channel, what: str, error: RuntimeError) -> CommError:
     """The error for a wait that timed out or whose peer's connection closed, naming the
     ranks of the group that do not answer a roll call in the store."""
     me = dist.get_rank()
     closed = "closed" in str(error).lower() or "reset" in str(error).lower()
-    silent = _roll_call(state)
+    silent = _roll_call(ch)
     who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}" if silent else "a peer"
     cause = (f"{who} closed the connection (its process died or destroyed its process group)" if closed else
-             f"no answer from {who} within the step timeout ({state.timeout:g} s): stopped, dead, or busy outside "
+             f"no answer from {who} within the step timeout ({ch.timeout:g} s): stopped, dead, or busy outside "
              f"shardfn (a rank that left the training loop early, or one that runs collectives of its own)")
-    message = (f"[rank {me}] shardfn: {what} on ranks {list(state.ranks)} did not complete: {cause}. "
+    message = (f"[rank {me}] shardfn: {what} on ranks {list(ch.ranks)} did not complete: {cause}. "
                f"The process group is unusable now; restart the job (torchrun --max-restarts) and resume from "
                f"shardfn.checkpoint.latest(...). Raise the timeout with Mesh.from_env(step_timeout=...) if a rank "
                f"legitimately spends longer between collectives. ({type(error).__name__}: {str(error)[:200]})")
-    _BROKEN.append(message)
+    if ch.guard.broken is None:
+        ch.guard.broken = message
     return CommError(message)
 
 
-def _roll_call(state: _Group) -> list[int]:
-    """The ranks of ``state``'s group that do not write their name in the store within a
+def _roll_call(ch: Channel) -> list[int]:
+    """The ranks of ``ch``'s group that do not write their name in the store within a
     few seconds (every rank that ends up here writes its own)."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        base = f"shardfn/rollcall/{'-'.join(map(str, state.ranks))}/{state.position}/"
+        base = f"shardfn/rollcall/{'-'.join(map(str, ch.ranks))}/{ch.position}/"
         store.set(base + str(dist.get_rank()), "1")
         deadline = time.monotonic() + _ROLL_CALL_S
-        missing = [r for r in state.ranks if r != dist.get_rank()]
+        missing = [r for r in ch.ranks if r != dist.get_rank()]
         while missing and time.monotonic() < deadline:
             missing = [r for r in missing if not store.check([base + str(r)])]
             time.sleep(0.1)
@@ -352,11 +377,16 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[0] if first else ''}{where}"
 
 
+def _live(channels: Iterable[Channel]) -> list[Channel]:
+    return [ch for ch in channels if not ch.off]
+
+
 def fail(mesh: Any, exc: BaseException) -> None:
     """Tells every peer of ``mesh`` that this rank's guarded call raised ``exc``: one failed
-    header on each of its groups whose last exchange did not already carry a failure.
+    header on each of its axis groups that did not raise ``exc`` (see :func:`told`).
     Never raises: the caller re-raises ``exc``."""
-    if _BROKEN or not dist.is_initialized() or isinstance(exc, CommError):
+    guard = mesh.guard
+    if guard.broken is not None or not dist.is_initialized() or isinstance(exc, CommError):
         return
     run = RUN.get()
     if run is not None:  # a pipelined step first plays its collectives out, as the peers run them
@@ -364,19 +394,18 @@ def fail(mesh: Any, exc: BaseException) -> None:
             run.before_fail()
         except Exception:  # noqa: BLE001 - a peer that is gone; the caller's error is the one to see
             return
-    groups = [mesh.group(axis) for axis in mesh.axis_names if mesh.axis_size(axis) > 1]
-    todo = [_state(g) for g in groups]
-    todo = [s for s in todo if not s.last_failed and not s.off]
+    known = _known(exc)
+    todo = [ch for ch in _live(guard.channels.values()) if not any(ch.group is g for g in known)]
     if not todo:
         return
-    incident = _INCIDENTS[0]
-    _INCIDENTS[0] += 1
+    incident = guard.incidents
+    guard.incidents += 1
     try:
         store = dist.distributed_c10d._get_default_store()
         origin = exc.rank if isinstance(exc, PeerError) else dist.get_rank()
         store.set(f"shardfn/failure/{dist.get_rank()}/{incident}", f"{origin}|{describe(exc)}")
-        for state in todo:
-            exchange(state, [0, 0, 0, 0, 0, FAILED + incident, 0], "telling the other ranks of an error")
+        for ch in todo:
+            exchange(ch, [0, 0, 0, 0, 0, FAILED + incident, 0], "telling the other ranks of an error")
     except Exception:  # a peer that is gone; the caller's error is the one to see
         pass
 
@@ -386,9 +415,6 @@ def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
     """A region whose errors every peer learns (see :func:`fail`); ``where`` marks its
     collectives' headers. Nested regions leave it to the outermost."""
     outer = not _REGION.get()
-    if outer:  # a failure the last exchange carried ended an earlier region: this one's is news
-        for entry in _GROUPS.values():
-            entry[1].last_failed = False
     token = _REGION.set(True)
     wtoken = _WHERE.set(where) if where is not None else None
     try:
@@ -406,7 +432,8 @@ def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
 # -- the divergence message ------------------------------------------------------------
 
 
-def describe_header(h: list[int]) -> str:
+def describe_header(h: list[int], names: dict[int, str]) -> str:
+    """One rank's header in words; ``names``: the unit names this rank knows (``Guard.names``)."""
     kind, purpose = _KINDS[h[WHAT] // 64 % 64], _PURPOSES[h[WHAT] % 64]
     if purpose is Purpose.STEP:
         plan = f"pipelined, schedule {h[UNIT]:08x} of {h[NBYTES]} collectives" if h[UNIT] else "checked"
@@ -414,10 +441,10 @@ def describe_header(h: list[int]) -> str:
     if purpose is Purpose.METRICS and h[NBYTES] < 0:
         return "the end of its forward and backward (the metrics all-reduce next), in a step"
     if purpose is Purpose.EXIT:
-        return f"the end of its `with {_NAMES.get(h[UNIT], '?')}` block (no more collectives in it)"
+        return f"the end of its `with {names.get(h[UNIT], '?')}` block (no more collectives in it)"
     code = h[WHAT] // 4096
     dtype = f" {str(_DTYPES[code]).removeprefix('torch.')}" if 0 < code < len(_DTYPES) else ""
-    unit = _NAMES.get(h[UNIT], f"unit #{h[UNIT]:x}") if h[UNIT] else ""
+    unit = names.get(h[UNIT], f"unit #{h[UNIT]:x}") if h[UNIT] else ""
     tokens = f", {h[DETAIL] >> 32} tokens" if h[DETAIL] >> 32 else ""
     detail = (f", batch of {h[DETAIL] & 0xFFFFFFFF} rows{tokens}" if purpose is Purpose.METRICS and h[DETAIL] > 0 else
               f", checkpoint {h[DETAIL]:08x}" if purpose is Purpose.CHECKPOINT and h[DETAIL] else "")
@@ -425,18 +452,18 @@ def describe_header(h: list[int]) -> str:
             f"{Where.NAMES.get(h[WHERE], '?')}")
 
 
-def _diverged(state: "_Group", headers: list[list[int]]) -> str:
-    lines = [f"  rank {r}: {describe_header(h)}" for r, h in zip(state.ranks, headers)]
-    return (f"[rank {dist.get_rank()}] shardfn: the ranks diverged at their collective #{state.position} on ranks "
-            f"{list(state.ranks)}; none of them issued it, and nothing was updated:\n" + "\n".join(lines)
-            + "\n" + fix(headers))
+def _diverged(ch: Channel, headers: list[list[int]]) -> str:
+    lines = [f"  rank {r}: {describe_header(h, ch.guard.names)}" for r, h in zip(ch.ranks, headers)]
+    return (f"[rank {dist.get_rank()}] shardfn: the ranks diverged at their collective #{ch.position} on ranks "
+            f"{list(ch.ranks)}; none of them issued it, and nothing was updated:\n" + "\n".join(lines)
+            + "\n" + fix(headers, ch.guard.names))
 
 
-def fix(headers: list[list[int]]) -> str:
+def fix(headers: list[list[int]], names: dict[int, str]) -> str:
     """What to do about ranks whose headers are ``headers``."""
     same_but_rows = all(h[:DETAIL] + h[DETAIL + 1:STATUS] == headers[0][:DETAIL] + headers[0][DETAIL + 1:STATUS]
                         for h in headers)
-    exits = [_NAMES.get(h[UNIT], "") for h in headers if _PURPOSES[h[WHAT] % 64] is Purpose.EXIT]
+    exits = [names.get(h[UNIT], "") for h in headers if _PURPOSES[h[WHAT] % 64] is Purpose.EXIT]
     if exits:
         fix = _CONTEXTS.get(exits[0], "Every rank must make the same collective calls inside the block.")
     elif any(_PURPOSES[h[WHAT] % 64] is Purpose.USER for h in headers):

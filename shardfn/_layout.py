@@ -275,6 +275,13 @@ class Layout:
         first, last = self.units[bucket[0]].name, self.units[bucket[-1]].name
         return first if len(bucket) == 1 else f"{first}..{last}"
 
+    @functools.cached_property
+    def names_by_id(self) -> dict[int, str]:
+        """The header word of every unit's and bucket's name -> the name (shardfn._guard), so
+        that a rank can name in a divergence message a unit only its peers ran."""
+        names = [u.name for u in self.units] + [self.bucket_name(b) for b in self.buckets]
+        return {unit_id(n): n for n in names if n}
+
     def collectives_per_step(self) -> dict[str, tuple[int, int]]:
         """Expected ``{kind: (count, bytes)}`` of one training step on one rank.
 
@@ -440,8 +447,6 @@ def build_layout(
     buffers = {
         n: BufferLayout(n, tuple(state[n].shape), state[n].dtype, n in info.persistent) for n in info.buffers
     }
-    for u in units:  # so that a divergence names units this rank did not run (shardfn._guard)
-        unit_id(u.name)
     return Layout(
         plan, mesh_shape, world, replicas, {n: leaves[n] for n in info.params}, tuple(units), buffers,
         dict(info.aliases), info.state_dict_keys,

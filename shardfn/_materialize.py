@@ -154,7 +154,7 @@ def scattered_state(params: Mapping[str, torch.Tensor], layout: Layout, mesh, sr
         if not layout.strategy.sharded:  # NO_SHARD: everyone gets everything
             if i_am_src:
                 flat.copy_(torch.cat([params[n].reshape(-1).to(device) for n in unit.leaves]))
-            C.broadcast(flat, src_rank, mesh.group("shard"), Purpose.LOAD, unit.name)
+            C.broadcast(flat, src_rank, mesh.channel("shard"), Purpose.LOAD, unit.name)
         else:
             if in_src_row and world > 1:
                 buf = None
@@ -162,11 +162,11 @@ def scattered_state(params: Mapping[str, torch.Tensor], layout: Layout, mesh, sr
                     buf = (torch.zeros if unit.flat else torch.empty)(world, unit.numel, dtype=unit.dtype, device=device)
                     for n in unit.leaves:
                         pack_leaf(buf, params[n].to(device), layout.leaves[n], world, layout.leaves[n].offset)
-                C.scatter(flat, buf, shard_src, mesh.group("shard"), Purpose.LOAD, unit.name)
+                C.scatter(flat, buf, shard_src, mesh.channel("shard"), Purpose.LOAD, unit.name)
             elif in_src_row:
                 flat.copy_(torch.cat([params[n].reshape(-1).to(device) for n in unit.leaves]))
             if mesh.ndim == 2 and mesh.axis_size("replicate") > 1:
-                C.broadcast(flat, src_row, mesh.group("replicate"), Purpose.LOAD, unit.name)
+                C.broadcast(flat, src_row, mesh.channel("replicate"), Purpose.LOAD, unit.name)
         rank = layout.shard_rank(mesh)
         for n in unit.leaves:
             off, length = layout.piece(n, rank)

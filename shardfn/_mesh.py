@@ -53,7 +53,7 @@ class Mesh:
         Mesh(replicate=2, shard=4, device=cpu, backend=gloo, rank=0)
     """
 
-    __slots__ = ("_dm", "_device", "_step_timeout")
+    __slots__ = ("_dm", "_device", "guard")
 
     def __init__(self, device_mesh: DeviceMesh, step_timeout: float = _guard.DEFAULT_STEP_TIMEOUT):
         names = tuple(device_mesh.mesh_dim_names or ())
@@ -68,8 +68,9 @@ class Mesh:
             self._device = torch.device("cuda", torch.cuda.current_device())
         else:
             self._device = torch.device(device_mesh.device_type)
-        self._step_timeout = seconds(step_timeout, "Mesh(step_timeout=...)")
-        _register_groups(device_mesh, self._step_timeout)
+        # The schedule guard of this mesh's groups (see [Note: the guard's state]).
+        self.guard = _guard.Guard(seconds(step_timeout, "Mesh(step_timeout=...)"))
+        _add_channels(device_mesh, self.guard)
 
     # -- construction ------------------------------------------------------------------
 
@@ -153,7 +154,7 @@ class Mesh:
     @property
     def step_timeout(self) -> float:
         """Seconds a rank waits for the others at a collective (see :meth:`from_env`)."""
-        return self._step_timeout
+        return self.guard.timeout
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -189,26 +190,30 @@ class Mesh:
             raise ValueError(f"{self!r} has no axis {axis!r}; its axes are {self.axis_names}.")
         return self._dm.get_group(axis if self._dm.mesh_dim_names else 0)
 
-    def subgroup(self, size: int) -> tuple[dist.ProcessGroup, int]:
-        """The process group of this rank's block of ``size`` consecutive ranks along the
+    def channel(self, axis: str) -> _guard.Channel:
+        """The group of ``axis`` as shardfn's collectives take it (with its schedule guard)."""
+        self.group(axis)  # a clear error for an unknown axis
+        return self.guard.channels[axis]
+
+    def subgroup(self, size: int) -> tuple[_guard.Channel, int]:
+        """The channel of this rank's block of ``size`` consecutive ranks along the
         ``shard`` axis, and this rank's index in it (a unit resharded to a sub-group after
         forward gathers there in backward: ``Plan(reshard_after_forward=size)``).
 
-        Made on first use, by every rank (creating groups is collective), then kept."""
-        key = (id(self._dm), size)
-        cached = _SUBGROUPS.get(key)
-        if cached is None or cached[0] is not self._dm:
+        Made on first use, by every rank (creating groups is collective), then kept by the mesh."""
+        cached = self.guard.subgroups.get(size)
+        if cached is None:
             i = self.axis_names.index("shard")
             with unset_fake_temporarily():  # explain plans under FakeTensorMode; the rank table is real
                 rows = self._dm.mesh.movedim(i, -1).reshape(-1, self._dm.mesh.size(i)).tolist()
             blocks = [row[j : j + size] for row in rows for j in range(0, len(row), size)]
             group, _ = dist.new_subgroups_by_enumeration(blocks)
             control = None
-            if self._dm.device_type == "cuda":  # the guard's headers go over gloo (see _register_groups)
+            if self._dm.device_type == "cuda":  # the guard's headers go over gloo (see _add_channels)
                 control, _ = dist.new_subgroups_by_enumeration(blocks, backend="gloo")
-            _guard.register(group, control, self._step_timeout)
-            cached = _SUBGROUPS[key] = (self._dm, group, self.axis_rank("shard") % size)
-        return cached[1], cached[2]
+            cached = self.guard.subgroups[size] = (self.guard.channel(group, "shard", control),
+                                                    self.axis_rank("shard") % size)
+        return cached
 
     def axis_size(self, axis: str) -> int:
         if axis not in self.axis_names:
@@ -297,23 +302,26 @@ class Mesh:
     def __hash__(self) -> int:
         return hash(self._dm)
 
+    def __copy__(self) -> "Mesh":
+        return self  # a mesh names process groups and owns their guard: copies share them
 
-_SUBGROUPS: dict[tuple[int, int], tuple[DeviceMesh, dist.ProcessGroup, int]] = {}  # see Mesh.subgroup
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Mesh":
+        return self
 
 
-def _register_groups(dm: DeviceMesh, step_timeout: float) -> None:
-    """Guards every axis group of ``dm`` (see [Note: the schedule guard]). The headers go
-    over the group itself on CPU, and over a gloo group of the same ranks beside each NCCL
-    group (a header read on the host must not wait for the GPU's stream)."""
+def _add_channels(dm: DeviceMesh, guard: _guard.Guard) -> None:
+    """A channel for every axis group of ``dm`` (see [Note: the schedule guard]). The headers
+    go over the group itself on CPU, and over a gloo group of the same ranks beside each
+    NCCL group (a header read on the host must not wait for the GPU's stream)."""
     names = dm.mesh_dim_names or ("shard",)
     for i, axis in enumerate(names):
         group = dm.get_group(axis if dm.mesh_dim_names else 0)
         control = None
-        if dm.device_type == "cuda" and dist.get_world_size(group) > 1 and not _guard.has_control(group):
+        if dm.device_type == "cuda" and dist.get_world_size(group) > 1:
             # Every rank creates every group of the axis (new_group is collective), in the same order.
             rows = dm.mesh.movedim(i, -1).reshape(-1, dm.mesh.size(i)).tolist()
             control, _ = dist.new_subgroups_by_enumeration(rows, backend="gloo")
-        _guard.register(group, control, step_timeout)
+        guard.channels[axis] = guard.channel(group, axis, control)
 
 
 def _init_from_env(timeout: datetime.timedelta) -> None:

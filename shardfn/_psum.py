@@ -74,7 +74,7 @@ def on_shards(sharded: Any) -> Iterator[None]:
     finally:
         _SCOPE.reset(token)
     if layout.strategy.sharded:  # the ranks made the same psums, or all of them raise here
-        G.agree_exit(sharded.mesh.group("shard"), "shardfn.on_shards(...)")
+        G.agree_exit(sharded.mesh.channel("shard"), "shardfn.on_shards(...)")
 
 
 class Gradients(TensorTree):
@@ -120,7 +120,7 @@ def psum(t: torch.Tensor) -> torch.Tensor:
     if not sharded or mesh.axis_size("shard") == 1:
         return t
     out = t.detach().clone()
-    C.all_reduce(out, mesh.group("shard"), Purpose.PSUM, op=C.SUM)
+    C.all_reduce(out, mesh.channel("shard"), Purpose.PSUM, op=C.SUM)
     return out
 
 

@@ -75,13 +75,13 @@ __all__ = ["Bucket", "UnitGrads", "attach_buckets"]
 class UnitGrads:
     """The gradients of one unit during a runtime (see [Note: one reduction per unit])."""
 
-    __slots__ = ("unit", "store", "nodes", "graphed", "acc", "replicate_group", "bucket")
+    __slots__ = ("unit", "store", "nodes", "graphed", "acc", "replicate", "bucket")
 
     def __init__(self, unit: RunningUnit, store: bool):
         self.unit = unit
         # Gradients are averaged over the other ranks holding the same shard: the
         # "replicate" axis of a 2-D mesh, or the whole 1-D mesh under NO_SHARD.
-        self.replicate_group = unit.mesh.group("replicate") if unit.mesh.ndim == 2 else unit.group
+        self.replicate = unit.mesh.channel("replicate") if unit.mesh.ndim == 2 else unit.channel
         self.store = store  # reduce once and leave the result to the runtime (the step's own tree)
         self.nodes = 0  # GatherUnit nodes built in forward whose backward has not run
         self.graphed = False  # a node was built since the last reduction
@@ -223,10 +223,10 @@ class UnitGrads:
             out = buf.view(-1)
         else:
             out = torch.empty(u.grad_numel, dtype=u.reduce_dtype, device=buf.device)
-            work = C.reduce_scatter(out, buf.view(-1), unit.group, Purpose.REDUCE, u.name, op=op,
+            work = C.reduce_scatter(out, buf.view(-1), unit.channel, Purpose.REDUCE, u.name, op=op,
                                     async_op=asynchronous, to=rt.observers)
         if lay.replicas > 1:  # NO_SHARD, and the hybrid strategies' replicate axis
-            work = C.all_reduce(out, self.replicate_group, Purpose.REDUCE, u.name, op=op, async_op=asynchronous,
+            work = C.all_reduce(out, self.replicate, Purpose.REDUCE, u.name, op=op, async_op=asynchronous,
                                 to=rt.observers)
         if asynchronous and work is not None:
             rt.add_pending(work, (buf, out))
@@ -298,7 +298,7 @@ class Bucket:
         for unit in self.units:
             if unit not in ready:
                 self.part(unit).zero_()
-        work = C.all_reduce(buf, self.units[0].grads.replicate_group, Purpose.REDUCE, self.name, op=rt.reduce_op,
+        work = C.all_reduce(buf, self.units[0].grads.replicate, Purpose.REDUCE, self.name, op=rt.reduce_op,
                             async_op=rt.overlap, to=rt.observers)
         if rt.overlap:
             rt.add_pending(work, buf, bucket=True)

@@ -60,7 +60,7 @@ def refresh(sharded: Any, to: Any, donated: bool) -> Any:
     layout, mesh = sharded.layout, sharded.mesh
     if layout.world == 1:
         return sharded
-    group, rank = mesh.group("shard"), layout.shard_rank(mesh)
+    group, rank = mesh.channel("shard"), layout.shard_rank(mesh)
     replicas = sharded._donate_replicas() if donated else dict(sharded.replicas or {})
     with torch.no_grad():
         for u in layout.units:

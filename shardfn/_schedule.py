@@ -64,8 +64,8 @@ class Deviated(BaseException):
 
 
 class Entry(NamedTuple):
-    group: Any
-    axis: str  # the mesh axis of the group, the same name on every rank
+    channel: G.Channel
+    axis: str  # the mesh axis of the channel, the same name on every rank
     header: tuple[int, ...]  # the five words of shardfn._guard.words
     kind: Collective
     dtype: torch.dtype
@@ -121,18 +121,16 @@ class Run:
         self.recorded: list[Entry] = []
         self.deviation: tuple[int, list[int]] | None = None
         self.played = False
-        self.axes = {id(mesh.group(a)): a for a in mesh.axis_names}
 
-    def _groups(self) -> list[Any]:
-        groups = [self.mesh.group(a) for a in self.mesh.axis_names if self.mesh.axis_size(a) > 1]
-        return [g for g in groups if not G.state_of(g).off]
+    def _groups(self) -> list[G.Channel]:
+        return [self.mesh.channel(a) for a in self.mesh.axis_names if not self.mesh.channel(a).off]
 
     def open(self) -> None:
         """The step's opening header, on every axis: the schedule every rank is about to run."""
         fp = self.schedule.fingerprint()
         n = len(self.schedule.verified) if fp else 0
-        for group in self._groups():
-            G.agree_words(G.state_of(group), [*G.words(Collective.BARRIER, Purpose.STEP, "", n)[:1], fp, n, 0,
+        for ch in self._groups():
+            G.agree_words(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", n)[:1], fp, n, 0,
                                              G.Where.STEP], "the start of a step")
         self.opening = False
 
@@ -144,16 +142,15 @@ class Run:
 
     # -- collectives ---------------------------------------------------------------------
 
-    def collective(self, group: Any, kind: Collective, purpose: Purpose, unit: str, t: torch.Tensor, op: Any,
+    def collective(self, ch: G.Channel, kind: Collective, purpose: Purpose, unit: str, t: torch.Tensor, op: Any,
                    detail: int) -> None:
         """Called before each collective of the step (shardfn._collectives)."""
-        state = G.state_of(group)
-        if state.off:
+        if ch.off:
             return
         words = G.words(kind, purpose, unit, t.numel() * t.element_size(), detail, t.dtype)
-        entry = Entry(group, self.axes.get(id(group), "?"), tuple(words), kind, t.dtype, t.device, t.numel(), op)
+        entry = Entry(ch, ch.axis, tuple(words), kind, t.dtype, t.device, t.numel(), op)
         if not (self.phase1 and self.pipelined):  # checked: a waited header (recorded until the metrics)
-            G.agree_words(state, words, f"{kind.value} ({G.label(purpose, unit)})", self.position)
+            G.agree_words(ch, words, f"{kind.value} ({G.label(purpose, unit)})", self.position)
             if self.phase1:
                 self.recorded.append(entry)
                 self.position += 1
@@ -184,18 +181,18 @@ class Run:
         self.played = True
         scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         for e in self.schedule.verified[self.position:]:
-            n = dist.get_world_size(e.group)
+            n = e.channel.size
             key = (e.dtype, e.device)
             if key not in scratch or scratch[key].numel() < e.numel + e.numel // n:
                 scratch[key] = torch.zeros(e.numel + e.numel // n, dtype=e.dtype, device=e.device)
             full, part = scratch[key][: e.numel], scratch[key][e.numel : e.numel + e.numel // n]
             if e.kind is Collective.ALL_GATHER:
-                work = all_gather_single(full, part, group=e.group, async_op=True)
+                work = all_gather_single(full, part, group=e.channel.group, async_op=True)
             elif e.kind is Collective.REDUCE_SCATTER:
-                work, _ = issue_reduce_scatter(part, full, e.group, e.op)
+                work, _ = issue_reduce_scatter(part, full, e.channel.group, e.op)
             else:
-                work = dist.all_reduce(full, op=e.op, group=e.group, async_op=True)
-            G.wait(work, e.group, f"{e.kind.value} (playing out the schedule after a deviation)")
+                work = dist.all_reduce(full, op=e.op, group=e.channel.group, async_op=True)
+            G.wait(work, e.channel, f"{e.kind.value} (playing out the schedule after a deviation)")
 
     def before_fail(self) -> None:
         """A rank whose step raises: play out the schedule, so that its failed header meets
@@ -209,12 +206,10 @@ class Run:
         """On a rank that deviated: its report in the metrics header of every axis. Returns
         when every rank deviated alike (the step is to run again), else raises."""
         position, words = self.deviation
-        for group in self._groups():
-            state = G.state_of(group)
+        for state in self._groups():
             headers = G.exchange(state, [*words, G.DIVERGED, position], "the metrics all-reduce (a deviation)")
             if any(h[G.STATUS] != G.DIVERGED or h[G.POSITION] != position or h[:G.STATUS] != words for h in headers):
-                state.last_failed = True
-                raise G.DivergenceError(self.explain(state, headers))
+                raise G.told(G.DivergenceError(self.explain(state, headers)), state)
 
     def explain(self, state: Any, headers: list[list[int]]) -> str:
         """The same message on every rank, from the headers and the shared schedule."""
@@ -222,8 +217,8 @@ class Run:
         first = min(reports)
         expected = self.schedule.verified or []
         did = [h if h[G.POSITION] == first else list(expected[first].header) for h in headers]
-        lines = [f"  rank {r}: {G.describe_header(h)}" for r, h in zip(state.ranks, did)]
+        lines = [f"  rank {r}: {G.describe_header(h, state.guard.names)}" for r, h in zip(state.ranks, did)]
         return (f"[rank {dist.get_rank()}] shardfn: the ranks diverged at collective #{first} of the step on ranks "
                 f"{list(state.ranks)}: until then every rank ran the collectives of the previous steps (checked at "
                 f"the metrics all-reduce, before anything was updated). There:\n" + "\n".join(lines) + "\n"
-                + G.fix(did))
+                + G.fix(did, state.guard.names))

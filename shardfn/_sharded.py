@@ -56,6 +56,7 @@ class ShardedParams(TensorTree):
         self._data = dict(data)
         self.layout = layout
         self.mesh = mesh
+        mesh.guard.learn(layout.names_by_id)  # so that a divergence names units only a peer ran
         self.module = module  # the model's module tree on the meta device (no state), when known
         # SHARD_OPTIMIZER's gathered units ([Note: replicated parameters]), set when the tree is
         # made (a step returns a new tree with them), never changed afterwards
@@ -457,7 +458,7 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
             torch.cat(parts, out=flat)
         else:  # offloaded values (host memory): copied to the device, where the collective runs
             to_device_into(flat, parts, (), unit.name)
-        C.all_gather(got, flat, mesh.group("shard"), purpose, unit.name)
+        C.all_gather(got, flat, mesh.channel("shard"), purpose, unit.name)
         if unpack:  # ranks that return nothing do not unpack
             # (a flat leaf is a view of the receive buffer, which the next unit reuses: copied)
             full = {n: unpack_leaf(got.view(layout.world, unit.numel), layout.leaves[n], layout.world) for n in names}

@@ -165,9 +165,9 @@ def reduce_scatter_average(values):
     N, r = dist.get_world_size(), dist.get_rank()
     inp = torch.tensor(values, dtype=torch.float32).repeat(N) * (r + 1)
     out = torch.empty(len(values))
-    C.reduce_scatter(out, inp, dist.group.WORLD, Purpose.TEST)
+    C.reduce_scatter(out, inp, sf.Mesh.from_group().channel("shard"), Purpose.TEST)
     t = torch.full((3,), float(r + 1))
-    C.all_reduce(t, dist.group.WORLD, Purpose.TEST)
+    C.all_reduce(t, sf.Mesh.from_group().channel("shard"), Purpose.TEST)
     return out, t
 
 
@@ -204,6 +204,7 @@ def reduce_scatter_chunks():
             return func(*args, **(kwargs or {}))
 
     N, r = dist.get_world_size(), dist.get_rank()
+    world = sf.Mesh.from_group().channel("shard")
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         inp = rank_input(r, N, dtype)
@@ -211,7 +212,7 @@ def reduce_scatter_chunks():
             for asynchronous in (False, True):
                 got = torch.empty(4, dtype=dtype)
                 with sf.record_collectives() as log, Ops() as ops:
-                    work = C.reduce_scatter(got, inp, dist.group.WORLD, Purpose.TEST, op=op, async_op=asynchronous)
+                    work = C.reduce_scatter(got, inp, world, Purpose.TEST, op=op, async_op=asynchronous)
                     if work is not None:
                         work.wait()
                 out[(str(dtype), name, asynchronous)] = (got.float(), dict(log.bytes()), sorted(set(ops.names)))

@@ -12,7 +12,6 @@ from torch import nn
 
 import shardfn as sf
 import shardfn.testing
-from shardfn import _guard
 from shardfn.optim import adamw
 from shardfn.testing import check_equivalence
 from shardfn.testing.models import MoE
@@ -110,10 +109,10 @@ def skipped_block(skip_ranks, at_step, steps=None):
     for n in range(steps or at_step + 1):
         batch = {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * n + mesh.rank)), "n": n}
         before = _snapshot(sharded, state)
-        headers = _guard.HEADERS[0]
+        headers = mesh.guard.headers
         with sf.record_collectives() as log:
             out = _outcome(lambda: step(sharded, state, batch))
-        outs.append({**out, "unchanged": _unchanged(before, sharded, state), "headers": _guard.HEADERS[0] - headers,
+        outs.append({**out, "unchanged": _unchanged(before, sharded, state), "headers": mesh.guard.headers - headers,
                      "collectives": len(log.calls)})
     return outs, sf.gather(sharded), step.grad.schedule.reruns
 
