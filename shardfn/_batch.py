@@ -90,7 +90,7 @@ class MicroBatches:
     step on their concatenation.
 
     Example:
-        >>> sharded, opt_state, m = step(sharded, opt_state, shardfn.MicroBatches(packed_batches))
+        >>> sharded, opt_state, m = step(sharded, opt_state, shardfn.MicroBatches(batches))  # packed, any lengths
     """
 
     __slots__ = ("batches",)

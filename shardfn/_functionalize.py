@@ -46,7 +46,7 @@ class Apply:
     running statistics.
 
     Example:
-        >>> val_loss = loss_fn(apply.eval()(sharded, x), y)
+        >>> val_loss = loss_fn(apply.eval(), sharded, batch)   # no dropout; running statistics read
         >>> apply.train()
     """
 

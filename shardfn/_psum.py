@@ -105,8 +105,8 @@ def psum(t: torch.Tensor) -> torch.Tensor:
     it raises (see the module docstring).
 
     Example:
-        >>> # inside an optimizer's update, on local shards:
-        >>> param_norm = psum(p.square().sum()).sqrt()    # the norm of the whole parameter
+        >>> with shardfn.on_shards(sharded):  # as inside an optimizer's update: local shards
+        ...     norms = {n: psum(p.square().sum()).sqrt() for n, p in sharded.items()}  # whole parameters' norms
     """
     rt = current()
     if rt is not None:

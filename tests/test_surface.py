@@ -1,6 +1,7 @@
 """The public surface agrees with itself: one name per concept, one loss convention, the
 same plan fields wherever a plan is built, enums, sizes and timeouts that parse one way,
-``__all__`` holding what users call, and docstring examples whose names and keywords exist.
+``__all__`` holding what users call, and docstring examples that run and whose names and
+keywords exist.
 The next drift fails here (docs/migrating.md, "Changes", lists what moved)."""
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ import dataclasses
 import datetime
 import functools
 import inspect
+import json
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -280,3 +285,17 @@ def test_docstring_examples_use_names_keywords_and_the_loss_that_exist():
                             if k.arg and k.arg not in params]
     assert checked > 15, checked  # the parse keeps finding calls
     assert not bad, "docstring examples that do not match the code:\n" + "\n".join(bad)
+
+
+def test_docstring_examples_run():
+    """Every docstring example of the public surface runs as a user would paste it, and
+    shows the output it says it shows (tests/docstring_examples.py, in a fresh process:
+    explain plans its fake worlds before any process group exists)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, os.path.join(here, "docstring_examples.py")], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(results) >= 50 and set(results) >= {where for where, _ in _examples()}, sorted(results)
+    failed = {where: result for where, result in results.items() if result != "ok"}
+    assert not failed, "docstring examples that do not run:\n" + "\n".join(f"{k}: {v}" for k, v in failed.items())

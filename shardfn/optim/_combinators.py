@@ -196,6 +196,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
 
     Example:
         >>> opt = chain(add_decayed_weights(1e-4), scale(-0.1))
+        >>> state = opt.init(params)
         >>> updates, state = opt.update(grads, state, params)  # needs params
     """
     _check_hyper("weight_decay", weight_decay, "add_decayed_weights", lo=0.0)

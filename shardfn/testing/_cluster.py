@@ -233,12 +233,13 @@ class Cluster:
             instruction on (e.g. ``MALLOC_*``).
 
     Example:
-        >>> def rank_sum(x):  # at module level: workers import it by reference
+        >>> def rank_sum(x):  # at module level of a script: workers import it by reference
         ...     t = torch.tensor([x + dist.get_rank()])
         ...     dist.all_reduce(t)
         ...     return t
-        >>> with Cluster(2) as c:
-        ...     c.run(rank_sum, 10)  # [tensor([21]), tensor([21])]
+        >>> if __name__ == "__main__":  # the workers import the script: only the parent runs this
+        ...     with Cluster(2) as c:
+        ...         assert c.run(rank_sum, 10) == [torch.tensor([21])] * 2
     """
 
     def __init__(self, world_size: int, *, timeout: float = 120.0,
