@@ -41,10 +41,11 @@ from ._events import Purpose
 __all__ = ["Mean", "MicroBatches"]
 
 _NOT_A_LOSS = (
-    "loss_fn must return a scalar tensor or shardfn.Mean(total, count){aux}, got {got}."
+    "loss_fn(apply, params, batch): must return a scalar tensor or shardfn.Mean(total, count){aux}, got {got}."
 )
 _DETACHED = (
-    "loss_fn returned a loss that does not depend on the parameters: call apply(params, ...) on the params "
+    "loss_fn(apply, params, batch): returned a loss that does not depend on the parameters: call apply(params, ...) "
+    "on the params "
     "loss_fn receives (the sharded tree), not on a captured copy."
 )
 _UNEVEN = (
@@ -122,7 +123,7 @@ def split(batch: Any, micro_batches: int) -> list[Any]:
     if isinstance(batch, MicroBatches):
         if micro_batches != 1:
             raise ValueError(
-                f"jit_step(micro_batches={micro_batches}) splits each batch into equal parts; this batch is already "
+                f"jit_step(micro_batches={micro_batches}): splits each batch into equal parts; this batch is already "
                 "given as MicroBatches. Use one or the other."
             )
         return list(batch)

@@ -95,7 +95,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
         if not allowed:
             raise pickle.UnpicklingError(
-                f"checkpoint metadata refers to {module}.{name}, which is not part of DCP's metadata; refusing to "
+                f"checkpoint.load: the metadata refers to {module}.{name}, which is not part of DCP's metadata; refusing to "
                 "load it (the file may have been tampered with)."
             )
         return super().find_class(module, name)
@@ -231,7 +231,7 @@ def save(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None,
         >>> save("ckpt/step-100", sharded, opt_state, extra={"step": 100, "rng": torch.get_rng_state()})
     """
     if not isinstance(sharded, ShardedParams):
-        raise TypeError(f"checkpoint.save expects the ShardedParams from shard(), got {type(sharded).__name__}")
+        raise TypeError(f"checkpoint.save(sharded, ...): expected the ShardedParams from shard(), got {type(sharded).__name__}")
     extra = dict(extra or {})
     tensors = {k: v for k, v in extra.items() if isinstance(v, torch.Tensor)}
     values = {k: v for k, v in extra.items() if k not in tensors}

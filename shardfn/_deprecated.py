@@ -98,7 +98,7 @@ def old_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             deprecated(f"{where}(has_aux=..., mean_aux=...)", f'{where}(aux="rank") or {where}(aux="mean")')
         if "skip_nonfinite" in old:
             if where != "jit_step":
-                raise TypeError(f"{where}() got an unexpected keyword argument 'skip_nonfinite'")
+                raise TypeError(f"{where}(): got an unexpected keyword argument 'skip_nonfinite'")
             new["on_nonfinite"] = "skip" if old["skip_nonfinite"] else "raise"
             deprecated(f"{where}(skip_nonfinite=...)", f'{where}(on_nonfinite="skip")')
         both = [k for k in new if kwargs.get(k) is not None]

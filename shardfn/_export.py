@@ -67,7 +67,7 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
         >>> GPT2LMHeadModel.from_pretrained("out/")
     """
     if not isinstance(sharded, ShardedParams):
-        raise TypeError(f"save_pretrained expects the ShardedParams from shard(), got {type(sharded).__name__}")
+        raise TypeError(f"save_pretrained(sharded, ...): expected the ShardedParams from shard(), got {type(sharded).__name__}")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"save_pretrained(dtype={dtype}): give a floating-point dtype (torch.bfloat16, torch.float16).")
     limit, directory = parse_size(max_shard_size, "save_pretrained(max_shard_size=...)"), os.fspath(directory)

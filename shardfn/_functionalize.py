@@ -111,7 +111,7 @@ def functionalize(model: nn.Module) -> tuple[Params, Apply]:
         torch.Size([3, 2])
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"functionalize expects an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"functionalize(model): expected an nn.Module, got {type(model).__name__}")
     info = tree_info(model)
     named = dict(model.named_parameters())
     buffers = dict(model.named_buffers())

@@ -56,7 +56,7 @@ _NO_ELEMENTS = (
     "there is nothing to average. Nothing was updated; skip such batches."
 )
 _USED_DIRECTLY = (
-    "loss_fn used the shards of {names} directly, not through apply(params, ...): a shard is this rank's dim-0 "
+    "loss_fn(apply, params, batch): used the shards of {names} directly, not through apply(params, ...): a shard is this rank's dim-0 "
     "chunk of the parameter, not the parameter. Call apply(params, ...) (or compute the term from "
     "shardfn.gather(...) outside the step)."
 )
@@ -215,8 +215,8 @@ class Grad:
             rt.start_micro_batch(last=i == k - 1)
             loss, count, aux = objective(self.loss_fn(apply, sharded, mb), self.has_aux, bool(leaves))
             if counts and (count is None) != (counts[0] is None):
-                raise TypeError("loss_fn returned shardfn.Mean for some micro-batches and a plain loss for others; "
-                                "return one kind in a step.")
+                raise TypeError("loss_fn(apply, params, batch): returned shardfn.Mean for some micro-batches and a plain "
+                                "loss for others; return one kind in a step.")
             if count is None and sizes is not None and len({s for pair in sizes for s in pair}) > 1:
                 raise uneven_error(sizes)
             values.append(loss.detach())
@@ -330,7 +330,8 @@ def _flat_aux(auxes: list[Any]) -> tuple[torch.Tensor, Any]:
     flat = [pytree.tree_flatten(a) for a in auxes]
     spec = flat[0][1]
     if any(s != spec for _, s in flat):
-        raise TypeError("loss_fn's aux must have the same structure in every micro-batch to be averaged.")
+        raise TypeError("loss_fn(apply, params, batch): its aux must have the same structure in every micro-batch "
+                        "to be averaged.")
     leaves = [[torch.as_tensor(x).detach().float() for x in leaves] for leaves, _ in flat]
     means = [torch.stack(per).mean(0) for per in zip(*leaves)]
     shapes = [m.shape for m in means]

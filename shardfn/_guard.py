@@ -421,6 +421,9 @@ def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
         yield
     except Exception as e:
         if outer and mesh is not None and mesh.size > 1:
+            if not isinstance(e, (PeerError, DivergenceError, CommError)) and not str(e).startswith("[rank "):
+                e.add_note(f"[rank {mesh.rank}] shardfn: raised on rank {mesh.rank} of {mesh!r}; the other ranks raise "
+                           f"PeerError naming it.")
             fail(mesh, e)
         raise
     finally:

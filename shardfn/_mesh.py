@@ -187,7 +187,7 @@ class Mesh:
 
     def group(self, axis: str) -> dist.ProcessGroup:
         if axis not in self.axis_names:
-            raise ValueError(f"{self!r} has no axis {axis!r}; its axes are {self.axis_names}.")
+            raise ValueError(f"mesh.group({axis!r}): {self!r} has no axis {axis!r}; its axes are {self.axis_names}.")
         return self._dm.get_group(axis if self._dm.mesh_dim_names else 0)
 
     def channel(self, axis: str) -> _guard.Channel:

@@ -83,7 +83,7 @@ class Pieces:
         for o, t in self.rects:
             if o == offsets:
                 return t
-        raise AssertionError(f"no rectangle of this shard starts at {offsets}")
+        raise AssertionError(f"shardfn internal error: no rectangle of this shard starts at {offsets}")
 
 
 class SavePlanner(DefaultSavePlanner):

@@ -37,7 +37,8 @@ from ._tree import TensorTree
 __all__ = ["Gradients", "global_norm", "on_shards", "psum", "sum_of_squares"]
 
 _NO_SCOPE = (
-    "[rank {rank}] shardfn.optim.psum (or global_norm, clip_by_global_norm) outside a step, on {world} processes: "
+    "[rank {rank}] shardfn.optim.psum(t): outside a step, on {world} processes (so are global_norm and "
+    "clip_by_global_norm): "
     "it cannot tell which ranks hold the other shards of these tensors, and a sum over this rank's shard alone "
     "would be silently wrong. Run it inside `with shardfn.on_shards(sharded):` (sharded: the ShardedParams "
     "the tensors are shards of), or inside a step."

@@ -72,7 +72,7 @@ def reshard(
         >>> step = shardfn.jit_step(loss_fn, mesh, optimizer=opt)
     """
     if not isinstance(sharded, ShardedParams):
-        raise TypeError(f"reshard() expects the ShardedParams from shard(), got {type(sharded).__name__}")
+        raise TypeError(f"reshard(sharded, ...): expected the ShardedParams from shard(), got {type(sharded).__name__}")
     old, old_mesh = sharded.layout, sharded.mesh
     mesh = mesh or old_mesh
     if mesh.size != old_mesh.size:

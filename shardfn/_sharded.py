@@ -402,7 +402,7 @@ def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.de
         >>> model.load_state_dict(gather(sharded, device="cpu"))     # strict, buffers included
     """
     if not isinstance(sharded, ShardedParams):
-        raise TypeError(f"gather() expects the ShardedParams returned by shard(), got {type(sharded).__name__}")
+        raise TypeError(f"gather(sharded): expected the ShardedParams returned by shard(), got {type(sharded).__name__}")
     layout, mesh = sharded.layout, sharded.mesh
     keep = not rank0_only or mesh.rank == 0
     out: dict[str, torch.Tensor] = {}

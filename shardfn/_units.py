@@ -151,7 +151,7 @@ def check_unit_modules(module: nn.Module | None, paths: Sequence[str]) -> None:
 
 
 _NEEDS_MODULE = (
-    "{policy} needs the module tree, but the params were not made by shardfn.functionalize(model). "
+    "{policy}: needs the module tree, but the params were not made by shardfn.functionalize(model). "
     "Pass the params that functionalize returned, or use units=shardfn.by_prefix('blocks.0', ...)."
 )
 
@@ -173,7 +173,7 @@ def by_module_type(*types: type) -> UnitPolicy:
         >>> shard(params, mesh, "FULL_SHARD", units=by_module_type(Block))
     """
     if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
-        raise TypeError(f"by_module_type expects nn.Module subclasses, got {types!r}")
+        raise TypeError(f"by_module_type(*types): expected nn.Module subclasses, got {types!r}")
     return _ByModuleType(tuple(types))
 
 
@@ -187,7 +187,7 @@ def by_param_count(min_params: int) -> UnitPolicy:
 def by_prefix(*prefixes: str) -> UnitPolicy:
     """Each given module path (a prefix of parameter names, e.g. ``"blocks.0"``) is a unit."""
     if not prefixes or not all(isinstance(p, str) and p for p in prefixes):
-        raise TypeError(f"by_prefix expects non-empty module paths, got {prefixes!r}")
+        raise TypeError(f"by_prefix(*prefixes): expected non-empty module paths, got {prefixes!r}")
     return _ByPrefix(tuple(p.rstrip(".") for p in prefixes))
 
 

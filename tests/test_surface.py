@@ -299,3 +299,142 @@ def test_docstring_examples_run():
     assert len(results) >= 50 and set(results) >= {where for where, _ in _examples()}, sorted(results)
     failed = {where: result for where, result in results.items() if result != "ok"}
     assert not failed, "docstring examples that do not run:\n" + "\n".join(f"{k}: {v}" for k, v in failed.items())
+
+
+# -- error messages -----------------------------------------------------------------------
+
+# "<the call, as the user writes it>: <what is wrong and the fix>", after "[rank r] " where
+# the message differs between ranks: shard(): ..., jit_step(aux='x'): ..., adamw: ...,
+# step(sharded, opt_state, ...): ..., checkpoint.load('ckpt/'): ...
+_CALL_PREFIX = re.compile(r"^(\[rank \{[^}]*\}\] )?[A-Za-z_{][^\s:]*( [^:\n]{0,60})?: ")
+
+
+def _message(node: ast.AST, constants: dict[str, str]) -> str | None:
+    """The leading text of an exception's message (``{...}`` for each interpolation), or
+    None where it is not written out here (a variable, a join of problem lines)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}"
+                       for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _message(node.left, constants)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "format":
+        return _message(node.func.value, constants)
+    if isinstance(node, ast.Name):
+        return constants.get(node.id)
+    return None
+
+
+def test_every_error_message_starts_with_the_call_it_is_about():
+    root = os.path.dirname(os.path.abspath(sf.__file__))
+    judged, bad = 0, []
+    for dirpath, _, files in os.walk(root):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(dirpath, name)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            constants = {t.id: m for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                         if isinstance(t, ast.Name) and (m := _message(n.value, {})) is not None}
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
+                    continue
+                if getattr(node.exc.func, "id", "") in ("AttributeError", "FileNotFoundError", "KeyError"):
+                    continue  # Python's own forms: the missing name or path
+                text = _message(node.exc.args[0], constants)
+                if text is None:
+                    continue
+                judged += 1
+                if not _CALL_PREFIX.match(text):
+                    bad.append(f"{os.path.relpath(path, root)}:{node.lineno}: {text[:90]!r}")
+    assert judged > 120, judged
+    assert not bad, "error messages that do not start with the call they are about:\n" + "\n".join(bad)
+
+
+def rank_naming_errors():
+    """A user's loss that raises on rank 1 only, and a bad batch on rank 0 only."""
+    torch.manual_seed(0)
+    mesh = sf.Mesh.from_group()
+    params, apply = sf.functionalize(GPT(CFG))
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+
+    def loss_fn(apply, params, batch):
+        if mesh.rank == 1:
+            raise KeyError("labels")
+        return lm_loss(apply(params, batch["input_ids"]), batch["labels"])
+
+    grad = sf.jit_grad(loss_fn, mesh)
+    ids = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    try:
+        grad(sharded, {"input_ids": ids, "labels": ids})
+    except Exception as e:  # noqa: BLE001 - reported
+        return type(e).__name__, str(e), getattr(e, "__notes__", [])
+    return None
+
+
+def test_an_error_raised_among_ranks_names_its_rank(clusters):
+    (kind0, text0, notes0), (kind1, text1, notes1) = clusters[2].run(rank_naming_errors)
+    assert kind1 == "KeyError" and notes1 == [
+        "[rank 1] shardfn: raised on rank 1 of Mesh(shard=2, device=cpu, backend=gloo, rank=1); the other ranks raise "
+        "PeerError naming it."]
+    assert kind0 == "PeerError" and text0.startswith("[rank 0] shardfn: rank 1 raised") and notes0 == []
+
+
+# -- no hidden state ----------------------------------------------------------------------
+
+# Module-level values that change at run time, each a resource of the process rather than of
+# a model or a mesh: the host storages memory accounting tells apart (weak references), the
+# live-bytes trackers running now, CUDA's side streams and the events of copies to pinned
+# memory not yet waited for, and autoplan's figures keyed by the value of their inputs.
+PROCESS_RESOURCES = {("shardfn._memory", "_HOST"), ("shardfn._memory", "_ACTIVE"), ("shardfn._offload", "_SIDE"),
+                     ("shardfn._offload", "_TO_HOST"), ("shardfn._autoplan", "_CACHE")}
+
+
+def module_state() -> dict[str, str]:
+    """Every module-level value of shardfn's modules that is not a function, class or
+    module, as text."""
+    import sys as _sys
+
+    out = {}
+    for name, module in sorted(_sys.modules.items()):
+        if not name.startswith("shardfn") or module is None:
+            continue
+        for key, value in vars(module).items():
+            if key.startswith("__") or (name, key) in PROCESS_RESOURCES:
+                continue
+            if callable(value) or inspect.ismodule(value) or isinstance(value, (type, property)):
+                continue
+            out[f"{name}.{key}"] = repr(value)
+    return out
+
+
+def workload_leaves_module_state_alone():
+    torch.manual_seed(0)
+    mesh = sf.Mesh.from_group()
+    params, apply = sf.functionalize(GPT(CFG))
+    before = module_state()
+    sharded = sf.shard(params, mesh, sf.Plan("NO_SHARD", bucket_bytes=1))
+    opt = sf.optim.adamw(1e-3)
+    step = sf.jit_step(lambda apply, params, batch: lm_loss(apply(params, batch), batch), mesh, optimizer=opt)
+    state = opt.init(sharded)
+    ids = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    for _ in range(3):
+        sharded, state, _ = step(sharded, state, ids)
+    with sf.bind(apply, sharded) as model:
+        model(ids)
+    try:  # a divergence, so that the guard's messages and failure paths run too
+        with sf.on_shards(sharded):
+            if mesh.rank == 0:
+                sf.optim.psum(torch.ones(()))
+    except sf.DivergenceError:
+        pass
+    sf.gather(sharded)
+    after = module_state()
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)), len(before)
+
+
+def test_a_training_run_leaves_no_state_in_shardfns_modules(clusters):
+    # The guard is the mesh's (mesh.guard), a tree's replica is the tree's, autoplan's cache
+    # is keyed by value: nothing a run does is left in a module.
+    for changed, n in clusters[2].run(workload_leaves_module_state_alone):
+        assert n > 50 and changed == [], changed

@@ -38,16 +38,16 @@ def _trainable(params: Params) -> dict[str, torch.Tensor]:
     return {k: p for k, p in params.items() if p.requires_grad}
 
 
-def _check_mapping(tree: Any, what: str) -> None:
+def _check_mapping(tree: Any, what: str, opt: str = "init(params)") -> None:
     if not isinstance(tree, Mapping):
         raise TypeError(
-            f"{what} must be a Mapping name -> torch.Tensor (for example "
+            f"{opt}: {what} must be a Mapping name -> torch.Tensor (for example "
             f"ShardedParams or a dict), got {type(tree).__name__}."
         )
     bad = [k for k, v in tree.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise TypeError(
-            f"{what} must map names to torch.Tensor, but "
+            f"{opt}: {what} must map names to torch.Tensor, but "
             + ", ".join(f"{what}[{k!r}] is {type(tree[k]).__name__}" for k in bad)
             + "; pass tensors (for example the local shards)."
         )
@@ -63,7 +63,7 @@ def _check_state(state: Any, cls: type, opt: str) -> None:
 
 def _check_grads(grads: Params, state: Mapping[str, torch.Tensor], opt: str) -> None:
     """Raises once, naming every grads leaf that has no state or the wrong shape."""
-    _check_mapping(grads, "grads")
+    _check_mapping(grads, "grads", opt)
     missing = [k for k in grads if k not in state]
     if missing:
         keys = ", ".join(f"grads[{k!r}]" for k in missing)
@@ -86,10 +86,10 @@ def _check_grads(grads: Params, state: Mapping[str, torch.Tensor], opt: str) -> 
 
 def _check_params(grads: Params, params: Params | None, opt: str) -> Params:
     """Checks that ``params`` holds a same-shaped tensor for every grads key."""
-    _check_mapping(grads, "grads")
+    _check_mapping(grads, "grads", opt)
     if params is None:
         raise ValueError(_MISSING_PARAMS.format(opt=opt))
-    _check_mapping(params, "params")
+    _check_mapping(params, "params", opt)
     errors = []
     for k, g in grads.items():
         if k not in params:
@@ -140,7 +140,7 @@ def _resolve_learning_rate(learning_rate: ScalarOrSchedule, count: int) -> float
     value = learning_rate(count)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"learning-rate schedule returned {value!r} ({type(value).__name__}) for "
+            f"learning_rate(count): the schedule returned {value!r} ({type(value).__name__}) for "
             f"count={count}; a schedule must return a float."
         )
     return float(value)

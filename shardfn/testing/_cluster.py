@@ -245,7 +245,7 @@ class Cluster:
     def __init__(self, world_size: int, *, timeout: float = 120.0,
                  env: dict[str, str] | None = None):
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+            raise ValueError(f"Cluster(world_size={world_size}): world_size must be >= 1")
         self.world_size = world_size
         self.timeout = timeout
         self.env = dict(env or {})
@@ -299,7 +299,7 @@ class Cluster:
                 if attempt == 0 and isinstance(e, ClusterError) and "EADDRINUSE" in str(e):
                     continue
                 raise
-        raise AssertionError("unreachable")
+        raise AssertionError("shardfn internal error: Cluster start retried past its attempts")
 
     def close(self) -> None:
         """Stops the workers, killing stragglers. Idempotent; a later `run` starts a

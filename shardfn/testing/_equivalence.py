@@ -290,5 +290,5 @@ def check_equivalence(
             if own:
                 cluster.close()
     if raise_on_failure and report.failures():
-        raise AssertionError("sharded training differs from single-process training:\n  " + "\n  ".join(report.failures()) + f"\n{report}")
+        raise AssertionError("check_equivalence: sharded training differs from single-process training:\n  " + "\n  ".join(report.failures()) + f"\n{report}")
     return report

@@ -65,7 +65,7 @@ class MLP(nn.Module):
         super().__init__()
         sizes = list(sizes)
         if len(sizes) < 2:
-            raise ValueError(f"MLP needs at least an input and an output size, got sizes={sizes}")
+            raise ValueError(f"MLP(sizes={sizes}): needs at least an input and an output size")
         n = len(sizes) - 1
         self.layers = nn.ModuleList(
             Layer(d_in, d_out, bias=bias, activation=i < n - 1)
@@ -103,7 +103,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(
-                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                f"GPTConfig(d_model={self.d_model}, n_heads={self.n_heads}): d_model is not divisible by n_heads; "
                 f"choose n_heads among the divisors of d_model"
             )
 
@@ -178,7 +178,7 @@ class GPT(nn.Module):
         t = idx.shape[-1]
         if t > self.cfg.seq_len:
             raise ValueError(
-                f"sequence length {t} exceeds cfg.seq_len={self.cfg.seq_len}; "
+                f"GPT.forward(idx): sequence length {t} exceeds cfg.seq_len={self.cfg.seq_len}; "
                 f"truncate the input or build the model with a larger seq_len"
             )
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
