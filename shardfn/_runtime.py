@@ -75,7 +75,7 @@ class RunningUnit(Protocol):
     unit: Any  # its shardfn._layout.UnitLayout
     runtime: "Runtime"
     mesh: Any
-    group: Any  # the process group of its all-gathers and reduce-scatters
+    channel: Any  # the shardfn._guard.Channel of its all-gathers and reduce-scatters
     rank: int  # this rank's row of an all-gather's output
     grads: Any  # its shardfn._reduce.UnitGrads
     calls: int
