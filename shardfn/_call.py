@@ -42,13 +42,13 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from . import _guard
+from ._buckets import attach_buckets
 from ._compile import compilable
 from ._events import Purpose
 from ._gather import Unit, saved_handles
 from ._layout import Layout
 from ._plan import Strategy
 from ._precision import cast_floating
-from ._reduce import attach_buckets
 from ._remat import remat_forward
 from ._replica import replica_of
 from ._runtime import Runtime, current
@@ -158,8 +158,7 @@ def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:
                 unit.pin()
             if layout.strategy is Strategy.SHARD_OPTIMIZER:  # [Note: replicated parameters]
                 unit.replica = replica_of(sharded, unit.unit.index, unit.shards)
-        if store:
-            attach_buckets(units)
+        attach_buckets(units, reduce=store)
         return units
 
     by_path: dict[str, list[Unit]] = {}

@@ -61,6 +61,7 @@ class UnitCost:
     placement: str = "flat"  # "flat", "rows" or "whole" ([Note: placements])
     padding: int = 0  # elements of padding, all ranks together: what the placement costs beyond the parameters
     bucket: str = ""  # the bucket it reduces in ([Note: buckets]); its own name when it reduces alone
+    gather_bucket: str = ""  # the bucket it gathers in; its own name when it gathers alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,9 @@ class Explanation:
         shared = sorted({u.bucket for u in self.units if u.bucket and u.bucket != u.name})
         if shared:
             rows.append(f"  buckets (units whose gradients reduce in one collective): {', '.join(shared)}")
+        shared = sorted({u.gather_bucket for u in self.units if u.gather_bucket and u.gather_bucket != u.name})
+        if shared:
+            rows.append(f"  buckets (units whose parameters gather in one collective): {', '.join(shared)}")
         if self.transfers:
             moves = ", ".join(f"{k} x{c} copies = {mib(b)} MiB" for k, (c, b) in sorted(self.transfers.items()))
             rows.append(f"  host <-> device copies per step and rank: {moves}")
@@ -271,16 +275,20 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
             unit = layout.unit_of(name).name
             optim_bytes[unit] = optim_bytes.get(unit, 0) + leaf.numel() * leaf.element_size()
     moved: dict[str, dict[str, int]] = {}
-    buckets = {layout.bucket_name(b): b for b in layout.buckets}
+    buckets = {"gather": {layout.bucket_name(b): b for b in layout.gather_buckets},
+               "reduce": {layout.bucket_name(b): b for b in layout.buckets}}
+    rows = layout.world if layout.world > 1 else 1
+    share = {"gather": lambda u: layout.world * u.numel * u.param_dtype.itemsize,
+             "reduce": lambda u: rows * u.grad_numel * u.reduce_dtype.itemsize}
     if log is not None:
         for c in log.calls:
             kind = "gather" if c.kind is Collective.ALL_GATHER else "reduce"
-            members = buckets.get(c.unit, ())
-            if len(members) > 1:  # a bucket's collective: each unit its own gradients' share
+            members = buckets[kind].get(c.unit, ())
+            if len(members) > 1:  # a bucket's collective ([Note: buckets]): each unit its own share
                 for i in members:
                     u = layout.units[i]
                     moved.setdefault(u.name, {}).setdefault(kind, 0)
-                    moved[u.name][kind] += u.grad_numel * u.reduce_dtype.itemsize
+                    moved[u.name][kind] += share[kind](u)
                 continue
             moved.setdefault(c.unit, {}).setdefault(kind, 0)
             moved[c.unit][kind] += c.nbytes
@@ -308,6 +316,7 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
             placement="whole" if u.whole else "flat" if u.flat else "rows",
             padding=u.numel * layout.world - sum(math.prod(leaf.shape) for leaf in leaves),
             bucket=layout.bucket_name(layout.bucket_of(u)),
+            gather_bucket=next(layout.bucket_name(b) for b in layout.gather_buckets if u.index in b),
         ))
     transfers = {d: (log.transfer_copies()[d], b) for d, b in log.transfer_bytes().items()} if log is not None else {}
     return Explanation(layout.strategy.value, tuple(layout.mesh_shape), tuple(units), collectives, persistent, peak,

@@ -35,10 +35,9 @@ gather, each of the g all-gathers (here: Unit._issue, Unit._gather):
 
 reduce, once per unit and step (or micro-batch): see shardfn._reduce, copies 3 and 4.
 
-Not ours: gloo's all-gather unflattens from an internal buffer; NCCL does not. (gloo's
-reduce-scatter cloned its input and copied a chunk out; shardfn no longer uses it: see
-[Note: reduce-scatter on gloo], which sums the received chunks straight into the output.) The model's own copies (in the test GPT, merging attention heads) are those of
-a plain functional_call, which the test checks. The step copies a few scalars (metrics).
+A unit in a bucket ([Note: buckets]) adds a pack of its shards into the bucket's input
+(n*p) and the copy of its columns out of the bucket's output (W*n*p). Not ours: gloo's all-gather unflattens from an internal buffer; NCCL does not. The model's
+own copies are those of a plain functional_call. The step copies a few scalars (metrics).
 
 [Note: the life of a unit]
 A unit is in one of three states, and its gathered parameters are dropped by one rule,
@@ -140,7 +139,7 @@ class Unit:
         "layout", "unit", "key", "shards", "slots", "mesh", "channel", "rank", "runtime", "grads", "replica",
         # where it is in its life (see [Note: the life of a unit])
         "state", "full", "storages", "inflight", "secondary", "use", "outputs", "entry", "handles", "reading",
-        "calls", "pinned",
+        "calls", "pinned", "bucket",
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, key: tuple[int, int], shards: list[torch.Tensor], mesh: Any,
@@ -170,6 +169,7 @@ class Unit:
         self.reading: Use | None = None  # the use whose handles backward is reading
         self.calls = 0  # forward gathers in this micro-batch (remat units prefetch a regather only if > 0)
         self.pinned = runtime.keep_gathered
+        self.bucket: Any = None  # the shardfn._buckets.GatherBucket it gathers with, if any ([Note: buckets])
 
     @property
     def name(self) -> str:
@@ -282,10 +282,32 @@ class Unit:
         return self.handles > 0
 
     def prefetch(self, forward: bool) -> None:
-        """SHARDED -> IN_FLIGHT: starts this unit's all-gather now; :meth:`_gather` waits for it."""
+        """SHARDED -> IN_FLIGHT: starts this unit's all-gather (its bucket's) now;
+        :meth:`_gather` waits for it."""
         if self.layout.world > 1 and self.state is State.SHARDED and self.replica is None:
-            self.inflight = self._issue(Purpose.GATHER if forward else Purpose.REGATHER, async_op=True)
+            purpose = Purpose.GATHER if forward else Purpose.REGATHER
+            if self.bucket is not None:
+                self.bucket.issue(purpose)
+                return
+            self.inflight = self._issue(purpose, async_op=True)
             self.state = State.IN_FLIGHT
+            self._note(UnitEvent.PREFETCH)
+
+    def pack_into(self, part: torch.Tensor) -> None:
+        """Writes this rank's shards into ``part``, its piece of a bucket's all-gather input
+        ([Note: buckets]): one copy, cast to the param dtype on the way."""
+        offsets = self.layout.offsets(self.unit, self.rank) if self.unit.flat else None
+        mine = shard_buffer(self.shards, self.unit.numel, self.shards[0].dtype, offsets) if self.unit.flat else None
+        if mine is not None:
+            part.copy_(mine)
+        else:
+            pack_shards(part, self.shards, False, self.runtime.observers, self.unit.name, offsets)
+
+    def take_flight(self, work: Any, columns: torch.Tensor) -> None:
+        """SHARDED -> IN_FLIGHT with its bucket's all-gather (``columns``: its ``[world,
+        numel]`` part of the output); a member gathered already keeps what it has."""
+        if self.state is State.SHARDED:
+            self.inflight, self.state = (work, None, columns), State.IN_FLIGHT
             self._note(UnitEvent.PREFETCH)
 
     def cancel_prefetch(self) -> None:
@@ -321,10 +343,13 @@ class Unit:
                     full = [s.detach().view(leaf.shape).to(self.unit.param_dtype)
                             for s, leaf in zip(self.shards, leaves)]
             else:
+                if self.state is State.SHARDED and self.bucket is not None:
+                    self.bucket.issue(purpose)  # the bucket's all-gather, waited for just below
                 if self.state is State.IN_FLIGHT:
                     work, _, out = self.inflight
                     work.wait()
                     self.inflight = None
+                    out = out.contiguous()  # a bucket's member: its columns copied out ([Note: buckets])
                 else:
                     _, _, out = self._issue(purpose, async_op=False)
                 if self.layout.offloaded:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ._buckets import gather_buckets, reduce_buckets
 from ._guard import unit_id
 from ._packing import local_shard
 from ._plan import Placement, Plan, RematMode, Strategy, Whole
@@ -154,9 +155,6 @@ class BufferLayout:
     persistent: bool  # in model.state_dict(), so in gather(), checkpoints and exports
 
 
-FIRST_BUCKET_BYTES = 2**20  # see Layout.buckets
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """What every rank agrees on about a sharded tree. Printing it shows the plan."""
@@ -231,36 +229,16 @@ class Layout:
 
     @functools.cached_property
     def buckets(self) -> tuple[tuple[int, ...], ...]:
-        """[Note: buckets] The units whose gradient reductions travel together, as tuples of
-        unit indices in layout order; every unit that reduces is in exactly one.
+        """The units whose gradient reductions travel together, as tuples of unit indices in
+        layout order; every unit that reduces is in exactly one (shardfn._buckets,
+        [Note: buckets])."""
+        return reduce_buckets(self)
 
-        Under NO_SHARD (a world of one ``shard``, replicas to average over) a unit's
-        reduction is one all-reduce of its gradient buffer, whatever its size: small units
-        pay a collective's latency each. So neighbouring units share one buffer and one
-        all-reduce, DDP's buckets: taken from the last unit back (backward's order),
-        each bucket up to ``plan.bucket_bytes`` bytes of gradients (a unit larger than that
-        alone), one reduce dtype per bucket; the first, up to 1 MiB (DDP's first bucket), so
-        that its all-reduce starts early and overlaps the rest of backward. Optional units reduce at the end of backward,
-        on their own; ``bucket_bytes=0`` turns buckets off. The sharded strategies reduce
-        each unit on its own (their buffers are ``[world, n]``, and a unit's columns of a
-        shared one are not contiguous).
-        """
-        reducing = [u for u in self.units if u.grad_numel]
-        if not (self.world == 1 and self.replicas > 1 and self.plan.bucket_bytes):
-            return tuple((u.index,) for u in reducing)
-        out: list[list[int]] = []
-        size, dtype = 0, None
-        for u in reversed(reducing):
-            nbytes = u.grad_numel * u.reduce_dtype.itemsize
-            alone = u.optional or (out and self.units[out[-1][0]].optional)
-            # the first bucket ready is small, so that communication starts early (DDP's 1 MiB)
-            cap = min(FIRST_BUCKET_BYTES, self.plan.bucket_bytes) if len(out) == 1 else self.plan.bucket_bytes
-            if not out or alone or u.reduce_dtype != dtype or size + nbytes > cap:
-                out.append([])
-                size = 0
-            out[-1].insert(0, u.index)
-            size, dtype = size + nbytes, u.reduce_dtype
-        return tuple(tuple(b) for b in reversed(out))
+    @functools.cached_property
+    def gather_buckets(self) -> tuple[tuple[int, ...], ...]:
+        """The units whose all-gathers travel together, as tuples of unit indices in layout
+        order; every unit is in exactly one ([Note: buckets])."""
+        return gather_buckets(self)
 
     def bucket_of(self, unit: UnitLayout) -> tuple[int, ...]:
         """The bucket holding ``unit`` (``(unit.index,)`` when it reduces alone or not at all)."""
@@ -279,7 +257,7 @@ class Layout:
     def names_by_id(self) -> dict[int, str]:
         """The header word of every unit's and bucket's name -> the name (shardfn._guard), so
         that a rank can name in a divergence message a unit only its peers ran."""
-        names = [u.name for u in self.units] + [self.bucket_name(b) for b in self.buckets]
+        names = [u.name for u in self.units] + [self.bucket_name(b) for b in self.buckets + self.gather_buckets]
         return {unit_id(n): n for n in names if n}
 
     def collectives_per_step(self) -> dict[str, tuple[int, int]]:
@@ -292,8 +270,9 @@ class Layout:
         (A unit whose parameters backward never reads, such as a first layer whose input
         needs no gradient, is not gathered again: a step then issues one all-gather fewer
         than this predicts, which counts two for every non-root unit.)
-        SHARD_GRAD_OP gathers once; all reduce-scatter once. NO_SHARD all-reduces once
-        per bucket of units (:attr:`buckets`). The hybrid strategies do what FULL_SHARD / SHARD_GRAD_OP do over the
+        SHARD_GRAD_OP gathers once; all reduce-scatter once. Units in one bucket share
+        its collectives (:attr:`gather_buckets`, :attr:`buckets`); NO_SHARD all-reduces
+        once per bucket. The hybrid strategies do what FULL_SHARD / SHARD_GRAD_OP do over the
         ``shard`` axis, then all-reduce each unit's shard-sized gradient over
         ``replicate``. An axis of size one issues nothing. Not counted here: the step's
         metrics all-reduce per mesh axis (8 bytes, plus 4 per floating-point buffer), and
@@ -304,10 +283,16 @@ class Layout:
             for kind, (count, nbytes) in self.unit_collectives(u).items():
                 c, b = out.get(kind, (0, 0))
                 out[kind] = (c + count, b + nbytes)
-        shared = sum(len(b) - 1 for b in self.buckets)  # a bucket's units share its one all-reduce
+        # a bucket's units share its collectives ([Note: buckets])
+        shared = sum(len(b) - 1 for b in self.buckets)
+        kind = "all_reduce" if self.world == 1 else "reduce_scatter"
         if shared:
-            c, b = out["all_reduce"]
-            out["all_reduce"] = (c - shared, b)
+            c, b = out[kind]
+            out[kind] = (c - shared, b)
+        shared = sum((len(b) - 1) * (2 if self.units[b[0]].reshard else 1) for b in self.gather_buckets)
+        if shared:
+            c, b = out["all_gather"]
+            out["all_gather"] = (c - shared, b)
         return out
 
     def unit_collectives(self, u: UnitLayout) -> dict[str, tuple[int, int]]:

@@ -254,7 +254,7 @@ class Plan:
     # bool | int, or ((unit name, bool | int), ...): see shardfn._sharded.reshard_rules
     reshard_after_forward: Any = None
     placement: Placement | Whole = Placement.FLAT  # see [Note: placements]
-    # bytes of gradients per bucket: neighbouring units reduce together ([Note: buckets])
+    # bytes of a collective's buffer per bucket: neighbouring units share collectives ([Note: buckets])
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __init__(

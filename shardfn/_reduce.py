@@ -69,7 +69,7 @@ from ._offload import to_host
 from ._packing import pack_unit
 from ._runtime import RunningUnit
 
-__all__ = ["Bucket", "UnitGrads", "attach_buckets"]
+__all__ = ["UnitGrads"]
 
 
 class UnitGrads:
@@ -86,7 +86,7 @@ class UnitGrads:
         self.nodes = 0  # GatherUnit nodes built in forward whose backward has not run
         self.graphed = False  # a node was built since the last reduction
         self.acc: Any = None  # the unsharded gradient buffer (a world of one: a list of per-leaf gradients)
-        self.bucket: Bucket | None = None  # the units it reduces with ([Note: buckets]), in a step
+        self.bucket: Any = None  # the shardfn._buckets.ReduceBucket it reduces in ([Note: buckets]), in a step
 
     def count_node(self) -> None:
         self.nodes += 1
@@ -156,8 +156,9 @@ class UnitGrads:
         buffer of the reduce dtype, each straight into its columns of every rank's row
         (``rows``: the world) or, in a flat unit, at its offset; cast on the way, padding zeroed."""
         u = self.unit.unit
-        if self.bucket is not None and self.acc is None:  # straight into the unit's part of the bucket's buffer
-            buf = self.bucket.part(self.unit).view(1, -1)
+        part = self.bucket.part(self.unit) if self.bucket is not None and self.acc is None else None
+        if part is not None:  # NO_SHARD: straight into the unit's part of the bucket's buffer
+            buf = part.view(1, -1)
         else:
             buf = torch.empty(rows, u.grad_numel, dtype=u.reduce_dtype, device=device)
         kept = [(g, leaf) for g, leaf in zip(grads, leaves) if leaf.grad_offset >= 0]
@@ -261,60 +262,3 @@ class UnitGrads:
     def shard_grads(self, out: Any) -> dict[str, torch.Tensor]:
         """Leaf name -> shard gradient, trainable leaves only."""
         return {n: g for n, g in zip(self.unit.unit.leaves, self.shard_grads_list(out)) if g is not None}
-
-
-class Bucket:
-    """Units whose gradients share one buffer and one all-reduce ([Note: buckets] in
-    shardfn._layout): each unit packs into its part; the last one ready issues the
-    collective, and each unit's reduced gradient is its part of the result."""
-
-    __slots__ = ("units", "offsets", "numel", "name", "buffer", "ready")
-
-    def __init__(self, units: list[RunningUnit]):
-        self.units = units
-        self.offsets = [sum(u.unit.grad_numel for u in units[:i]) for i in range(len(units))]
-        self.numel = sum(u.unit.grad_numel for u in units)
-        self.name = units[0].layout.bucket_name(tuple(u.unit.index for u in units))
-        self.buffer: torch.Tensor | None = None  # allocated by the first unit to pack
-        self.ready: list[RunningUnit] = []  # units whose gradients are all in their part
-
-    def part(self, unit: RunningUnit) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer = torch.empty(self.numel, dtype=unit.unit.reduce_dtype, device=unit.device)
-        i = self.units.index(unit)
-        return self.buffer[self.offsets[i] : self.offsets[i] + unit.unit.grad_numel]
-
-    def add(self, unit: RunningUnit) -> None:
-        self.ready.append(unit)
-        if len(self.ready) == len(self.units):
-            self.issue()
-
-    def issue(self) -> None:
-        """One all-reduce of the buffer. Called early, after a backward, for a bucket some of
-        whose units did not reduce in it (they were not used): their parts are zero, and
-        they get nothing, as alone they would have issued nothing."""
-        rt = self.units[0].runtime
-        buf, ready = self.buffer, self.ready
-        for unit in self.units:
-            if unit not in ready:
-                self.part(unit).zero_()
-        work = C.all_reduce(buf, self.units[0].grads.replicate, Purpose.REDUCE, self.name, op=rt.reduce_op,
-                            async_op=rt.overlap, to=rt.observers)
-        if rt.overlap:
-            rt.add_pending(work, buf, bucket=True)
-        for unit, off in zip(self.units, self.offsets):
-            if unit in ready:
-                rt.reduced.append((unit, buf[off : off + unit.unit.grad_numel]))
-            unit.grads.acc = None
-        self.buffer, self.ready = None, []
-
-
-def attach_buckets(units: dict[int, RunningUnit]) -> None:
-    """Gives the units of a step's own tree their buckets (those of more than one unit)."""
-    layout = next(iter(units.values())).layout if units else None
-    for members in layout.buckets if layout is not None else ():
-        if len(members) > 1:
-            bucket = Bucket([units[i] for i in members])
-            for unit in bucket.units:
-                unit.grads.bucket = bucket
-

@@ -183,9 +183,10 @@ def shard(
             is a 1-D piece of it; all-gathers with no copy in or out) or ``"rows"`` (each
             parameter cut on dim 0, ``ceil(rows / world)`` rows per rank, zero-padded); see
             :class:`shardfn.Placement`.
-        bucket_bytes: bytes of gradients that reduce in one collective ([Note: buckets]):
-            under NO_SHARD neighbouring units share one all-reduce, as DDP's buckets do
-            (default ``25 * 2**20``, or a size such as ``"25MiB"``; 0: one per unit).
+        bucket_bytes: bytes of a collective's buffer that neighbouring units share
+            ([Note: buckets]): their gradients reduce in one collective (DDP's buckets)
+            and, under FULL_SHARD and SHARD_GRAD_OP, their parameters gather in one
+            (default ``25 * 2**20``, or a size such as ``"25MiB"``; 0: every unit alone).
         seed: deferred init: ``params`` may be meta tensors (a model built under
             ``torch.device("meta")``); each unit is materialised in turn on every rank,
             initialised by ``reset_parameters()`` (and ``init_fn(module)``) from a seed

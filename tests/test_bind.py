@@ -52,8 +52,10 @@ def decode_on_shards(name, strategy, keep, remat=None):
             out = decode(model, PROMPT, NEW)
     units = [u for u in sharded.layout.units if u.path]
     meta_after = all(p.is_meta for p in apply.module.parameters())  # the module holds no state again
+    # the units gathered together ([Note: buckets]): one all-gather per bucket of units
+    buckets = sum(1 for b in sharded.layout.gather_buckets if sharded.layout.units[b[0]].path)
     return out, dict(log.counts(purpose="gather")), len(units), any(u.path == "" for u in sharded.layout.units), \
-        meta_after
+        meta_after, buckets
 
 
 def decode_plain(name):
@@ -68,12 +70,14 @@ def test_decoding_on_shards_gives_the_single_process_tokens(clusters, name, worl
     want = decode_plain(name)
     assert want.shape == (2, 4 + NEW)
     for keep in (False, True):
-        for out, gathers, units, has_root, meta_after in clusters[world].run(decode_on_shards, name, "FULL_SHARD", keep):
+        for out, gathers, units, has_root, meta_after, buckets in clusters[world].run(
+                decode_on_shards, name, "FULL_SHARD", keep):
             assert torch.equal(out, want), (keep, out, want)
-            assert units == CFG.n_layers and has_root and meta_after
-            # One all-gather of the root at entry; then per unit one for every forward
-            # (NEW of them: HF and our loop both run one forward per new token), or one in all.
-            assert gathers == {"all_gather": 1 + units * (1 if keep else NEW)}, (keep, gathers)
+            assert units == CFG.n_layers and has_root and meta_after and buckets == 1
+            # One all-gather of the root at entry; then per bucket of units (here all of them)
+            # one for every forward (NEW of them: HF and our loop both run one forward per new
+            # token), or one in all.
+            assert gathers == {"all_gather": 1 + buckets * (1 if keep else NEW)}, (keep, gathers)
 
 
 @pytest.mark.parametrize("strategy, remat", [("SHARD_GRAD_OP", None), ("FULL_SHARD", sf.Remat())])
@@ -83,9 +87,10 @@ def test_decoding_under_other_strategies_and_remat(clusters, strategy, remat):
     # their checkpoint region, which runs plainly under no_grad.
     want = decode_plain("gpt")
     for keep in (False, True):
-        for out, gathers, units, _, _ in clusters[2].run(decode_on_shards, "gpt", strategy, keep, remat):
+        for out, gathers, units, _, _, buckets in clusters[2].run(decode_on_shards, "gpt", strategy, keep, remat):
             assert torch.equal(out, want)
-            assert gathers == {"all_gather": 1 + units * (1 if keep else NEW)}, (keep, gathers)
+            assert buckets == (units if remat is not None else 1)  # rematerialised units gather alone
+            assert gathers == {"all_gather": 1 + buckets * (1 if keep else NEW)}, (keep, gathers)
 
 
 def test_bind_refuses_what_is_not_shards():

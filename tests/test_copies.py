@@ -117,7 +117,7 @@ class CopyLog(TorchDispatchMode):
 
 def _tagged(log, method, direction):
     def wrapper(self, *args, **kwargs):
-        log.tags.append((direction, self.unit.name))
+        log.tags.append((direction, self.unit.name if hasattr(self, "unit") else self.name))  # a unit, or a bucket
         try:
             return method(self, *args, **kwargs)
         finally:
@@ -130,9 +130,19 @@ def expected_copies(layout):
     """[Note: copies], per unit: ``{direction: {unit: (copies, bytes)}}`` of one step on one rank."""
     W = layout.world
     gather, reduce = {}, {}
+    in_gather_bucket = {i for b in layout.gather_buckets if len(b) > 1 for i in b}
+    for b in layout.buckets:
+        if len(b) > 1 and W > 1:  # [Note: buckets]: one cat lays the members' [W, gn] buffers side by side
+            reduce[layout.bucket_name(b)] = (1, W * sum(layout.units[i].grad_numel for i in b)
+                                             * layout.units[b[0]].reduce_dtype.itemsize)
     for u in layout.units:
         p, r, m = u.param_dtype.itemsize, u.reduce_dtype.itemsize, u.dtype.itemsize
-        if W > 1 and u.flat:
+        if W > 1 and u.index in in_gather_bucket:
+            # [Note: buckets]: each gather packs the shards into the bucket's input (n), copies
+            # the unit's columns out of its output (W*n), and, rows, unpacks them (W*n).
+            g, unpack = layout.unit_collectives(u)["all_gather"][0], 0 if u.flat else 1
+            gather[u.name] = (g * (2 + unpack), g * (u.numel + (1 + unpack) * W * u.numel) * p)
+        elif W > 1 and u.flat:
             # [Note: placements]: the shard buffer is sent as it is and the leaves are views
             # of the output; only a cast to the param dtype copies (n elements, each gather).
             if u.param_dtype != u.dtype:
@@ -168,17 +178,18 @@ def expected_copies(layout):
 
 
 PATCHED = [("_gather", "Unit", "_issue", "gather"), ("_gather", "Unit", "_gather", "gather"),
+           ("_gather", "Unit", "pack_into", "gather"), ("_buckets", "ReduceBucket", "issue", "reduce"),
            ("_reduce", "UnitGrads", "_accumulate", "reduce"), ("_reduce", "UnitGrads", "_issue", "reduce"),
            ("_reduce", "UnitGrads", "to_master", "reduce")]
 
 
-def count_step(strategy, precision, placement="rows"):
+def count_step(strategy, precision, placement="rows", bucket_bytes=0):
     import importlib
 
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(GPT(CFG))
-    sharded = sf.shard(params, mesh, strategy, precision=precision, placement=placement)
+    sharded = sf.shard(params, mesh, strategy, precision=precision, placement=placement, bucket_bytes=bucket_bytes)
     opt = sf.optim.sgd(0.1)
     state = opt.init(sharded)
     log = CopyLog()
@@ -233,22 +244,27 @@ def count_step(strategy, precision, placement="rows"):
 
 BF16 = sf.Precision(param=torch.bfloat16, reduce=torch.float32)
 BF16_REDUCE = sf.Precision(param=torch.bfloat16)  # reduced in bf16: the shard is cast back to fp32
-CONFIGS = [(s, p, 2, "rows") for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for p in (None, BF16)] + [
-    ("FULL_SHARD", BF16_REDUCE, 2, "rows")
-] + [("FULL_SHARD", p, 1, "rows") for p in (None, BF16, BF16_REDUCE)] + [
-    (s, p, w, "flat") for s, w in (("FULL_SHARD", 2), ("SHARD_GRAD_OP", 3), ("NO_SHARD", 2)) for p in (None, BF16)
-] + [("FULL_SHARD", BF16_REDUCE, 3, "flat"), ("FULL_SHARD", BF16, 1, "flat"), ("FULL_SHARD", BF16_REDUCE, 1, "flat")]
-IDS = [f"{s}-{'fp32' if p is None else 'bf16/' + str(p.reduce or p.param)[6:]}-w{w}-{pl}" for s, p, w, pl in CONFIGS]
+# Units alone (bucket_bytes=0: the copies of [Note: copies]), and in buckets ([Note: buckets]).
+CONFIGS = [(s, p, 2, "rows", 0) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for p in (None, BF16)] + [
+    ("FULL_SHARD", BF16_REDUCE, 2, "rows", 0)
+] + [("FULL_SHARD", p, 1, "rows", 0) for p in (None, BF16, BF16_REDUCE)] + [
+    (s, p, w, "flat", 0) for s, w in (("FULL_SHARD", 2), ("SHARD_GRAD_OP", 3), ("NO_SHARD", 2)) for p in (None, BF16)
+] + [("FULL_SHARD", BF16_REDUCE, 3, "flat", 0), ("FULL_SHARD", BF16, 1, "flat", 0),
+     ("FULL_SHARD", BF16_REDUCE, 1, "flat", 0)] + [
+    ("FULL_SHARD", None, 2, "flat", None), ("FULL_SHARD", BF16_REDUCE, 3, "rows", None),
+    ("SHARD_GRAD_OP", BF16, 2, "flat", None), ("NO_SHARD", None, 2, "flat", None)]
+IDS = [f"{s}-{'fp32' if p is None else 'bf16/' + str(p.reduce or p.param)[6:]}-w{w}-{pl}{'-buckets' if b is None else ''}"
+       for s, p, w, pl, b in CONFIGS]
 
 
 @pytest.fixture(scope="module")
 def counted(clusters):
-    return {c: clusters[c[2]].run(count_step, c[0], c[1], c[3])[0] for c in CONFIGS}
+    return {c: clusters[c[2]].run(count_step, c[0], c[1], c[3], c[4])[0] for c in CONFIGS}
 
 
-@pytest.mark.parametrize("strategy,precision,world,placement", CONFIGS, ids=IDS)
-def test_copies_per_unit_and_direction_are_the_designed_ones(counted, strategy, precision, world, placement):
-    r = counted[(strategy, precision, world, placement)]
+@pytest.mark.parametrize("strategy,precision,world,placement,buckets", CONFIGS, ids=IDS)
+def test_copies_per_unit_and_direction_are_the_designed_ones(counted, strategy, precision, world, placement, buckets):
+    r = counted[(strategy, precision, world, placement, buckets)]
     print(f"\n{strategy} {precision}: machinery copies by unit:")
     for key, n in r["ops"]:
         print(f"  {n:3d} x {key}")
@@ -258,9 +274,9 @@ def test_copies_per_unit_and_direction_are_the_designed_ones(counted, strategy, 
     assert r["unexplained"] == []
 
 
-@pytest.mark.parametrize("strategy,precision,world,placement", CONFIGS, ids=IDS)
-def test_the_rest_is_the_models_own_copies(counted, strategy, precision, world, placement):
-    r = counted[(strategy, precision, world, placement)]
+@pytest.mark.parametrize("strategy,precision,world,placement,buckets", CONFIGS, ids=IDS)
+def test_the_rest_is_the_models_own_copies(counted, strategy, precision, world, placement, buckets):
+    r = counted[(strategy, precision, world, placement, buckets)]
     # Outside the unit machinery, forward and backward copy exactly what the plain
     # model does on one device (here: the attention's head merge, a reshape of a
     # transposed tensor).

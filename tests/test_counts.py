@@ -67,6 +67,7 @@ def count_one_step(strategy, placement="flat", **fields):
         "expected_root_bytes": padded_bytes(root, full_numel, rows, N if strategy != "NO_SHARD" else 1, placement),
         "layout_expectation": sharded.layout.collectives_per_step(),
         "buckets": [sharded.layout.bucket_name(b) for b in sharded.layout.buckets],
+        "gather_buckets": [sharded.layout.bucket_name(b) for b in sharded.layout.gather_buckets],
         "max_live": res.max_live,
         "events": res.events,
     }
@@ -75,7 +76,7 @@ def count_one_step(strategy, placement="flat", **fields):
 @pytest.mark.parametrize("placement", ["flat", "rows"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_full_shard_two_gathers_one_reduce_scatter_per_unit(clusters, world, placement):
-    r = clusters[world].run(count_one_step, "FULL_SHARD", placement)[0]
+    r = clusters[world].run(count_one_step, "FULL_SHARD", placement, bucket_bytes=0)[0]
     blocks, root = r["expected_block_bytes"], r["expected_root_bytes"]
     # 3 blocks gathered twice (forward, backward), the root once; one reduce-scatter per unit;
     # plus one all-reduce of two floats: the loss metric and the gradients' sum of squares.
@@ -99,7 +100,7 @@ def test_full_shard_two_gathers_one_reduce_scatter_per_unit(clusters, world, pla
 
 @pytest.mark.parametrize("placement", ["flat", "rows"])
 def test_shard_grad_op_one_gather_one_reduce_scatter_per_unit(clusters, placement):
-    r = clusters[2].run(count_one_step, "SHARD_GRAD_OP", placement)[0]
+    r = clusters[2].run(count_one_step, "SHARD_GRAD_OP", placement, bucket_bytes=0)[0]
     blocks, root = r["expected_block_bytes"], r["expected_root_bytes"]
     assert r["counts"] == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1}
     assert r["bytes"] == {"all_gather": sum(blocks) + root, "reduce_scatter": sum(blocks) + root, "all_reduce": 8}
@@ -107,6 +108,37 @@ def test_shard_grad_op_one_gather_one_reduce_scatter_per_unit(clusters, placemen
     # Kept from forward into backward: all three blocks are gathered at the end of forward.
     assert r["max_live"] == 3
     assert [e for e, _ in r["events"]] == ["gather"] * 3 + ["free"] * 3
+
+
+@pytest.mark.parametrize("placement", ["flat", "rows"])
+def test_sharded_strategies_gather_and_reduce_per_bucket(clusters, placement):
+    """FULL_SHARD and SHARD_GRAD_OP share collectives between neighbouring units ([Note:
+    buckets]): the blocks of this small model gather in one all-gather (forward, and
+    backward's regather), and every unit reduces in one reduce-scatter; the bytes are those
+    of the units alone. A cap of two blocks cuts the gathers from the first block on and
+    the reductions from the last one back."""
+    full = clusters[2].run(count_one_step, "FULL_SHARD", placement)[0]
+    blocks, root = full["expected_block_bytes"], full["expected_root_bytes"]
+    assert full["gather_buckets"] == ["<root>", "blocks.0..blocks.2"] and full["buckets"] == ["<root>..blocks.2"]
+    assert full["counts"] == {"all_gather": 1 + 2, "reduce_scatter": 1, "all_reduce": 1}
+    assert full["bytes"] == {"all_gather": 2 * sum(blocks) + root, "reduce_scatter": sum(blocks) + root, "all_reduce": 8}
+    assert full["layout_expectation"] == {"all_gather": (3, 2 * sum(blocks) + root),
+                                          "reduce_scatter": (1, sum(blocks) + root)}
+    assert [t for t, _, _ in full["calls"]["all_gather"]] == [
+        ("gather", "<root>"), ("gather", "blocks.0..blocks.2"), ("regather", "blocks.0..blocks.2")]
+    assert [t for t, _, _ in full["calls"]["reduce_scatter"]] == [("reduce", "<root>..blocks.2")]
+    grad_op = clusters[2].run(count_one_step, "SHARD_GRAD_OP", placement)[0]
+    assert grad_op["counts"] == {"all_gather": 1 + 1, "reduce_scatter": 1, "all_reduce": 1}
+    assert grad_op["layout_expectation"] == {"all_gather": (2, sum(blocks) + root),
+                                             "reduce_scatter": (1, sum(blocks) + root)}
+    assert blocks[0] == blocks[1] == blocks[2] and root < blocks[0]
+    two = clusters[2].run(count_one_step, "FULL_SHARD", placement, bucket_bytes=2 * blocks[0])[0]
+    assert two["gather_buckets"] == ["<root>", "blocks.0..blocks.1", "blocks.2"]
+    assert two["buckets"] == ["<root>..blocks.0", "blocks.1..blocks.2"]
+    assert two["counts"] == {"all_gather": 1 + 2 * 2, "reduce_scatter": 2, "all_reduce": 1}
+    assert two["bytes"] == full["bytes"]
+    assert two["layout_expectation"] == {"all_gather": (5, 2 * sum(blocks) + root),
+                                         "reduce_scatter": (2, sum(blocks) + root)}
 
 
 def test_no_shard_one_all_reduce_per_bucket(clusters):
@@ -278,7 +310,7 @@ def test_full_shard_frees_gathered_memory_not_just_the_count(clusters):
 
 
 def profiled_step():
-    mesh, sharded, state, step, batch, *_ = _setup("FULL_SHARD")
+    mesh, sharded, state, step, batch, *_ = _setup("FULL_SHARD", bucket_bytes=0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step(sharded, state, batch)
     return sorted({e.name for e in prof.events() if e.name.startswith("shardfn::")})
@@ -309,7 +341,7 @@ def test_nested_recorders_each_see_their_own_block(clusters):
 
 
 def prefetched_step(strategy):
-    mesh, sharded, state, step, batch, *_ = _setup(strategy, prefetch=True)
+    mesh, sharded, state, step, batch, *_ = _setup(strategy, prefetch=True, bucket_bytes=0)  # prefetch by unit
     step(sharded, state, batch)  # records the unit order
     with sf.record_collectives() as log, sf.track_residency() as res:
         step(sharded, state, batch)

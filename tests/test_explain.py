@@ -219,3 +219,24 @@ def test_explain_shows_the_buckets():
     alone = sf.explain(model, 2, sf.Plan("NO_SHARD", bucket_bytes=0), verbose=False)
     assert all(u.bucket == u.name for u in alone.units) and "buckets (" not in str(alone)
     assert alone.collectives["all_reduce"][0] == len(alone.units)
+
+
+def test_explain_shows_the_gather_and_reduce_buckets_of_full_shard():
+    """Under FULL_SHARD the blocks gather in one bucket and every unit reduces in one
+    ([Note: buckets]): explain names both for each unit, prints them, counts one collective
+    per bucket, and the bytes are the units' own."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    report = sf.explain(model, 2, "FULL_SHARD", verbose=False)
+    alone = sf.explain(model, 2, sf.Plan("FULL_SHARD", bucket_bytes=0), verbose=False)
+    names = [u.name for u in report.units]
+    blocks = [n for n in names if n != "<root>"]
+    assert {u.gather_bucket for u in report.units} == {"<root>", f"{blocks[0]}..{blocks[-1]}"}
+    assert {u.bucket for u in report.units} == {f"{names[0]}..{names[-1]}"}
+    assert f"buckets (units whose parameters gather in one collective): {blocks[0]}..{blocks[-1]}" in str(report)
+    assert report.collectives == {"all_gather": (1 + 2, alone.collectives["all_gather"][1]),
+                                  "reduce_scatter": (1, alone.collectives["reduce_scatter"][1])}
+    assert alone.collectives["all_gather"][0] == 1 + 2 * len(blocks)
+    assert [(u.gather_bytes, u.reduce_bytes) for u in report.units] == [
+        (u.gather_bytes, u.reduce_bytes) for u in alone.units]
+    assert all(u.gather_bucket == u.name for u in alone.units) and "buckets (" not in str(alone)

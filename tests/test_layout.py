@@ -78,9 +78,12 @@ def test_layout_printout_and_costs():
     assert "FULL_SHARD" in text and "layers.0" in text and "all_gather" in text
     # 8x8 weight + 8 bias per layer, padded to 9 rows: 9*8 + 9 = 81 elements over 3 ranks = 27 per rank.
     assert [u.numel for u in layout.units] == [27, 27]
-    assert layout.collectives_per_step() == {"all_gather": (4, 4 * 81 * 4), "reduce_scatter": (2, 2 * 81 * 4)}
-    # Flat (the default): the 72 elements of a layer end to end, 24 per rank, no padding.
-    flat = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer)), (3,), 3, 1, params,
+    # both layers in one bucket ([Note: buckets]): one all-gather in forward, one in backward, one reduce-scatter
+    assert layout.gather_buckets == layout.buckets == ((0, 1),)
+    assert layout.collectives_per_step() == {"all_gather": (2, 4 * 81 * 4), "reduce_scatter": (1, 2 * 81 * 4)}
+    # Flat (the default): the 72 elements of a layer end to end, 24 per rank, no padding; each
+    # layer alone (bucket_bytes=0): two all-gathers and a reduce-scatter per layer.
+    flat = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer), bucket_bytes=0), (3,), 3, 1, params,
                         ["layers.0", "layers.1"], tree_info(None, params))
     assert [u.numel for u in flat.units] == [24, 24] and "placement flat" in str(flat) and "placement rows" in text
     assert flat.collectives_per_step() == {"all_gather": (4, 4 * 72 * 4), "reduce_scatter": (2, 2 * 72 * 4)}

@@ -29,11 +29,12 @@ def gpt_batches(steps=3, seed=2):
 
 
 def counted_step(plan, **options):
-    """A steady-state step's collectives (kind, purpose, unit, group, bytes), residency and peak."""
+    """A steady-state step's collectives (kind, purpose, unit, group, bytes), residency and peak,
+    each unit alone (``bucket_bytes=0``: the plans here are per unit; [Note: buckets])."""
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(GPT(CFG))
-    sharded = sf.shard(params, mesh, plan)
+    sharded = sf.shard(params, mesh, plan, bucket_bytes=0)
     opt = sf.optim.adamw(1e-3)
     state = opt.init(sharded)
     step = sf.jit_step(gpt_loss, mesh, optimizer=opt, **options)
@@ -191,7 +192,7 @@ def zero1_step(precision=None):
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(GPT(CFG))
-    sharded = sf.shard(params, mesh, "SHARD_OPTIMIZER", precision=precision)
+    sharded = sf.shard(params, mesh, "SHARD_OPTIMIZER", precision=precision, bucket_bytes=0)  # unit by unit
     opt = sf.optim.adamw(1e-3)
     state = opt.init(sharded)
     step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
@@ -284,11 +285,11 @@ def test_a_step_returns_a_new_tree_and_never_changes_one(clusters, donate):
 
 def sgd_step(plan, twice=False, **options):
     """The test GPT under ``plan`` with SGD: (sharded, state, step, this rank's batch); the
-    loss calls apply twice (two views of the batch) if ``twice``."""
+    loss calls apply twice (two views of the batch) if ``twice``; each unit alone."""
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(GPT(CFG))
-    sharded = sf.shard(params, mesh, plan)
+    sharded = sf.shard(params, mesh, plan, bucket_bytes=0)
     opt = sf.optim.sgd(0.1)
 
     def loss(apply, p, b):

@@ -302,7 +302,8 @@ def _train_whole(strategy, placement, steps=3):
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(gpt_model())
-    plan = sf.Plan(strategy, placement=sf.whole(matrices) if placement == "whole" else placement)
+    plan = sf.Plan(strategy, placement=sf.whole(matrices) if placement == "whole" else placement,
+                   bucket_bytes=None if strategy == "NO_SHARD" else 0)  # sharded: unit by unit ([Note: buckets])
     sharded = sf.shard(params, mesh, plan)
     opt = OPTIMIZERS["adamw"]()
     state = opt.init(sharded)

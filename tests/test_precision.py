@@ -39,7 +39,7 @@ def sharded_run(strategy, precision, units=None):
     torch.manual_seed(0)
     params, apply = sf.functionalize(gpt_model())
     start = {n: p.detach().clone() for n, p in params.items()}
-    sharded = sf.shard(params, mesh, strategy, units=units, precision=precision)
+    sharded = sf.shard(params, mesh, strategy, units=units, precision=precision, bucket_bytes=0)  # unit by unit
     opt = sf.optim.sgd(LR)
     state = opt.init(sharded)
     step = sf.jit_step(gpt_loss, mesh, optimizer=opt)

@@ -72,9 +72,11 @@ def _outcome(fn):
 
 
 def _setup(model, strategy="FULL_SHARD", **plan):
+    """Units collective by collective (``bucket_bytes=0``) unless the test says otherwise: a
+    unit only some ranks run is the subject here ([Note: buckets] for one in a bucket)."""
     mesh = sf.Mesh.from_group()
     params, apply = sf.functionalize(model)
-    sharded = sf.shard(params, mesh, strategy, **plan)
+    sharded = sf.shard(params, mesh, strategy, **{"bucket_bytes": 0, **plan})
     return mesh, apply, sharded
 
 
@@ -92,11 +94,11 @@ def moe_experts_as_units():
     return {**out, "unchanged": _unchanged(before, sharded, state)}
 
 
-def skipped_block(skip_ranks, at_step, steps=None):
+def skipped_block(skip_ranks, at_step, steps=None, **plan):
     """Ranks ``skip_ranks`` skip layer 1 in step ``at_step``; returns each step's outcome, the
     header exchanges of each step, the full parameters at the end and the step's re-runs."""
     torch.manual_seed(0)
-    mesh, apply, sharded = _setup(Stack())
+    mesh, apply, sharded = _setup(Stack(), **plan)
     opt = adamw(1e-2)
 
     def loss_fn(apply, params, batch):
@@ -117,7 +119,7 @@ def skipped_block(skip_ranks, at_step, steps=None):
     return outs, sf.gather(sharded), step.grad.schedule.reruns
 
 
-def stack_reference(at_step, steps, world=2):
+def stack_reference(at_step, steps, world=2, skip_ranks=None):
     """The same training on one device on the global batch, every rank's slice skipping layer 1
     in step ``at_step``: the same arithmetic, bit for bit. Each rank's slice is one of
     ``world`` micro-batches (the same shapes, the loss times ``1 / world`` before backward
@@ -131,13 +133,14 @@ def stack_reference(at_step, steps, world=2):
     state = opt.init(sharded)
 
     def loss_fn(apply, params, batch):
-        skip = (1,) if batch["n"] == at_step else ()
+        rank = int(batch["rank"][0])  # the rank whose slice this micro-batch is
+        skip = (1,) if batch["n"] == at_step and (skip_ranks is None or rank in skip_ranks) else ()
         return apply(params, batch["x"], skip=skip).pow(2).mean()
 
     step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=world)
     for n in range(steps):
         x = torch.cat([torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * n + r)) for r in range(world)])
-        sharded, state, _ = step(sharded, state, {"x": x, "n": n})
+        sharded, state, _ = step(sharded, state, {"x": x, "n": n, "rank": torch.arange(world).repeat_interleave(4)})
     return sf.gather(sharded)
 
 
@@ -255,6 +258,22 @@ def test_a_block_skipped_on_every_rank_alike_runs_the_step_again_and_trains_exac
     for per_rank, full, reruns in outs:
         assert all(o["error"] is None for o in per_rank), per_rank
         assert reruns == 1
+        for name in expected:
+            torch.testing.assert_close(full[name], expected[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_a_block_skipped_on_one_rank_inside_a_bucket_trains_as_the_global_batch_does(clusters, strategy):
+    """In a bucket ([Note: buckets]) the skipped layer's collectives are its neighbours':
+    every rank issues the same ones, the skipping rank contributes a zero gradient of the
+    layer and still receives the others', and the step is exactly the one-device step on
+    the global batch whose skipping rank's rows skip the layer (DDP's arithmetic). Alone,
+    the same skip raises (the tests above). (A rank that dropped the reduced gradient of a
+    unit it did not run would update its shard, or its replica, with zeros: silently apart.)"""
+    outs = clusters[2].run(skipped_block, (0,), 2, 4, strategy=strategy, bucket_bytes=None)
+    expected = clusters[1].run(stack_reference, 2, 4, 2, (0,))[0]
+    for per_rank, full, reruns in outs:
+        assert all(o["error"] is None for o in per_rank), per_rank
         for name in expected:
             torch.testing.assert_close(full[name], expected[name], rtol=0, atol=0)
 

@@ -42,7 +42,7 @@ def accumulation_counts(mode, k):
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, apply = sf.functionalize(MLP([6, 6, 6, 6]))
-    sharded = sf.shard(params, mesh, "FULL_SHARD")  # 3 units: layers.0, layers.1, layers.2
+    sharded = sf.shard(params, mesh, "FULL_SHARD", bucket_bytes=0)  # 3 units, each alone: layers.0, .1, .2
     opt = sgd(0.1)
     step = sf.jit_step(mlp_loss, mesh, optimizer=opt, micro_batches=k, accumulate=mode)
     batch = {"x": torch.randn(2 * k, 6), "y": torch.randn(2 * k, 6)}
@@ -169,7 +169,7 @@ def lora_bytes():
     torch.manual_seed(0)
     params, apply = sf.functionalize(lora_model(12, 2))
     frozen = {n: p.clone() for n, p in params.items() if not p.requires_grad}
-    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    sharded = sf.shard(params, mesh, "FULL_SHARD", bucket_bytes=0)  # unit by unit
     opt = adamw(1e-2)
     state = opt.init(sharded)
     step = sf.jit_step(mlp_loss, mesh, optimizer=opt)

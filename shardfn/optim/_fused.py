@@ -13,8 +13,8 @@ per leaf: one kernel per unit and operation, where a per-leaf loop issues one pe
   shards are still views of one buffer), and every leaf of the unit is being updated (a
   ``masked`` optimizer passes a subset, which is never fused);
 * in the gradients and in every state dict, the unit's leaves are views of one contiguous
-  buffer of the unit's size, at the same offsets as in the shard buffer, in the dtype
-  the update needs.
+  buffer of the unit's size (or of such a window of a larger one: a bucket's reduced
+  gradients), at the same offsets as in the shard buffer, in the dtype the update needs.
 
 The elements of a buffer that no leaf covers are the unit's padding: zero in the shards
 (``shard`` writes zeros), the gradients (the reduction sums zeros there) and the state,
@@ -48,10 +48,26 @@ def zeros_like_views(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def _at(view: torch.Tensor, base: torch.Tensor) -> int | None:
-    """``view``'s element offset in ``base`` when it is a contiguous view of it, else None."""
-    if view._base is not base or not view.is_contiguous():
+    """``view``'s element offset in ``base`` (a buffer, or a window of one) when it is a
+    contiguous view inside it, else None."""
+    root = base._base if base._base is not None else base
+    if view._base is not root or not view.is_contiguous():
         return None
-    return view.storage_offset() - base.storage_offset()
+    at = view.storage_offset() - base.storage_offset()
+    return at if 0 <= at and at + view.numel() <= base.numel() else None
+
+
+def _window(t: torch.Tensor | None, param: torch.Tensor, base: torch.Tensor) -> torch.Tensor | None:
+    """The unit-sized window of ``t``'s contiguous base that holds the unit's leaves where
+    ``param`` sits in ``base`` (the whole base, or, for gradients reduced in a bucket
+    ([Note: buckets]), the unit's part of the bucket's output); None if there is none."""
+    tb = t._base if t is not None else None
+    if tb is None or tb.dim() != 1 or not tb.is_contiguous():
+        return None
+    start = tb.numel() if _at(t, tb) is None or _at(param, base) is None else _at(t, tb) - _at(param, base)
+    if start < 0 or start + base.numel() > tb.numel():
+        return None
+    return tb[start : start + base.numel()]
 
 
 def fused_groups(keys: Sequence[str], params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
@@ -69,14 +85,12 @@ def fused_groups(keys: Sequence[str], params: Mapping[str, torch.Tensor], grads:
         if not names or not set(names) <= wanted:
             continue
         first = names[0]
-        bases = [grads[first]._base, *(s[first]._base if first in s else None for s in states)]
-        if any(b is None or b.numel() != base.numel() or not b.is_contiguous() for b in bases):
-            continue
-        if dtype is not None and bases[0].dtype != dtype:
-            continue
         trees = [grads, *states]
+        bases = [_window(tree[first] if first in tree else None, params[first], base) for tree in trees]
+        if any(b is None for b in bases) or (dtype is not None and bases[0].dtype != dtype):
+            continue
         placed = [n for n in names if params[n].numel()]  # (an empty piece's offset does not matter)
         if all(_at(tree[n], b) == _at(params[n], base) is not None for n in placed for tree, b in zip(trees, bases)):
-            groups.append((tuple(names), [b.view(-1) for b in (base, *bases)]))
+            groups.append((tuple(names), [base.view(-1), *bases]))
             fused.update(names)
     return groups, [k for k in keys if k not in fused]
