@@ -186,7 +186,7 @@ def shard(
         bucket_bytes: bytes of a collective's buffer that neighbouring units share
             ([Note: buckets]): their gradients reduce in one collective (DDP's buckets)
             and, under FULL_SHARD and SHARD_GRAD_OP, their parameters gather in one
-            (default ``25 * 2**20``, or a size such as ``"25MiB"``; 0: every unit alone).
+            (default ``4 * 2**20``, or a size such as ``"4MiB"``; 0: every unit alone).
         seed: deferred init: ``params`` may be meta tensors (a model built under
             ``torch.device("meta")``); each unit is materialised in turn on every rank,
             initialised by ``reset_parameters()`` (and ``init_fn(module)``) from a seed
