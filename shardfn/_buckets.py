@@ -33,7 +33,9 @@ the first member of a bucket that needs its parameters, or is prefetched, starts
 all-gather for the bucket; every member that is sharded goes in flight with it, and each
 copies its columns of the output out when it is used (one copy of its gathered
 parameters, W*n, which a flat unit's own all-gather does not need, and the pack of its
-shards into the input, n). The root unit and optional, rematerialised, whole, sub-group
+shards into the input, n); for the bucket these are two ops, one for the input (a foreach
+copy of the members' shard buffers) and one for the output (a split into the members'
+buffers, when the first member waits). The root unit and optional, rematerialised, whole, sub-group
 resharded and offloaded units gather alone; SHARD_OPTIMIZER gathers no parameters in a
 step. One param dtype and one reshard rule per bucket. The members of a bucket are
 gathered together, so FULL_SHARD holds a bucket where it held a unit: choose
@@ -54,6 +56,8 @@ import torch
 
 from . import _collectives as C
 from ._events import Purpose
+from ._offload import pack_shards
+from ._packing import shard_buffer
 from ._plan import Strategy
 
 __all__ = ["FIRST_BUCKET_BYTES", "GatherBucket", "ReduceBucket", "gather_buckets", "reduce_buckets"]
@@ -120,17 +124,69 @@ class GatherBucket:
 
     def issue(self, purpose: Purpose) -> None:
         """One all-gather of every member's shards into a ``[world, numel]`` output; every
-        member that is sharded goes in flight with its columns of it."""
+        member that is sharded goes in flight with it. The members' shard buffers go into
+        this rank's row in one op (a unit whose shards are not one buffer packs its own)."""
         first = self.units[0]
         with torch.no_grad():
             out = torch.empty(first.layout.world, self.numel, dtype=first.unit.param_dtype, device=first.device)
             row = out[first.rank]
-            for unit, off in zip(self.units, self.offsets):
-                unit.pack_into(row[off : off + unit.unit.numel])
+            parts = [row[off : off + u.unit.numel] for u, off in zip(self.units, self.offsets)]
+            bases = [_shard_base(u) for u in self.units]
+            if all(b is not None for b in bases):
+                torch._foreach_copy_(parts, bases)  # cast to the param dtype on the way
+            else:
+                for unit, part in zip(self.units, parts):
+                    pack_shards(part, unit.shards, False, unit.runtime.observers, unit.unit.name,
+                                unit.layout.offsets(unit.unit, unit.rank) if unit.unit.flat else None)
             work = C.all_gather(out.view(-1), row, first.channel, purpose, self.name, async_op=True,
                                 to=first.runtime.observers)
-        for unit, off in zip(self.units, self.offsets):
-            unit.take_flight(work, out[:, off : off + unit.unit.numel])
+        flight = Flight(work, out, [u.unit.numel for u in self.units], self.name)
+        for i, unit in enumerate(self.units):
+            unit.take_flight(Share(flight, i))
+
+
+def _shard_base(unit: Any) -> torch.Tensor | None:
+    """A flat unit's shard buffer, when its shards are views of one (shardfn._packing.shard_buffer)."""
+    if not unit.unit.flat:
+        return None
+    offsets = unit.layout.offsets(unit.unit, unit.rank)
+    return shard_buffer(unit.shards, unit.unit.numel, unit.shards[0].dtype, offsets)
+
+
+class Flight:
+    """A bucket's all-gather in flight. Waited for once, by the first member to need it;
+    then its output is split into one ``[world, n]`` buffer per member in one copy (what a
+    member's own all-gather would have produced) and let go."""
+
+    __slots__ = ("work", "out", "sizes", "parts", "name")
+
+    def __init__(self, work: Any, out: torch.Tensor, sizes: list[int], name: str):
+        self.work, self.out, self.sizes, self.name = work, out, sizes, name
+        self.parts: list[torch.Tensor | None] = []
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.parts = list(torch.split_with_sizes_copy(self.out, self.sizes, dim=1))
+            self.out = None
+
+
+class Share:
+    """A member's handle on its bucket's all-gather: ``wait()`` for it, then ``columns()``,
+    the member's ``[world, n]`` part (handed over once)."""
+
+    __slots__ = ("flight", "index")
+
+    def __init__(self, flight: Flight, index: int):
+        self.flight, self.index = flight, index
+
+    def wait(self) -> None:
+        self.flight.wait()
+
+    def columns(self) -> torch.Tensor:
+        part, self.flight.parts[self.index] = self.flight.parts[self.index], None
+        return part
 
 
 class ReduceBucket:

@@ -293,21 +293,11 @@ class Unit:
             self.state = State.IN_FLIGHT
             self._note(UnitEvent.PREFETCH)
 
-    def pack_into(self, part: torch.Tensor) -> None:
-        """Writes this rank's shards into ``part``, its piece of a bucket's all-gather input
-        ([Note: buckets]): one copy, cast to the param dtype on the way."""
-        offsets = self.layout.offsets(self.unit, self.rank) if self.unit.flat else None
-        mine = shard_buffer(self.shards, self.unit.numel, self.shards[0].dtype, offsets) if self.unit.flat else None
-        if mine is not None:
-            part.copy_(mine)
-        else:
-            pack_shards(part, self.shards, False, self.runtime.observers, self.unit.name, offsets)
-
-    def take_flight(self, work: Any, columns: torch.Tensor) -> None:
-        """SHARDED -> IN_FLIGHT with its bucket's all-gather (``columns``: its ``[world,
-        numel]`` part of the output); a member gathered already keeps what it has."""
+    def take_flight(self, share: Any) -> None:
+        """SHARDED -> IN_FLIGHT with its bucket's all-gather (``share``: its handle on it,
+        shardfn._buckets); a member gathered already keeps what it has."""
         if self.state is State.SHARDED:
-            self.inflight, self.state = (work, None, columns), State.IN_FLIGHT
+            self.inflight, self.state = (share, None, None), State.IN_FLIGHT
             self._note(UnitEvent.PREFETCH)
 
     def cancel_prefetch(self) -> None:
@@ -349,7 +339,7 @@ class Unit:
                     work, _, out = self.inflight
                     work.wait()
                     self.inflight = None
-                    out = out.contiguous()  # a bucket's member: its columns copied out ([Note: buckets])
+                    out = work.columns() if out is None else out  # a bucket's member: its part ([Note: buckets])
                 else:
                     _, _, out = self._issue(purpose, async_op=False)
                 if self.layout.offloaded:

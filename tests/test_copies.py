@@ -86,7 +86,8 @@ class CopyLog(TorchDispatchMode):
         elif func is torch.ops.c10d._reduce_scatter_base_.default:
             self._reduce_outputs[args[0].data_ptr()] = args[0]
         elif _is_copy(func):
-            written = kwargs.get("out", args[0] if func.overloadpacket is aten.copy_ else out)
+            in_place = func.overloadpacket in (aten.copy_, aten._foreach_copy_)  # they write their first argument
+            written = kwargs.get("out", args[0] if in_place else out)
             where, unit = self._where(func, args)
             self.copies.append((where, unit, func.overloadpacket.__name__, _nbytes(written)))
         return out
@@ -131,6 +132,15 @@ def expected_copies(layout):
     W = layout.world
     gather, reduce = {}, {}
     in_gather_bucket = {i for b in layout.gather_buckets if len(b) > 1 for i in b}
+    for b in layout.gather_buckets:
+        if len(b) > 1:  # [Note: buckets]: each gather packs the members' shards into the input (one
+            # foreach copy of their buffers, flat; a pack per member, rows), and splits the output
+            # into their [W, n] buffers in one copy
+            members = [layout.units[i] for i in b]
+            g, p, n = layout.unit_collectives(members[0])["all_gather"][0], members[0].param_dtype.itemsize, \
+                sum(u.numel for u in members)
+            packs = 1 if members[0].flat else len(members)
+            gather[layout.bucket_name(b)] = (g * (packs + 1), g * (n + W * n) * p)
     for b in layout.buckets:
         if len(b) > 1 and W > 1:  # [Note: buckets]: one cat lays the members' [W, gn] buffers side by side
             reduce[layout.bucket_name(b)] = (1, W * sum(layout.units[i].grad_numel for i in b)
@@ -138,10 +148,10 @@ def expected_copies(layout):
     for u in layout.units:
         p, r, m = u.param_dtype.itemsize, u.reduce_dtype.itemsize, u.dtype.itemsize
         if W > 1 and u.index in in_gather_bucket:
-            # [Note: buckets]: each gather packs the shards into the bucket's input (n), copies
-            # the unit's columns out of its output (W*n), and, rows, unpacks them (W*n).
-            g, unpack = layout.unit_collectives(u)["all_gather"][0], 0 if u.flat else 1
-            gather[u.name] = (g * (2 + unpack), g * (u.numel + (1 + unpack) * W * u.numel) * p)
+            # [Note: buckets]: the bucket packs and splits (below); rows, each gather unpacks (W*n).
+            if not u.flat:
+                g = layout.unit_collectives(u)["all_gather"][0]
+                gather[u.name] = (g, g * W * u.numel * p)
         elif W > 1 and u.flat:
             # [Note: placements]: the shard buffer is sent as it is and the leaves are views
             # of the output; only a cast to the param dtype copies (n elements, each gather).
@@ -178,7 +188,8 @@ def expected_copies(layout):
 
 
 PATCHED = [("_gather", "Unit", "_issue", "gather"), ("_gather", "Unit", "_gather", "gather"),
-           ("_gather", "Unit", "pack_into", "gather"), ("_buckets", "ReduceBucket", "issue", "reduce"),
+           ("_buckets", "GatherBucket", "issue", "gather"), ("_buckets", "Flight", "wait", "gather"),
+           ("_buckets", "ReduceBucket", "issue", "reduce"),
            ("_reduce", "UnitGrads", "_accumulate", "reduce"), ("_reduce", "UnitGrads", "_issue", "reduce"),
            ("_reduce", "UnitGrads", "to_master", "reduce")]
 
