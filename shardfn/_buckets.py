@@ -73,13 +73,14 @@ def reduce_buckets(layout: Any) -> tuple[tuple[int, ...], ...]:
     sharded = layout.world > 1 and layout.replicas == 1 and not layout.offloaded
     if not ((no_shard or sharded) and layout.plan.bucket_bytes):
         return tuple((u.index,) for u in reducing)
-    rows = layout.world if sharded else 1
+    def solo(u: Any) -> bool:  # a unit that reduces in a bucket of its own
+        return u.optional or (sharded and u.whole)
+
     out: list[list[int]] = []
     size, dtype = 0, None
     for u in reversed(reducing):
-        nbytes = rows * u.grad_numel * u.reduce_dtype.itemsize
-        alone = u.optional or (sharded and u.whole) or (
-            out and (layout.units[out[-1][0]].optional or (sharded and layout.units[out[-1][0]].whole)))
+        nbytes = layout.world * u.grad_numel * u.reduce_dtype.itemsize  # the buffer: [world, gn]
+        alone = solo(u) or (out and solo(layout.units[out[-1][0]]))
         cap = min(FIRST_BUCKET_BYTES, layout.plan.bucket_bytes) if len(out) == 1 else layout.plan.bucket_bytes
         if not out or alone or u.reduce_dtype != dtype or size + nbytes > cap:
             out.append([])

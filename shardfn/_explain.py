@@ -277,9 +277,8 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
     moved: dict[str, dict[str, int]] = {}
     buckets = {"gather": {layout.bucket_name(b): b for b in layout.gather_buckets},
                "reduce": {layout.bucket_name(b): b for b in layout.buckets}}
-    rows = layout.world if layout.world > 1 else 1
     share = {"gather": lambda u: layout.world * u.numel * u.param_dtype.itemsize,
-             "reduce": lambda u: rows * u.grad_numel * u.reduce_dtype.itemsize}
+             "reduce": lambda u: layout.world * u.grad_numel * u.reduce_dtype.itemsize}
     if log is not None:
         for c in log.calls:
             kind = "gather" if c.kind is Collective.ALL_GATHER else "reduce"
@@ -302,6 +301,7 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
             per = layout.unit_collectives(u)
             moved[u.name] = {"gather": per.get("all_gather", (0, 0))[1],
                              "reduce": per.get("reduce_scatter", (0, 0))[1] + per.get("all_reduce", (0, 0))[1]}
+    gathered_in = {i: layout.bucket_name(b) for b in layout.gather_buckets for i in b}
     units = []
     for u in layout.units:
         leaves = [layout.leaves[n] for n in u.leaves]
@@ -316,7 +316,7 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
             placement="whole" if u.whole else "flat" if u.flat else "rows",
             padding=u.numel * layout.world - sum(math.prod(leaf.shape) for leaf in leaves),
             bucket=layout.bucket_name(layout.bucket_of(u)),
-            gather_bucket=next(layout.bucket_name(b) for b in layout.gather_buckets if u.index in b),
+            gather_bucket=gathered_in[u.index],
         ))
     transfers = {d: (log.transfer_copies()[d], b) for d, b in log.transfer_bytes().items()} if log is not None else {}
     return Explanation(layout.strategy.value, tuple(layout.mesh_shape), tuple(units), collectives, persistent, peak,

@@ -217,9 +217,10 @@ def agree(ch: Channel, kind: Collective, purpose: Purpose, unit: str, nbytes: in
     ch.guard.check_alive(f"{kind.value} ({purpose.value})")
     if ch.off:
         return
+    mine = words(kind, purpose, unit, nbytes, detail, dtype)
     if unit:
-        ch.guard.names.setdefault(unit_id(unit), unit)
-    agree_words(ch, words(kind, purpose, unit, nbytes, detail, dtype), f"{kind.value} ({label(purpose, unit)})")
+        ch.guard.names.setdefault(mine[UNIT], unit)
+    agree_words(ch, mine, f"{kind.value} ({label(purpose, unit)})")
 
 
 def agree_exit(ch: Channel, context: str) -> None:
