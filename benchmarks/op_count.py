@@ -29,6 +29,7 @@ import sys
 import torch
 
 import shardfn as sf
+from shardfn._guard import HEADER
 from shardfn.testing import Cluster, count_ops
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
@@ -63,10 +64,19 @@ def plain_ops(model_name: str, dtype: str) -> dict:
     step()
     with count_ops() as c:
         step()
-    return {"ops": c.total, "collectives": 0, "syncs": c.syncs, "by_op": dict(c.ops)}
+    steps = [s["step"] for s in opt.state.values()]  # host tensors (capturable=False)
+    return {"ops": c.total, "collectives": 0, "syncs": device_reads(c, steps), "by_op": dict(c.ops)}
 
 
-def shardfn_ops(model_name: str, dtype: str, strategy: str) -> dict:
+def device_reads(c, on_host: list[torch.Tensor], world: int = 1) -> int:
+    """The reads of c that synchronise on a GPU: all but those of host tensors by design
+    (optimizer step counts, the last call's values that "raise_next" copies to pinned
+    memory, and the schedule guard's headers, exchanged over gloo in host memory)."""
+    return sum(1 for _, t in c.reads if not any(t is h for h in on_host)
+               and not (t.dtype == torch.int64 and tuple(t.shape) == (world, HEADER)))
+
+
+def shardfn_ops(model_name: str, dtype: str, strategy: str, on_nonfinite: str | None = None) -> dict:
     """One shardfn step's counts on this rank (after two steps)."""
     cfg, rows = MODELS[model_name]
     mesh = sf.Mesh.from_group()
@@ -76,13 +86,16 @@ def shardfn_ops(model_name: str, dtype: str, strategy: str) -> dict:
     sharded = sf.shard(params, mesh, strategy, precision=precision)
     opt = sf.optim.adamw(1e-3, weight_decay=0.1)
     state = opt.init(sharded)
-    step = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt)
+    step = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt,
+                       on_nonfinite=on_nonfinite)
     batch = _batch(cfg, rows)
     for _ in range(2):
         sharded, state, _ = step(sharded, state, batch)
+    late = [step._late.values] if step._late is not None else []
     with count_ops() as c:
         sharded, state, _ = step(sharded, state, batch)
-    return {"ops": c.total, "collectives": sum(c.collectives.values()), "syncs": c.syncs, "by_op": dict(c.ops),
+    return {"ops": c.total, "collectives": sum(c.collectives.values()),
+            "syncs": device_reads(c, [state.count, *late], mesh.size), "by_op": dict(c.ops),
             "units": len(sharded.layout.units), "leaves": len(sharded.layout.leaves)}
 
 
@@ -94,11 +107,13 @@ def measure() -> list[dict]:
                 for dtype in ("fp32", "bf16"):
                     plain = plain_ops(model_name, dtype)
                     rows.append({"world": world, "model": model_name, "dtype": dtype, "config": "plain", **plain})
-                    for strategy in ("NO_SHARD", "FULL_SHARD"):
-                        r = cluster.run(shardfn_ops, model_name, dtype, strategy)[0]
+                    for strategy, on_nonfinite in (("NO_SHARD", None), ("FULL_SHARD", None),
+                                                   ("FULL_SHARD", "raise_next")):
+                        r = cluster.run(shardfn_ops, model_name, dtype, strategy, on_nonfinite)[0]
                         extra = collections.Counter(r["by_op"])
                         extra.subtract(plain["by_op"])
-                        rows.append({"world": world, "model": model_name, "dtype": dtype, "config": strategy, **r,
+                        config = strategy + (" next" if on_nonfinite else "")
+                        rows.append({"world": world, "model": model_name, "dtype": dtype, "config": config, **r,
                                      "x_plain": r["ops"] / plain["ops"],
                                      "per_unit": (r["ops"] - plain["ops"]) / r["units"],
                                      "extra": {k: v for k, v in extra.most_common() if v}})
@@ -127,7 +142,8 @@ def main() -> int:
     print(table(rows))
     print("\nops/step: aten ops of one step that launch a kernel on a GPU (rank 0); x plain: over plain PyTorch's "
           "on the same per-rank batch; extra/unit: (ops - plain's) / units; collectives: c10d ops of the step "
-          "(world 2, gloo); syncs: .item() and the like. plain: torch.optim.AdamW(foreach=True); bf16 plain runs "
+          "(world 2, gloo); syncs: reads of device tensors by the host (.item(), .tolist() and the like; each a "
+          "synchronisation on a GPU); 'next': jit_step(on_nonfinite=\"raise_next\"). plain: torch.optim.AdamW(foreach=True); bf16 plain runs "
           "under torch.autocast, shardfn with Precision(param=bfloat16, reduce=float32).")
     if args.json:
         with open(args.json, "w") as f:

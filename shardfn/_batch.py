@@ -157,8 +157,11 @@ def agree_on_micro_batches(batches: MicroBatches, mesh: Any) -> list[tuple[int, 
     return [(int(lo), int(hi)) for lo, hi in everyone[:, 1:].tolist()]
 
 
-def objective(out: Any, has_aux: bool, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-    """``loss_fn``'s result as ``(what to back-propagate, Mean's count (0-d fp32) or None, aux)``."""
+def objective(out: Any, has_aux: bool, needs_grad: bool,
+              read: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """``loss_fn``'s result as ``(what to back-propagate, Mean's count (0-d fp32) or None, aux)``.
+    ``read=False``: a negative count is not read on the host but becomes NaN, which makes the
+    step's values non-finite (shardfn._step [Note: a step that does not wait])."""
     aux = None
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2) or isinstance(out, Mean):
@@ -174,7 +177,9 @@ def objective(out: Any, has_aux: bool, needs_grad: bool) -> tuple[torch.Tensor, 
         if not isinstance(count, (int, float, torch.Tensor)) or isinstance(count, bool):
             raise TypeError(f"shardfn.Mean(total, count): count must be a number >= 0, got {count!r}.")
         count = torch.as_tensor(count).detach().reshape(()).to(torch.float32)
-        if not is_fake(count) and not float(count) >= 0:  # a planning run (explain) has no values
+        if not read:
+            count = torch.where(count >= 0, count, torch.nan)
+        elif not is_fake(count) and not float(count) >= 0:  # a planning run (explain) has no values
             raise TypeError(f"shardfn.Mean(total, count): count must be a number >= 0, got {float(count)!r}.")
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
         raise TypeError(_NOT_A_LOSS.format(aux=" (with aux=...: (loss, aux))" if has_aux else "",

@@ -70,7 +70,7 @@ class StepBuffers:
         A planning run (shardfn.explain, fake tensors) has no values, so it cannot know
         which buffers change: it averages none.
         """
-        if is_fake(changed_anywhere):
+        if is_fake(changed_anywhere) or not self.floating:  # (nothing to read from the device)
             return []
         names = [n for n, f in zip(self.floating, changed_anywhere.tolist()) if f > 0]
         if not names or mesh.size == 1:

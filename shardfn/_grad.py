@@ -77,7 +77,7 @@ class Grad:
     def __init__(self, loss: tuple[Callable[..., Any], bool], mesh: Mesh, *, micro_batches: int = 1,
                  accumulate: Accumulate = Accumulate.REDUCE_EACH, sync_buffers: bool = True, overlap: bool = True,
                  prefetch: bool | int = True, has_aux: bool = False, mean_aux: bool = False, what: str = "grad_fn",
-                 compile: str | None = None, keep_gathered: bool = False):
+                 compile: str | None = None, keep_gathered: bool = False, read_metrics: bool = True):
         # loss_fn(apply, params, batch), and whether it reads apply ([Note: one loss convention])
         self.loss_fn, self.needs_apply = loss
         self.mesh = mesh
@@ -91,6 +91,8 @@ class Grad:
         self.has_aux = has_aux
         self.mean_aux = mean_aux
         self.what = what  # how errors name the caller: "step" or "grad_fn"
+        # False: the loss and norm stay on the device, nothing is read ([Note: a step that does not wait])
+        self.read_metrics = read_metrics
         # Not state of the model: the units' forward order (a prefetch hint, recorded on
         # each call for the next) and the layout of the first call (to catch other shards).
         self.order: list[tuple[int, int]] = []
@@ -174,10 +176,11 @@ class Grad:
                 if reduced["rescale"] is not None:  # [Note: token-weighted losses]
                     torch._foreach_mul_(list(grads.values()), reduced["rescale"])
                 norm = reduced["norm"]
-                loss_value, norm_value = _scalars(reduced["loss"], norm)
-                metrics: dict[str, Any] = {"loss": loss_value, "grad_norm": norm_value}
-                if not all(math.isfinite(v) for v in (metrics["loss"], metrics["grad_norm"]) if v is not None):
-                    metrics["nonfinite"] = self._nonfinite_ranks(loss, grads)
+                metrics: dict[str, Any] = {"loss": reduced["loss"], "grad_norm": norm}
+                if self.read_metrics:
+                    metrics["loss"], metrics["grad_norm"] = _scalars(reduced["loss"], norm)
+                    if not all(math.isfinite(v) for v in (metrics["loss"], metrics["grad_norm"]) if v is not None):
+                        metrics["nonfinite"] = self._nonfinite_ranks(loss, grads)
                 if self.has_aux:
                     metrics["aux"] = reduced["aux"]
                 if self.sync_buffers:
@@ -213,7 +216,7 @@ class Grad:
         apply = apply_of(sharded)
         for i, mb in enumerate(batches):
             rt.start_micro_batch(last=i == k - 1)
-            loss, count, aux = objective(self.loss_fn(apply, sharded, mb), self.has_aux, bool(leaves))
+            loss, count, aux = objective(self.loss_fn(apply, sharded, mb), self.has_aux, bool(leaves), self.read_metrics)
             if counts and (count is None) != (counts[0] is None):
                 raise TypeError("loss_fn(apply, params, batch): returned shardfn.Mean for some micro-batches and a plain "
                                 "loss for others; return one kind in a step.")
@@ -276,7 +279,7 @@ class Grad:
             out["loss"] = v[0] / self.mesh.size
         else:
             total = v[2]
-            if not is_fake(total) and float(total) == 0:
+            if self.read_metrics and not is_fake(total) and float(total) == 0:
                 raise ValueError(_NO_ELEMENTS.format(rank=self.mesh.rank, what=self.what))
             rescale = self.mesh.size * k / total
             out["loss"], out["rescale"] = v[0] / total, rescale

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import shardfn as sf
+from shardfn._guard import HEADER
 from shardfn.testing import count_ops
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
@@ -102,3 +103,42 @@ def test_mixed_precision_adds_one_cast_per_unit_and_gather(clusters, strategy, u
     # each gather casts its unit's buffer to bf16, each unit's gradients go to fp32 in one
     # cat; and the bf16 loss is cast to fp32 once, for the metrics
     assert {k: v for k, v in extra.items() if v} == {"_to_copy": casts["gather"] + 1, "cat": casts["reduce"]}
+
+
+def _device_reads(on_nonfinite, mean):
+    """What a step reads from tensors to the host, less the reads of host tensors by design
+    (AdamW's step count; the schedule guard's headers, exchanged over gloo in host memory on
+    any device; with "raise_next", the last call's values, which a GPU copies to pinned host
+    memory without waiting): on a GPU each read left is a synchronisation."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    opt = sf.optim.adamw(1e-3, weight_decay=0.1)
+    if mean:  # a token-weighted loss: its count is not read either
+        def loss(apply, p, b):
+            return sf.Mean(lm_loss(apply(p, b[0]), b[1]) * b[1].numel(), b[1].numel())
+    else:
+        def loss(apply, p, b):
+            return lm_loss(apply(p, b[0]), b[1])
+    step = sf.jit_step(loss, mesh, optimizer=opt, on_nonfinite=on_nonfinite)
+    state = step.init(sharded)
+    for _ in range(2):
+        sharded, state, _ = step(sharded, state, _batch())
+    on_host = [state.count] + ([step._late.values] if step._late is not None else [])
+    with count_ops() as c:
+        sharded, state, metrics = step(sharded, state, _batch())
+    headers = (mesh.size, HEADER)
+    reads = [(how, str(t.dtype), tuple(t.shape)) for how, t in c.reads
+             if not any(t is h for h in on_host) and not (t.dtype == torch.int64 and tuple(t.shape) == headers)]
+    return reads, type(metrics["loss"]).__name__, len(c.reads)
+
+
+@pytest.mark.parametrize("on_nonfinite,mean", [("raise", False), ("raise_next", False), ("raise_next", True)])
+def test_a_step_reads_the_device_once_or_not_at_all(clusters, on_nonfinite, mean):
+    for reads, loss_type, all_reads in clusters[2].run(_device_reads, on_nonfinite, mean):
+        if on_nonfinite == "raise":  # the loss and the norm in one copy, before the update
+            assert reads == [("tolist", "torch.float32", (2,))] and loss_type == "float", reads
+        else:  # [Note: a step that does not wait]
+            assert reads == [] and loss_type == "Tensor", reads
+        assert all_reads > len(reads)  # (the step count was read, and seen)

@@ -2,6 +2,7 @@
 step is right. See shardfn._guard [Note: the schedule guard]."""
 
 import functools
+import math
 import time
 
 import pytest
@@ -360,6 +361,40 @@ def test_a_nonfinite_loss_on_one_rank(clusters, skip):
         else:
             assert out["error"] == "FloatingPointError", out
             assert "Ranks whose own loss was not finite: [1]" in out["message"] and 'on_nonfinite="skip"' in out["message"]
+
+
+def nonfinite_found_by_the_next_call():
+    """on_nonfinite="raise_next": the bad step updates (it does not wait to read its values),
+    the next call raises on every rank and changes nothing, the one after runs."""
+    torch.manual_seed(0)
+    mesh, apply, sharded = _setup(Stack())
+    step = sf.jit_step(lambda apply, p, b: apply(p, b).pow(2).mean(), mesh, optimizer=adamw(1e-2),
+                       on_nonfinite="raise_next")
+    state = step.init(sharded)
+    good = torch.ones(4, 8)
+    bad = torch.randn(4, 8)
+    if mesh.rank == 1:
+        bad[2, 3] = float("nan")
+    sharded, state, first = step(sharded, state, good)
+    sharded, state, metrics = step(sharded, state, bad)
+    out = {"types": [type(m["loss"]).__name__ for m in (first, metrics)], "loss": float(metrics["loss"]),
+           "bad_in_state": any(t.isnan().any().item() for t in sharded.values())}
+    before = _snapshot(sharded, state)
+    out.update(_outcome(lambda: step(sharded, state, good)))
+    now = torch.utils._pytree.tree_flatten(state)[0]
+    out["unchanged"] = all(torch.equal(before[0][k].nan_to_num(), sharded[k].nan_to_num()) for k in before[0]) and all(
+        torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before[1], now) if isinstance(a, torch.Tensor))
+    out["then"] = _outcome(lambda: step(sharded, state, good))["error"]  # the flag was read once
+    return out
+
+
+def test_a_nonfinite_step_is_reported_by_the_next_call_with_raise_next(clusters):
+    outs = clusters[2].run(nonfinite_found_by_the_next_call)
+    for out in outs:
+        assert out["types"] == ["Tensor", "Tensor"] and math.isnan(out["loss"]) and out["bad_in_state"], out
+        assert out["error"] == "FloatingPointError" and out["unchanged"] and out["then"] is None, out
+        assert "the previous call of this step had a global loss (nan)" in out["message"], out
+        assert f"[rank {outs.index(out)}]" in out["message"]
 
 
 def differently_seeded(src_rank):

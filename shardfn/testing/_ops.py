@@ -12,8 +12,11 @@ launch a kernel on a GPU are all of them except
   ``new_empty``, ``new_empty_strided``), ``lift_fresh``, and ``_unsafe_view`` (a view
   that autograd does not track as one);
 * the profiler's markers (namespace ``profiler``: ``record_function``);
-* ``_local_scalar_dense`` (``.item()``), which is a copy to the host and a synchronisation,
-  counted apart as ``syncs``;
+* the reads of a tensor's values by the host (``.item()``, ``float(t)``, ``bool(t)``: the op
+  ``_local_scalar_dense``; ``torch.equal``; ``.tolist()`` and ``.numpy()``, which a CPU tensor
+  answers without dispatching, so the block patches them): on a GPU each is a copy to the
+  host and a synchronisation, unless the tensor lives on the host anyway (an optimizer's
+  step count). They are listed apart, with the tensor read, as ``reads``;
 * the collectives (namespace ``c10d``), counted apart as ``collectives``: what one costs
   depends on the backend, not on the dispatcher.
 
@@ -26,11 +29,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["OpCount", "count_ops"]
 
+_READS = frozenset({"_local_scalar_dense", "equal", "is_nonzero"})
 _NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
                         "_unsafe_view"})
 
@@ -38,11 +44,17 @@ _NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "ne
 @dataclasses.dataclass
 class OpCount:
     """What a block of code dispatched: ``ops`` (name -> count) of the ops that launch a
-    kernel on a GPU, ``collectives`` (name -> count), ``syncs`` (``.item()`` and the like)."""
+    kernel on a GPU, ``collectives`` (name -> count), ``reads`` (``(how, tensor)`` for each read
+    of a tensor's values by the host, in order: ``.item()`` and the like)."""
 
     ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     collectives: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    syncs: int = 0
+    reads: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+    @property
+    def syncs(self) -> int:
+        """How many reads there were (on a GPU, each of a tensor on the device synchronises)."""
+        return len(self.reads)
 
     @property
     def total(self) -> int:
@@ -65,8 +77,8 @@ class _Counter(TorchDispatchMode):
             pass
         elif func.namespace == "c10d":
             self.count.collectives[name] += 1
-        elif name == "_local_scalar_dense":
-            self.count.syncs += 1
+        elif name in _READS:
+            self.count.reads.append((name, args[0]))
         elif not (func.is_view or name in _NO_KERNEL):
             self.count.ops[name] += 1
         return func(*args, **(kwargs or {}))
@@ -84,10 +96,26 @@ class count_ops:  # noqa: N801 - a context manager, used like a function
     def __init__(self) -> None:
         self.count = OpCount()
         self._mode = _Counter(self.count)
+        self._patched: dict[str, Any] = {}
 
     def __enter__(self) -> OpCount:
+        for how in ("tolist", "numpy"):  # answered without dispatching on a CPU: see the note
+            self._patched[how] = getattr(torch.Tensor, how)
+            setattr(torch.Tensor, how, self._reader(how, self._patched[how]))
         self._mode.__enter__()
         return self.count
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
+        for how, method in self._patched.items():
+            setattr(torch.Tensor, how, method)
+        self._patched.clear()
+
+    def _reader(self, how: str, method: Any) -> Any:
+        reads = self.count.reads
+
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            reads.append((how, tensor))
+            return method(tensor, *args, **kwargs)
+
+        return read
