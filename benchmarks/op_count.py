@@ -121,12 +121,12 @@ def measure() -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'world':>5}  {'model':<10}{'dtype':<6}{'config':<12}{'ops/step':>9}{'x plain':>8}{'units':>6}"
+    head = (f"{'world':>5}  {'model':<10}{'dtype':<6}{'config':<17}{'ops/step':>9}{'x plain':>8}{'units':>6}"
             f"{'extra/unit':>11}{'collectives':>12}{'syncs':>6}  largest differences from plain")
     lines = [head, "-" * len(head)]
     for r in rows:
         extra = ", ".join(f"{k} {v:+d}" for k, v in list(r.get("extra", {}).items())[:5])
-        lines.append(f"{r['world']:>5}  {r['model']:<10}{r['dtype']:<6}{r['config']:<12}{r['ops']:>9}"
+        lines.append(f"{r['world']:>5}  {r['model']:<10}{r['dtype']:<6}{r['config']:<17}{r['ops']:>9}"
                      f"{r.get('x_plain', 1.0):>8.2f}{r.get('units', '-'):>6}{r.get('per_unit', 0.0):>11.1f}"
                      f"{r['collectives']:>12}{r['syncs']:>6}  {extra}")
     return "\n".join(lines)
