@@ -25,7 +25,9 @@ offload (``Offload(params=True, optimizer=True)``, fp32). For each row:
   to its bound; PASS at most 1. A defect (a wrong shard, a lost or doubled reduction)
   moves a parameter by the order of its update: 10-1000x past. Losses: fp32 within 1e-5
   relative, bf16 within 5e-2.
-  The timed steps below use AdamW (``--lr``, ``--wd``), as training does.
+  The timed steps below use AdamW (``--lr``, ``--wd``), as training does; shardfn's with
+  ``--on-nonfinite raise_next`` read nothing from the device (``sync`` 0: the step's check
+  of its loss moves to the next call), by default their loss and norm once.
 * timing: median ms/step (rank 0) over ``--timed-steps`` steps after ``--warmup`` steps,
   each step between ``torch.cuda.synchronize()`` and a host barrier of the ranks; MFU =
   6 x parameters x tokens per step per rank / step seconds / peak FLOP/s (per rank: in the
@@ -379,16 +381,17 @@ def shardfn_row(ctx: Ctx, strategy: str, variant: str, eq_batches: list, timed: 
     precision = sf.Precision(param=torch.bfloat16, reduce=torch.float32) if variant == "bf16" else None
     offload = sf.Offload(params=True, optimizer=True) if variant == "offload" else None
 
-    def make_step(opt: Any) -> Callable:
+    def make_step(opt: Any, on_nonfinite: str | None = None) -> Callable:
         params, apply = sf.functionalize(build_model(ctx))
         tree = {"sharded": sf.shard(params, mesh, strategy, precision=precision, offload=offload)}
         del params
         tree["opt"] = opt.init(tree["sharded"])
-        jstep = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt)
+        jstep = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt,
+                            on_nonfinite=on_nonfinite)
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        def step(x: torch.Tensor, y: torch.Tensor) -> float | torch.Tensor:
             tree["sharded"], tree["opt"], metrics = jstep(tree["sharded"], tree["opt"], (x, y))
-            return metrics["loss"]
+            return metrics["loss"]  # (a device tensor with on_nonfinite="raise_next")
 
         step.tree = tree
         step.units = len(tree["sharded"].layout.units)
@@ -399,7 +402,7 @@ def shardfn_row(ctx: Ctx, strategy: str, variant: str, eq_batches: list, timed: 
     full = sf.gather(step.tree["sharded"], rank0_only=True, device="cpu")
     result = compare(losses, full, ref, variant, ctx) if ctx.rank == 0 else {}
     del full, step
-    step = make_step(sf.optim.adamw(ctx.opts["lr"], weight_decay=ctx.opts["wd"]))
+    step = make_step(sf.optim.adamw(ctx.opts["lr"], weight_decay=ctx.opts["wd"]), ctx.opts["on_nonfinite"])
     return {**result, **time_steps(step, to_device(timed, mesh.device), ctx, step.units)}
 
 
@@ -762,6 +765,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s for MFU, every row (default: by device name)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one world's run may take once started")
     p.add_argument("--worlds", default="1,2", help="the world sizes to run (1, 2 or both: 1,2)")
+    p.add_argument("--on-nonfinite", choices=("raise", "raise_next"), default="raise",
+                   help="jit_step's on_nonfinite for shardfn's timed steps: raise_next reads nothing from the device "
+                        "(no synchronisation in the step; the sync column shows it)")
     args = p.parse_args()
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
@@ -793,7 +799,8 @@ def main() -> int:
     print(f"shardfn {sf.__version__}; GPT vocab {args.vocab}, seq {args.seq}, d_model "
           f"{args.d_model}, {args.layers} layers, {args.heads} heads; batch {args.batch} per rank; {args.steps} "
           f"compared steps (SGD lr {args.eq_lr:g}, momentum {EQ_MOMENTUM:g}), {args.warmup} warm-up + "
-          f"{args.timed_steps} timed steps (AdamW lr {args.lr:g}, weight decay {args.wd:g})", flush=True)
+          f"{args.timed_steps} timed steps (AdamW lr {args.lr:g}, weight decay {args.wd:g}; shardfn's with "
+          f"on_nonfinite={args.on_nonfinite!r})", flush=True)
     outcomes = [run_world(world, opts) for world in args.worlds]
     info = next((o.info for o in outcomes if o.info), {})
     peaks, peak_source = peaks_for(info.get("device", "?"), args.peak_tflops) if args.device == "cuda" else (

@@ -48,12 +48,14 @@ def test_the_verdict_fails_a_defect_and_passes_rounding():
 
 @pytest.mark.slow
 def test_the_cpu_run_passes_for_shardfn_and_its_peers():
+    # (the timed steps as a run that never waits for the device: [Note: a step that does not wait])
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--steps", "2", "--warmup",
-           "0", "--timed-steps", "1"]
+           "0", "--timed-steps", "1", "--on-nonfinite", "raise_next"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.startswith(f"torch {torch.__version__}, CUDA ")
+    assert "shardfn's with on_nonfinite='raise_next'" in proc.stdout
     assert "PASS: 18 of 18 equivalence rows passed, their peers 18 of 18" in proc.stdout, proc.stdout[-3000:]
     # every shardfn row and every peer, both worlds, with its ratio to the bound
     rows = re.findall(r"^\s+[12]\s+(FULL_SHARD|SHARD_GRAD_OP|NO_SHARD)\s+\w+\s+PASS\s+\S+\s+(\S+)\s+.*\s+PASS\s+(\S+)",
