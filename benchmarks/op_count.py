@@ -91,7 +91,7 @@ def shardfn_ops(model_name: str, dtype: str, strategy: str, on_nonfinite: str | 
     batch = _batch(cfg, rows)
     for _ in range(2):
         sharded, state, _ = step(sharded, state, batch)
-    late = [step._late.values] if step._late is not None else []
+    late = [sharded._verdict.values] if sharded._verdict is not None else []
     with count_ops() as c:
         sharded, state, _ = step(sharded, state, batch)
     return {"ops": c.total, "collectives": sum(c.collectives.values()),

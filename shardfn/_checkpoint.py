@@ -57,6 +57,7 @@ from ._compat import written_files
 from ._export import write_config
 from ._pieces import LoadPlanner, Pieces, SavePlanner
 from ._sharded import ShardedParams
+from ._verdict import check_verdict
 from .optim._protocol import param_leaves
 
 __all__ = ["latest", "load", "save"]
@@ -239,6 +240,7 @@ def save(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None,
         json.dumps(values)
     except TypeError as e:
         raise TypeError(f"checkpoint.save: extra values must be tensors or JSON-serialisable ({e}).") from None
+    check_verdict(sharded, "checkpoint.save(path, sharded, ...)")  # the same on every rank: nothing written
     with G.guarded(sharded.mesh):  # an error on one rank reaches the others at the next barrier
         _save(os.fspath(path), sharded, opt_state, values, tensors)
 
@@ -413,6 +415,7 @@ def _load(path: str, sharded: ShardedParams, opt_state: Any) -> tuple[ShardedPar
     extra = dict(meta["extra"])
     if extra_tensors:
         extra.update(_load_extra_tensors(path, list(extra_tensors), sharded))
+    sharded._verdict = None  # its values are the checkpoint's now (shardfn._verdict)
     return sharded, opt_state, extra
 
 

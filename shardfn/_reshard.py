@@ -100,6 +100,7 @@ def reshard(
         params[n].requires_grad_(leaf.requires_grad)
     buffers = {n: sharded[n].detach().clone() for n in layout.buffers}
     new = ShardedParams({**params, **buffers}, layout, mesh, sharded.module)
+    new._verdict = sharded._verdict  # the same values: a step's unread verdict on them too (shardfn._verdict)
     return new, _move_state(opt_state, old, old_mesh, layout, mesh)
 
 

@@ -49,7 +49,7 @@ class ShardedParams(TensorTree):
         >>> print(sharded.layout)                          # units, bytes per rank, collectives
     """
 
-    __slots__ = ("layout", "mesh", "module", "_replicas")
+    __slots__ = ("layout", "mesh", "module", "_replicas", "_verdict")
 
     def __init__(self, data: Mapping[str, torch.Tensor], layout: Layout, mesh: Mesh, module: nn.Module | None = None,
                  replicas: Mapping[int, Any] | None = None):
@@ -61,6 +61,9 @@ class ShardedParams(TensorTree):
         # SHARD_OPTIMIZER's gathered units ([Note: replicated parameters]), set when the tree is
         # made (a step returns a new tree with them), never changed afterwards
         self._replicas: dict[int, Any] | None = dict(replicas) if replicas else None
+        # the unread verdict of the step that made these values, with on_nonfinite="raise_next"
+        # ([Note: a step that does not wait] in shardfn._verdict)
+        self._verdict = None
 
     @property
     def replicas(self) -> Mapping[int, Any] | None:
@@ -70,7 +73,9 @@ class ShardedParams(TensorTree):
     def replace(self, values: Mapping[str, torch.Tensor]) -> "ShardedParams":
         """A new tree with the same layout, some leaves replaced (and SHARD_OPTIMIZER's replica,
         still valid for the leaves that are the same: see shardfn._replica)."""
-        return ShardedParams({**self._data, **values}, self.layout, self.mesh, self.module, self._replicas)
+        new = ShardedParams({**self._data, **values}, self.layout, self.mesh, self.module, self._replicas)
+        new._verdict = self._verdict
+        return new
 
     def _donate_replicas(self) -> dict[int, Any]:
         """Hands this donated tree's replica over, leaving it none (see shardfn._replica.refresh)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ from ._replica import refresh
 from ._precision import DynamicLossScale, LossScaleState
 from ._runtime import Accumulate, current
 from ._sharded import ShardedParams, unit_views
+from ._verdict import Verdict, check_verdict
 from .optim import GradientTransformation, apply_updates, apply_updates_, hyperparams
 from .optim._protocol import param_leaves
 
@@ -41,53 +41,6 @@ _NONFINITE = (
 )
 
 
-_NONFINITE_BEFORE = (
-    "[rank {rank}] step: the previous call of this step had a global loss ({loss}) or gradient norm ({norm}) that "
-    "is not finite, and its update is in the parameters and optimizer state it returned: with "
-    "jit_step(..., on_nonfinite=\"raise_next\") a step does not wait to read them, so the next call tells; this call "
-    "changed nothing. Restore the state from a checkpoint and find the cause (a bad batch, a learning rate too high, "
-    "fp16 overflow: jit_step(loss_scale=...)), or leave on_nonfinite out (\"raise\"): it checks before updating, "
-    "for one synchronisation with the device per step."
-)
-
-# [Note: a step that does not wait]
-# On a GPU the host runs ahead of the device: it queues a step's kernels and goes on to the
-# next step while they run. Reading a value of the device (.item(), .tolist(), bool(t))
-# stops it until the device has caught up, and the device then idles while the host
-# queues what follows. A step that checks its loss and gradient norm before the in-place
-# update ("raise" and "skip") must read them there: one such read per step. With
-# on_nonfinite="raise_next" the step reads nothing: metrics["loss"] and ["grad_norm"] stay
-# 0-d tensors on the device until the user reads them, the update runs whatever they are,
-# and the two values go to the host by a copy that does not wait (pinned memory and an
-# event on CUDA). The next call reads them there after its own backward, by which time the
-# device is long past them, and raises on every rank (the values came out of an
-# all-reduce) before it changes anything. Nor is a Mean loss's count read: a count of zero
-# makes the values non-finite, a negative one is made NaN on the device, and the next call
-# reports either. What still reads the device in such a step: with sync_buffers, a model
-# with floating-point buffers (BatchNorm's running statistics) reads which of them its
-# forward changed (without such buffers, or with sync_buffers=False, nothing is read).
-
-
-class _Late:
-    """A step's loss and gradient norm on their way to the host without a wait (see the note)."""
-
-    def __init__(self, loss: torch.Tensor, norm: torch.Tensor) -> None:
-        values = torch.stack([loss.detach().float(), norm.detach().float()])
-        self.event = None
-        if values.is_cuda:
-            self.values = torch.empty(2, dtype=torch.float32, pin_memory=True)
-            self.values.copy_(values, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.values = values
-
-    def read(self) -> list[float]:
-        if self.event is not None:
-            self.event.synchronize()  # done already, unless the device is a whole step behind
-        return self.values.tolist()
-
-
 class Step:
     """``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``; see :func:`jit_step`.
 
@@ -99,7 +52,6 @@ class Step:
                  loss_scale: DynamicLossScale | None, on_nonfinite: str = "raise"):
         self.grad = grad
         self.on_nonfinite = on_nonfinite  # "raise", "skip" or "raise_next" (see jit_step)
-        self._late: _Late | None = None  # the last call's values, with "raise_next"
         self.mesh = grad.mesh
         self.optimizer = optimizer
         self.donate = donate
@@ -132,8 +84,12 @@ class Step:
                 skip = not is_fake(norm) and not bool(torch.isfinite(norm))
                 metrics.update(loss_scale=scale, skipped=skip)
                 opt_state = LossScaleState(inner, *self.loss_scale.next(opt_state, not skip))
-            elif self.on_nonfinite == "raise_next":
-                self._check_the_last_call(buffers)
+            elif self.on_nonfinite == "raise_next":  # [Note: a step that does not wait]
+                try:
+                    check_verdict(sharded, "step")
+                except FloatingPointError:
+                    buffers.restore()
+                    raise
             elif "nonfinite" in metrics:  # the same on every rank (see Grad._nonfinite_ranks)
                 if self.on_nonfinite == "raise":
                     buffers.restore()
@@ -149,23 +105,12 @@ class Step:
             else:
                 with torch.profiler.record_function("shardfn::optimizer"):
                     new, inner = self._update(self, sharded, grads, inner, buffers)
-            if self.on_nonfinite == "raise_next" and not is_fake(metrics["loss"]):
-                self._late = _Late(metrics["loss"], metrics["grad_norm"])
             if sharded.layout.strategy is Strategy.SHARD_OPTIMIZER:  # [Note: replicated parameters]
                 new = refresh(new, current().observers, donated=self.donate)
+            if self.on_nonfinite == "raise_next" and not is_fake(metrics["loss"]):
+                new._verdict = Verdict(metrics["loss"], metrics["grad_norm"])
         opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner
         return new, opt_state, metrics
-
-    def _check_the_last_call(self, buffers: StepBuffers) -> None:
-        """With ``on_nonfinite="raise_next"``: raises if the last call's loss or gradient
-        norm was not finite, before this call changes anything (see the note)."""
-        late, self._late = self._late, None
-        if late is None:
-            return
-        loss, norm = late.read()
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            buffers.restore()
-            raise FloatingPointError(_NONFINITE_BEFORE.format(rank=self.mesh.rank, loss=loss, norm=norm))
 
     # -- the update: one of three paths, chosen when the step is built -----------------------
 
@@ -387,10 +332,11 @@ def jit_step(
             (``False`` otherwise). The decision rides on the metrics all-reduce; both read
             the loss and norm from the device before updating: one synchronisation per
             step. ``"raise_next"``: read nothing, update whatever the values, and raise
-            ``FloatingPointError`` on every rank at the next call (before it changes
-            anything) if they were not finite: the step never waits for the device, and
+            ``FloatingPointError`` on every rank at the next step on the shards it returns
+            (or their ``checkpoint.save``), before that changes or writes anything, if
+            they were not finite: the step never waits for the device, and
             ``metrics["loss"]`` and ``["grad_norm"]`` are 0-d tensors on the mesh's device,
-            read when you read them (a bad step's update is then in the state: restore a
+            read when you read them (a bad step's update is then in the state: load a
             checkpoint; see [Note: a step that does not wait]). Replaces
             ``skip_nonfinite``.
         compile: ``True`` compiles with ``torch.compile`` (inductor) each unit module's own

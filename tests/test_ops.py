@@ -125,7 +125,7 @@ def _device_reads(on_nonfinite, mean):
     state = step.init(sharded)
     for _ in range(2):
         sharded, state, _ = step(sharded, state, _batch())
-    on_host = [state.count] + ([step._late.values] if step._late is not None else [])
+    on_host = [state.count] + ([sharded._verdict.values] if sharded._verdict is not None else [])
     with count_ops() as c:
         sharded, state, metrics = step(sharded, state, _batch())
     headers = (mesh.size, HEADER)

@@ -3,6 +3,7 @@ step is right. See shardfn._guard [Note: the schedule guard]."""
 
 import functools
 import math
+import os
 import time
 
 import pytest
@@ -363,9 +364,10 @@ def test_a_nonfinite_loss_on_one_rank(clusters, skip):
             assert "Ranks whose own loss was not finite: [1]" in out["message"] and 'on_nonfinite="skip"' in out["message"]
 
 
-def nonfinite_found_by_the_next_call():
-    """on_nonfinite="raise_next": the bad step updates (it does not wait to read its values),
-    the next call raises on every rank and changes nothing, the one after runs."""
+def nonfinite_found_by_the_next_call(directory):
+    """on_nonfinite="raise_next": the bad step updates (it does not wait to read its values);
+    the next step and checkpoint.save on its shards raise on every rank and change or write
+    nothing, until a checkpoint is loaded into them."""
     torch.manual_seed(0)
     mesh, apply, sharded = _setup(Stack())
     step = sf.jit_step(lambda apply, p, b: apply(p, b).pow(2).mean(), mesh, optimizer=adamw(1e-2),
@@ -376,6 +378,7 @@ def nonfinite_found_by_the_next_call():
     if mesh.rank == 1:
         bad[2, 3] = float("nan")
     sharded, state, first = step(sharded, state, good)
+    sf.checkpoint.save(f"{directory}/good", sharded, state)  # (reads the first step's verdict: finite)
     sharded, state, metrics = step(sharded, state, bad)
     out = {"types": [type(m["loss"]).__name__ for m in (first, metrics)], "loss": float(metrics["loss"]),
            "bad_in_state": any(t.isnan().any().item() for t in sharded.values())}
@@ -384,17 +387,23 @@ def nonfinite_found_by_the_next_call():
     now = torch.utils._pytree.tree_flatten(state)[0]
     out["unchanged"] = all(torch.equal(before[0][k].nan_to_num(), sharded[k].nan_to_num()) for k in before[0]) and all(
         torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before[1], now) if isinstance(a, torch.Tensor))
-    out["then"] = _outcome(lambda: step(sharded, state, good))["error"]  # the flag was read once
+    saving = _outcome(lambda: sf.checkpoint.save(f"{directory}/bad", sharded, state))
+    out["save"] = (saving["error"], saving["message"].split(":")[0], os.path.exists(f"{directory}/bad"))
+    out["again"] = _outcome(lambda: step(sharded, state, good))["error"]  # the shards still hold the update
+    sharded, state, _ = sf.checkpoint.load(f"{directory}/good", sharded, state)
+    sharded, state, after = step(sharded, state, good)
+    out["after_load"] = float(after["loss"])
     return out
 
 
-def test_a_nonfinite_step_is_reported_by_the_next_call_with_raise_next(clusters):
-    outs = clusters[2].run(nonfinite_found_by_the_next_call)
-    for out in outs:
+def test_a_nonfinite_step_is_reported_by_what_uses_its_shards_next_with_raise_next(clusters, tmp_path):
+    outs = clusters[2].run(nonfinite_found_by_the_next_call, str(tmp_path))
+    for rank, out in enumerate(outs):
         assert out["types"] == ["Tensor", "Tensor"] and math.isnan(out["loss"]) and out["bad_in_state"], out
-        assert out["error"] == "FloatingPointError" and out["unchanged"] and out["then"] is None, out
-        assert "the previous call of this step had a global loss (nan)" in out["message"], out
-        assert f"[rank {outs.index(out)}]" in out["message"]
+        assert out["error"] == "FloatingPointError" and out["unchanged"], out
+        assert out["message"].startswith(f"[rank {rank}] step: the last step on these shards had a global loss (nan)")
+        assert out["save"] == ("FloatingPointError", f"[rank {rank}] checkpoint.save(path, sharded, ...)", False)
+        assert out["again"] == "FloatingPointError" and math.isfinite(out["after_load"]), out
 
 
 def differently_seeded(src_rank):

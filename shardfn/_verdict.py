@@ -1,0 +1,84 @@
+"""A step's verdict on its own loss and gradient norm, read later: ``on_nonfinite="raise_next"``.
+
+[Note: a step that does not wait]
+On a GPU the host runs ahead of the device: it queues a step's kernels and goes on to the
+next step while they run. Reading a value of the device (``.item()``, ``.tolist()``,
+``bool(t)``) stops it until the device has caught up, and the device then idles while the
+host queues what follows. A step that checks its loss and gradient norm before its in-place
+update (``on_nonfinite="raise"``, the default, and ``"skip"``) must read them there: one
+such read per step.
+
+With ``on_nonfinite="raise_next"`` the step reads nothing. ``metrics["loss"]`` and
+``["grad_norm"]`` stay 0-d tensors on the device until the user reads them, the update runs
+whatever they are, and the two values leave for the host by a copy that does not wait
+(pinned memory and an event on CUDA): a :class:`Verdict`, which the step attaches to the
+shards it returns. The shards carry it until something reads it: the next step (after its
+own backward, when the device is long past those values), ``checkpoint.save`` and
+``save_pretrained``. If the values were not finite, each of them raises
+``FloatingPointError`` on every rank (the values came out of an all-reduce, so every rank
+holds the same verdict) before it changes or writes anything, and keeps raising for those
+shards: they hold the bad step's update. ``checkpoint.load`` into them replaces that
+update and the verdict with it; ``reshard`` and ``ShardedParams.replace`` pass the verdict
+on to the trees they make.
+
+Nor is a ``Mean`` loss's count read: a count of zero makes the values non-finite, a
+negative one is made NaN on the device, and the verdict reports either. What still reads
+the device in such a step: with ``sync_buffers``, a model with floating-point buffers
+(BatchNorm's running statistics) reads which of them its forward changed (without such
+buffers, or with ``sync_buffers=False``, nothing is read).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["Verdict", "check_verdict"]
+
+_NOT_FINITE = (
+    "[rank {rank}] {call}: the last step on these shards had a global loss ({loss}) or gradient norm ({norm}) that is "
+    "not finite, and its update is in them and in its optimizer state: with jit_step(..., "
+    "on_nonfinite=\"raise_next\") a step does not wait to read its values, so what uses the shards next tells. "
+    "Nothing was changed or written. Load a checkpoint from before that step (checkpoint.load(path, sharded, "
+    "opt_state) replaces the update) and find the cause (a bad batch, a learning rate too high, fp16 overflow: "
+    "jit_step(loss_scale=...)), or leave on_nonfinite out (\"raise\"): it checks before updating, for one "
+    "synchronisation with the device per step."
+)
+
+
+class Verdict:
+    """A step's global loss and gradient norm on their way to the host without a wait."""
+
+    def __init__(self, loss: torch.Tensor, norm: torch.Tensor) -> None:
+        values = torch.stack([loss.detach().float(), norm.detach().float()])
+        self.event = None
+        self.read: list[float] | None = None
+        if values.is_cuda:
+            self.values = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            self.values.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values = values
+
+    def loss_and_norm(self) -> list[float]:
+        if self.read is None:
+            if self.event is not None:
+                self.event.synchronize()  # done already, unless the device is a whole step behind
+            self.read = self.values.tolist()
+        return self.read
+
+
+def check_verdict(sharded: Any, call: str) -> None:
+    """Raises ``FloatingPointError`` if the step that made ``sharded`` had a non-finite loss
+    or gradient norm (see the note); forgets a finite verdict once read."""
+    verdict = getattr(sharded, "_verdict", None)
+    if verdict is None:
+        return
+    loss, norm = verdict.loss_and_norm()
+    if math.isfinite(loss) and math.isfinite(norm):
+        sharded._verdict = None
+        return
+    raise FloatingPointError(_NOT_FINITE.format(rank=sharded.mesh.rank, call=call, loss=loss, norm=norm))
