@@ -25,7 +25,10 @@ Nor is a ``Mean`` loss's count read: a count of zero makes the values non-finite
 negative one is made NaN on the device, and the verdict reports either. What still reads
 the device in such a step: with ``sync_buffers``, a model with floating-point buffers
 (BatchNorm's running statistics) reads which of them its forward changed (without such
-buffers, or with ``sync_buffers=False``, nothing is read).
+buffers, or with ``sync_buffers=False``, nothing is read); and an optimizer that reads
+values itself: ``adafactor`` reads each parameter's norm and update norm for its step
+sizes, as ``torch.optim.Adafactor`` does (``.item()``). ``adamw``, ``sgd``, ``muon`` and
+``clip_by_global_norm`` read nothing (their step counts are host tensors).
 """
 
 from __future__ import annotations

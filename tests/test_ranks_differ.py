@@ -406,6 +406,20 @@ def test_a_nonfinite_step_is_reported_by_what_uses_its_shards_next_with_raise_ne
         assert out["again"] == "FloatingPointError" and math.isfinite(out["after_load"]), out
 
 
+def refused_nonfinite_options():
+    mesh = sf.Mesh.from_group()
+    return [_outcome(lambda: sf.jit_step(lambda apply, p, b: apply(p, b).sum(), mesh, optimizer=adamw(1e-2), **kw))
+            for kw in ({"on_nonfinite": "sometimes"},
+                       {"on_nonfinite": "raise_next", "loss_scale": sf.DynamicLossScale()})]
+
+
+def test_what_a_nonfinite_step_does_is_one_of_three_and_a_loss_scale_skips(clusters):
+    unknown, with_scale = clusters[1].run(refused_nonfinite_options)[0]
+    assert unknown["error"] == "ValueError" and '"raise", "skip" or "raise_next"' in unknown["message"], unknown
+    assert with_scale["error"] == "ValueError" and "on_nonfinite='raise_next'" in with_scale["message"]
+    assert "leave on_nonfinite out" in with_scale["message"]
+
+
 def differently_seeded(src_rank):
     mesh = sf.Mesh.from_group()
     torch.manual_seed(mesh.rank)  # a per-rank seed: each rank builds other weights
