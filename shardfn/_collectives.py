@@ -25,7 +25,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from . import _guard as G
 from ._compat import all_gather_single, reduce_scatter_single
-from ._events import Collective, CollectiveCall, Purpose, emit, label, observers
+from ._events import Collective, CollectiveCall, Purpose, emit, label, marker, observers
 
 __all__ = [
     "AVG", "MAX", "MIN", "SUM", "all_gather", "all_gather_mesh", "all_reduce", "all_reduce_mesh", "barrier",
@@ -52,7 +52,7 @@ def _record(kind: Collective, ch: G.Channel, t: torch.Tensor, purpose: Purpose, 
 
 
 def _range(kind: Collective, purpose: Purpose, unit: str):
-    return torch.profiler.record_function(f"shardfn::{kind.value}[{label(purpose, unit)}]")
+    return marker(lambda: f"shardfn::{kind.value}[{label(purpose, unit)}]")
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose: Purpose, unit: str = "",

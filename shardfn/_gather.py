@@ -88,7 +88,7 @@ import torch
 import torch.nn as nn
 
 from . import _collectives as C
-from ._events import Purpose, ResidencyEvent, UnitEvent, emit
+from ._events import Purpose, ResidencyEvent, UnitEvent, emit, marker
 from ._layout import Layout, UnitLayout
 from ._offload import copy_stream, join_stream, pack_shards, to_device
 from ._packing import shard_buffer, unpack_unit
@@ -395,7 +395,7 @@ class Unit:
         saved-tensor hooks to run the module under (None for none)."""
         outputs = self.outputs
         invariant(outputs is not None, f"unit {self.unit.name!r} entered without gathered parameters")
-        range_ = torch.profiler.record_function(f"shardfn::forward[{self.unit.name}]")
+        range_ = marker(lambda: f"shardfn::forward[{self.unit.name}]")
         range_.__enter__()
         self.entry = _Entry([sub._parameters[attr] for sub, attr, _ in self.slots], handles, range_)
         for sub, attr, i in self.slots:
@@ -426,7 +426,8 @@ class Unit:
         if self.state is not State.GATHERED:
             self._gather(Purpose.REGATHER)
             self._prefetch_next(forward=False)
-        view = self.full[handle.index].detach().as_strided(handle.size, handle.stride, handle.offset)
+        # (the gathered parameters were made without autograd: no detach needed for a fresh view)
+        view = self.full[handle.index].as_strided(handle.size, handle.stride, handle.offset)
         self.handles -= 1
         handle.use.pending -= 1
         # the node that reads it holds the view until it is done

@@ -189,10 +189,12 @@ class Layout:
 
     def shard_shape(self, name: str, rank: int) -> tuple[int, ...]:
         """The shape of parameter ``name``'s shard on shard rank ``rank`` (see [Note: placements])."""
-        leaf = self.leaves[name]
-        if not leaf.flat:
-            return leaf.shard_shape
-        return (leaf.piece(rank, self.units[leaf.unit].numel)[1],)
+        got = self._memo.get((name, rank))
+        if got is None:
+            leaf = self.leaves[name]
+            got = leaf.shard_shape if not leaf.flat else (leaf.piece(rank, self.units[leaf.unit].numel)[1],)
+            self._memo[(name, rank)] = got
+        return got
 
     def local_shard(self, name: str, full: torch.Tensor, rank: int, device: torch.device) -> torch.Tensor:
         """Shard rank ``rank``'s shard of parameter ``name`` from its full value, a new tensor on ``device``."""
@@ -205,9 +207,19 @@ class Layout:
         leaf = self.leaves[name]
         return leaf.piece(rank, self.units[leaf.unit].numel)
 
-    def offsets(self, unit: UnitLayout, rank: int) -> list[int]:
+    def offsets(self, unit: UnitLayout, rank: int) -> tuple[int, ...]:
         """Where each of ``unit``'s leaves' shards starts in ``rank``'s shard buffer, in unit order."""
-        return [self.leaves[n].piece(rank, unit.numel)[0] for n in unit.leaves]
+        got = self._memo.get((unit.index, rank))
+        if got is None:
+            got = self._memo[(unit.index, rank)] = tuple(self.leaves[n].piece(rank, unit.numel)[0] for n in unit.leaves)
+        return got
+
+    @functools.cached_property
+    def _memo(self) -> dict[tuple[Any, int], tuple[int, ...]]:
+        """What :meth:`shard_shape` (by leaf name and rank) and :meth:`offsets` (by unit index
+        and rank) computed: a step asks for them once per leaf or unit and gather, and a
+        layout never changes."""
+        return {}
 
     def unit_of(self, path: str) -> UnitLayout:
         return self.units[self.leaves[path].unit]

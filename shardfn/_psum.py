@@ -128,7 +128,7 @@ def psum(t: torch.Tensor) -> torch.Tensor:
 def sum_of_squares(tree: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """This rank's partial sum of squares of a tree of shards, in fp32: one foreach norm
     for all of them (a kernel per op, not per leaf), as ``clip_grad_norm_`` computes it."""
-    leaves = [t.detach() for t in tree.values() if t is not None]
+    leaves = [t.detach() if t.requires_grad else t for t in tree.values() if t is not None]
     if not leaves:
         return torch.zeros(())
     return torch.stack(torch._foreach_norm(leaves, 2, dtype=torch.float32)).square().sum()

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from . import _collectives as C
-from ._events import Purpose
+from ._events import Purpose, marker
 from ._offload import to_host
 from ._packing import pack_unit
 from ._runtime import RunningUnit
@@ -105,7 +105,7 @@ class UnitGrads:
         none inside one (the runtime collects the unit's one reduction).
         """
         unit = self.unit
-        with torch.profiler.record_function(f"shardfn::backward_reduce[{unit.name}]"):
+        with marker(lambda: f"shardfn::backward_reduce[{unit.name}]"):
             self.nodes = max(0, self.nodes - 1)
             if not self.store:
                 self.acc = None
@@ -195,7 +195,7 @@ class UnitGrads:
             if g is None:
                 g = torch.zeros(shape, dtype=u.dtype, device=device)
             else:
-                g = g.detach().to(u.reduce_dtype).to(u.dtype)
+                g = (g.detach() if g.requires_grad else g).to(u.reduce_dtype).to(u.dtype)
                 if acc[j] is None and (not g.is_contiguous() or id(g.untyped_storage()) in owned):
                     g = g.clone(memory_format=torch.contiguous_format)
             if acc[j] is None:

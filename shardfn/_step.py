@@ -62,6 +62,7 @@ class Step:
         self._update = Step._in_place if in_place else Step._donated if donate else Step._fresh
         self._expected: tuple[Any, Any] | None = None  # (layout, what init builds: see _check_structure)
         self._accepted: Any = None  # a state structure found equal to it in another order
+        self._verified: tuple[Any, Any] | None = None  # (layout, _quick of the state) last checked
 
     def init(self, sharded: ShardedParams) -> Any:
         """The optimizer state this step takes: ``optimizer.init(sharded)``, and with
@@ -157,12 +158,15 @@ class Step:
             if not isinstance(opt_state, LossScaleState):
                 raise TypeError(_NOT_LOSS_SCALED.format(got=type(opt_state).__name__))
             opt_state = opt_state.opt_state
-        check_opt_state(opt_state, sharded)
-        self._check_structure(full, sharded)
+        quick = _quick(full)
+        if self._verified is None or self._verified[0] is not sharded.layout or self._verified[1] != quick:
+            check_opt_state(opt_state, sharded)  # (names and shapes only: once per state structure)
+            self._check_structure(full, sharded, quick)
+            self._verified = (sharded.layout, quick)
         if sharded.layout.offloaded:  # built from host shards, so in host memory: say so ([Note: live bytes])
             mark_host_trees([opt_state])
 
-    def _check_structure(self, opt_state: Any, sharded: ShardedParams) -> None:
+    def _check_structure(self, opt_state: Any, sharded: ShardedParams, quick: Any) -> None:
         """The optimizer state must be what ``step.init`` builds for these shards (keys,
         tensor shapes and dtypes), checked before the step: a state the optimizer would
         refuse only in its update, after the step's collectives, would fail on one rank
@@ -176,7 +180,6 @@ class Step:
             except Exception:  # noqa: BLE001 - an optimizer that cannot build on meta tensors: unchecked
                 expected = None
             self._expected = (sharded.layout, expected)
-        quick = _quick(opt_state)
         if self._expected[1] is None or quick == self._expected[1][0] or quick == self._accepted:
             return
         expected, got = _signature(self._expected[1][1]), _signature(opt_state)
