@@ -72,13 +72,21 @@ def test_prediction_agrees_with_a_real_run(clusters, name):
     assert (report.host_bytes, report.transfers) == (host, transfers)
     if host:  # offloaded: the device holds none of the state between steps
         assert persistent == 0 and abs(report.host_peak_bytes - host_peak) <= 0.10 * host_peak
-    assert abs(report.peak_bytes - peak) <= 0.10 * peak, (report.peak_bytes, peak)
+    # Up to a race explain cannot see (below): gloo's worker thread may still hold a finished
+    # collective's buffer when the peak falls, which can only raise the real peak, by at most
+    # the largest bucket's buffer (seen once in CI: +723,740 B, SHARD_GRAD_OP's buckets of all
+    # units being 796,704 B gathered and 838,176 B reduced).
+    late = max(sum(getattr(u, size) for u in report.units if getattr(u, kind) == b)
+               for kind, size in (("gather_bucket", "gather_bytes"), ("bucket", "reduce_bytes"))
+               for b in {getattr(u, kind) for u in report.units})
+    assert -0.10 * peak <= peak - report.peak_bytes <= 0.10 * peak + late, (report.peak_bytes, peak, late)
     assert {k: c for k, (c, _) in report.collectives.items()} == counts
     assert {k: b for k, (_, b) in report.collectives.items()} == nbytes
     # No other rank peaks higher than rank 0, up to a race explain cannot see: gloo's worker
     # thread drops its reference to a finished collective's buffer a moment after wait()
-    # returns, so on some runs one unit's gathered buffer (5% here) is still live at a peak.
-    assert all(r[1] <= 1.10 * peak for r in real), [r[1] for r in real]
+    # returns, so on some runs one unit's gathered buffer (5% here) is still live at a peak
+    # (a bucket's, since units share collectives).
+    assert all(r[1] <= 1.10 * peak + late for r in real), [r[1] for r in real]
 
 
 def test_static_figures_follow_the_layout():
