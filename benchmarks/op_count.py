@@ -29,7 +29,6 @@ import sys
 import torch
 
 import shardfn as sf
-from shardfn._guard import HEADER
 from shardfn.testing import Cluster, count_ops
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
@@ -65,15 +64,7 @@ def plain_ops(model_name: str, dtype: str) -> dict:
     with count_ops() as c:
         step()
     steps = [s["step"] for s in opt.state.values()]  # host tensors (capturable=False)
-    return {"ops": c.total, "collectives": 0, "syncs": device_reads(c, steps), "by_op": dict(c.ops)}
-
-
-def device_reads(c, on_host: list[torch.Tensor], world: int = 1) -> int:
-    """The reads of c that synchronise on a GPU: all but those of host tensors by design
-    (optimizer step counts, the last call's values that "raise_next" copies to pinned
-    memory, and the schedule guard's headers, exchanged over gloo in host memory)."""
-    return sum(1 for _, t in c.reads if not any(t is h for h in on_host)
-               and not (t.dtype == torch.int64 and tuple(t.shape) == (world, HEADER)))
+    return {"ops": c.total, "collectives": 0, "syncs": len(c.device_reads(steps)), "by_op": dict(c.ops)}
 
 
 def shardfn_ops(model_name: str, dtype: str, strategy: str, on_nonfinite: str | None = None) -> dict:
@@ -95,7 +86,7 @@ def shardfn_ops(model_name: str, dtype: str, strategy: str, on_nonfinite: str | 
     with count_ops() as c:
         sharded, state, _ = step(sharded, state, batch)
     return {"ops": c.total, "collectives": sum(c.collectives.values()),
-            "syncs": device_reads(c, [state.count, *late], mesh.size), "by_op": dict(c.ops),
+            "syncs": len(c.device_reads([state.count, *late], mesh.size)), "by_op": dict(c.ops),
             "units": len(sharded.layout.units), "leaves": len(sharded.layout.leaves)}
 
 

@@ -56,13 +56,12 @@ def _flat_views(flat: torch.Tensor, leaves: Sequence[LeafLayout]) -> list[torch.
     """A flat unit's leaves as views of its global buffer: one split of the buffer (gaps
     and the padding its own pieces), then a reshape of the leaves that are not 1-D; on a
     GPU, as on a CPU, the host's cost per gather is what this saves (each view is a call)."""
-    sizes, leaf_at, at = [], [], 0
-    for leaf in leaves:
-        if leaf.start < at:  # not in buffer order: one leaf at a time
-            return [flat[leaf.start : leaf.start + leaf.numel].view(leaf.shape) for leaf in leaves]
+    sizes, leaf_at, at = [], [0] * len(leaves), 0
+    for i in sorted(range(len(leaves)), key=lambda i: leaves[i].start):  # (a whole unit's are not in unit order)
+        leaf = leaves[i]
         if leaf.start > at:
             sizes.append(leaf.start - at)
-        leaf_at.append(len(sizes))
+        leaf_at[i] = len(sizes)
         sizes.append(leaf.numel)
         at = leaf.start + leaf.numel
     if flat.numel() > at:

@@ -77,7 +77,7 @@ class Verdict:
 def check_verdict(sharded: Any, call: str) -> None:
     """Raises ``FloatingPointError`` if the step that made ``sharded`` had a non-finite loss
     or gradient norm (see the note); forgets a finite verdict once read."""
-    verdict = getattr(sharded, "_verdict", None)
+    verdict = sharded._verdict
     if verdict is None:
         return
     loss, norm = verdict.loss_and_norm()

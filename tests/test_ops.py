@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 
 import shardfn as sf
-from shardfn._guard import HEADER
 from shardfn.testing import count_ops
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
@@ -128,9 +127,7 @@ def _device_reads(on_nonfinite, mean):
     on_host = [state.count] + ([sharded._verdict.values] if sharded._verdict is not None else [])
     with count_ops() as c:
         sharded, state, metrics = step(sharded, state, _batch())
-    headers = (mesh.size, HEADER)
-    reads = [(how, str(t.dtype), tuple(t.shape)) for how, t in c.reads
-             if not any(t is h for h in on_host) and not (t.dtype == torch.int64 and tuple(t.shape) == headers)]
+    reads = [(how, str(t.dtype), tuple(t.shape)) for how, t in c.device_reads(on_host, mesh.size)]
     return reads, type(metrics["loss"]).__name__, len(c.reads)
 
 

@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._guard import HEADER
 
 __all__ = ["OpCount", "count_ops"]
 
@@ -55,6 +58,15 @@ class OpCount:
     def syncs(self) -> int:
         """How many reads there were (on a GPU, each of a tensor on the device synchronises)."""
         return len(self.reads)
+
+    def device_reads(self, host: Sequence[torch.Tensor] = (), world: int = 1) -> list[tuple[str, torch.Tensor]]:
+        """The reads that synchronise on a GPU: all but those of the tensors in ``host``
+        (host tensors by design: an optimizer's step counts, a raise_next step's pinned
+        verdict) and of shardfn's schedule-guard headers at this ``world``, which travel over
+        gloo in host memory on any device."""
+        headers = (world, HEADER)
+        return [(how, t) for how, t in self.reads if not any(t is h for h in host)
+                and not (t.dtype == torch.int64 and tuple(t.shape) == headers)]
 
     @property
     def total(self) -> int:
