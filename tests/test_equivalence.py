@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardfn as sf
-from shardfn.optim import adamw, sgd
+from bounds import ADAMW, SGD_MOMENTUM
 from shardfn.testing import check_equivalence, reference_training
 from shardfn.testing.models import GPT, MLP, GPTConfig, Layer, lm_loss
 
@@ -48,10 +48,8 @@ def gpt_batches(steps=STEPS, seed=2):
     return [{"x": torch.randint(0, 29, shape, generator=g), "y": torch.randint(0, 29, shape, generator=g)} for _ in range(steps)]
 
 
-OPTIMIZERS = {
-    "sgd_momentum": functools.partial(sgd, 0.05, momentum=0.9),
-    "adamw": functools.partial(adamw, 1e-3, weight_decay=0.01),
-}
+# Their tolerances, on any CPU: tests/bounds.py ([Note: tolerances after training]).
+OPTIMIZERS = {"sgd_momentum": SGD_MOMENTUM, "adamw": ADAMW}
 MODELS = {"mlp": (mlp_model, mlp_loss, mlp_batches), "gpt": (gpt_model, gpt_loss, gpt_batches)}
 
 
@@ -76,7 +74,7 @@ def test_functional_reference_is_plain_torch_training(model_name, opt_name):
     torch.manual_seed(0)
     model = model_fn()
     if opt_name == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, weight_decay=0.01)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     torch_losses = []
@@ -131,7 +129,7 @@ class _UserSGD:
 
 USER_OPTIMIZERS = {
     "user_written": _UserSGD,
-    "torch_adam": functools.partial(sf.optim.from_torch, torch.optim.Adam, lr=1e-3),
+    "torch_adam": functools.partial(sf.optim.from_torch, torch.optim.Adam, lr=1e-3, eps=1e-3),  # tests/bounds.py
     "torch_sgd_nesterov": functools.partial(sf.optim.from_torch, torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True),
 }
 

@@ -8,11 +8,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardfn as sf
-from shardfn.optim import adamw
+from bounds import ADAMW  # as the other GPT equivalence tests; its tolerance: tests/bounds.py
 from shardfn.testing import check_equivalence, reference_training, split_batch
 from test_equivalence import GPT_CFG, STRATEGIES, gpt_model
 
-ADAMW = functools.partial(adamw, 1e-3)  # as the other GPT equivalence tests
 ROWS = 12
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import shardfn as sf
+from bounds import ADAMW  # the equivalence tests' AdamW: tests/bounds.py
 from shardfn.optim import adamw
 from shardfn.testing import check_equivalence, split_batch
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
@@ -98,7 +99,7 @@ def test_reshard_after_forward_per_unit_in_the_plan(clusters, strategy, rule, on
 
 def test_per_unit_reshard_equals_one_device(clusters):
     check_equivalence(
-        gpt_model, gpt_loss, gpt_batches(), optimizer=functools.partial(adamw, 1e-3),
+        gpt_model, gpt_loss, gpt_batches(), optimizer=ADAMW,
         strategies=[sf.Plan("FULL_SHARD", reshard_after_forward={"blocks.3": False, "blocks.1": False}),
                     sf.Plan("SHARD_GRAD_OP", reshard_after_forward={"blocks.0": True})],
         world_sizes=[2], clusters=clusters)
@@ -129,7 +130,7 @@ def test_reshard_to_a_subgroup_keeps_backward_gathers_inside_it(clusters):
 
 def test_reshard_to_a_subgroup_equals_one_device(clusters):
     check_equivalence(
-        gpt_model, gpt_loss, gpt_batches(), optimizer=functools.partial(adamw, 1e-3),
+        gpt_model, gpt_loss, gpt_batches(), optimizer=ADAMW,
         strategies=[sf.Plan("FULL_SHARD", reshard_after_forward=2),
                     sf.Plan("FULL_SHARD", reshard_after_forward={"blocks.0": 2, "blocks.2": False},
                             remat=sf.Remat())],
@@ -180,7 +181,7 @@ def test_keep_gathered_gathers_each_unit_once_per_step(clusters, accumulate):
 
 def test_keep_gathered_equals_one_device(clusters):
     check_equivalence(
-        gpt_model, gpt_loss, gpt_batches(), optimizer=functools.partial(adamw, 1e-3),
+        gpt_model, gpt_loss, gpt_batches(), optimizer=ADAMW,
         strategies=["FULL_SHARD", "SHARD_GRAD_OP"], world_sizes=[2], clusters=clusters,
         step_options={"micro_batches": 3, "keep_gathered": True, "accumulate": "local"})
 
@@ -253,7 +254,7 @@ def test_shard_optimizer_is_zero1_one_reduce_scatter_then_one_all_gather_per_uni
 def test_shard_optimizer_equals_one_device(clusters):
     for world in (2, 3):
         check_equivalence(
-            gpt_model, gpt_loss, gpt_batches(), optimizer=functools.partial(adamw, 1e-3, weight_decay=0.01),
+            gpt_model, gpt_loss, gpt_batches(), optimizer=ADAMW,
             strategies=["SHARD_OPTIMIZER", sf.Plan("SHARD_OPTIMIZER", offload=sf.Offload(params=True, optimizer=True))],
             world_sizes=[world], clusters=clusters, step_options={"micro_batches": 2})
 

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardfn as sf
 from shardfn._memory import is_marked_host
+from bounds import ADAMW  # the equivalence tests' AdamW: tests/bounds.py
 from shardfn.optim import adamw, sgd
 from shardfn.testing import check_equivalence, split_batch
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
@@ -45,7 +46,7 @@ def gpt_batches(steps=3, seed=2):
 ])
 def test_offloaded_training_equals_one_device(clusters, world, strategies):
     report = check_equivalence(
-        gpt_model, gpt_loss, gpt_batches(), optimizer=functools.partial(adamw, 1e-3, weight_decay=0.01),
+        gpt_model, gpt_loss, gpt_batches(), optimizer=ADAMW,
         strategies=[sf.Plan(s, offload=OFF) for s in strategies], world_sizes=[world], clusters=clusters,
     )
     assert len(report.leaves) == len(strategies)

@@ -14,11 +14,21 @@ from torch import nn
 
 import shardfn as sf
 import shardfn.testing
-from shardfn.optim import adamw
+from shardfn.optim import adamw, sgd
 from shardfn.testing import check_equivalence
 from shardfn.testing.models import MoE
 
-ADAMW = functools.partial(adamw, 1e-2)
+# Equivalence with one device on the global batch (issue 38): the reference sums each
+# gradient over all rows in one kernel, a rank over its slice (another blocking), then the
+# ranks' sums in rank order, so the two gradients differ by roundings of the same terms in
+# another order. SGD's update is linear in the gradient: k steps move a parameter by
+# lr * sum_t sum_{j<=t} momentum^(t-j) |dg_j| at most (0.28 max |dg| after 3 steps, 0.89 after
+# 6). Here |g| <= 0.37 and the slices' gradients differ from the whole batch's by at most
+# 4.5e-8 (two ulps; the same on the AVX-512 and AVX2 kernel paths): 4e-8, 25x inside the tests'
+# atol 1e-6. AdamW divides by sqrt(v): an expert's gradient that cancels to near zero is
+# scale-free there, so its rounding became a step of 4.3e-6 on an AMD EPYC's kernels (2.2x
+# the tolerance) under every strategy, NO_SHARD included: a claim about the CPU, not the shards.
+SGD_MOMENTUM = functools.partial(sgd, 0.05, momentum=0.9)
 EXPERTS = [f"blocks.{b}.experts.{e}" for b in range(2) for e in range(4)]
 
 
@@ -214,7 +224,7 @@ def test_moe_default_units_are_the_blocks_and_train_exactly(clusters):
     assert sf.Plan().units.resolve(params.module, list(params)) == ["blocks.0", "blocks.1"]
     # Ranks choose different experts (their tokens differ); inside one unit, the unused
     # experts' gradients are zero in the unit's one reduce-scatter.
-    report = check_equivalence(moe_model, mse, moe_batches(), optimizer=ADAMW,
+    report = check_equivalence(moe_model, mse, moe_batches(), optimizer=SGD_MOMENTUM,
                                strategies=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], world_sizes=[2, 3],
                                clusters=clusters)
     assert report.failures() == []
@@ -483,7 +493,7 @@ def moe_optional_training(strategy, steps):
     params, apply = sf.functionalize(model)
     sharded = sf.shard(params, mesh, strategy, optional=EXPERTS)
     assert [u.path for u in sharded.layout.units if u.optional] == EXPERTS
-    opt = ADAMW()
+    opt = SGD_MOMENTUM()
     state = opt.init(sharded)
     step = sf.jit_step(mse, mesh, optimizer=opt)
     for batch in moe_batches(steps, rows=6):
@@ -495,7 +505,7 @@ def moe_optional_training(strategy, steps):
 def test_optional_units_train_exactly_when_ranks_skip_them(clusters):
     from shardfn.testing import reference_training
 
-    _, expected = reference_training(moe_model, mse, moe_batches(6, rows=6), ADAMW)
+    _, expected = reference_training(moe_model, mse, moe_batches(6, rows=6), SGD_MOMENTUM)
     for world in (2, 3):
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
             outs = clusters[world].run(moe_optional_training, strategy, 6)
