@@ -75,3 +75,23 @@ def test_split_batch_partitions_and_refuses_uneven():
     assert all(p["meta"] == "kept" for p in parts)
     with pytest.raises(ValueError, match="6 rows does not split evenly over 4 ranks"):
         split_batch(batch, 0, 4)
+
+
+def test_the_report_gives_its_margin_and_logs_it(caplog):
+    """How close a run came to its bound (issue 38): the largest |diff| / (atol + rtol |ref|) of
+    any leaf, shard or loss, and where; check_equivalence logs it for the suite's summary."""
+    from shardfn.testing import EquivalenceReport
+
+    report = EquivalenceReport(rtol=1e-5, atol=1e-6)
+    report.leaves[("FULL_SHARD", 2)] = {"a": (1e-7, 0.1), "b": (9e-7, 0.9)}
+    report.shards[("FULL_SHARD", 2)] = {(1, "a"): (5e-7, 0.5, True)}
+    report.losses[("FULL_SHARD", 2)] = [(1.0, 1.0), (2.0 + 3.15e-5, 2.0)]  # 3.15e-5 / (1e-6 + 2e-5) = 1.5
+    ratio, where = report.margin()
+    assert ratio == pytest.approx(1.5) and where == "FULL_SHARD world=2 loss at step 2"
+    assert "worst 1.50x the tolerance (FULL_SHARD world=2 loss at step 2)" in str(report)
+    report.losses.clear()
+    assert report.margin() == (0.9, "FULL_SHARD world=2 b")
+    with caplog.at_level("INFO", logger="shardfn.testing"):
+        check_equivalence(model_fn, loss_fn, batches()[:1], optimizer=OPT, strategies=["NO_SHARD"], world_sizes=[1])
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "shardfn.testing"][0].startswith(
+        "check_equivalence: worst")

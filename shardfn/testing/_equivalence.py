@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -24,6 +25,10 @@ from ._cluster import Cluster
 __all__ = ["EquivalenceReport", "check_equivalence", "full_state", "reference_training", "sharded_training", "split_batch"]
 
 LossFn = Callable[[Apply, Mapping[str, torch.Tensor], Any], torch.Tensor]
+
+# check_equivalence logs each check's margin here at INFO (the test suite prints the closest
+# ones at its end, so a bound that a passing run nearly reached shows before another CPU fails it).
+_log = logging.getLogger("shardfn.testing")
 
 
 def split_batch(batch: Any, rank: int, world: int) -> Any:
@@ -167,8 +172,25 @@ class EquivalenceReport:
                     out.append(f"{cfg[0]} world={cfg[1]}: loss at step {i + 1}: {got!r} vs reference {ref!r}")
         return out
 
+    def margin(self) -> tuple[float, str]:
+        """The largest ``|diff| / (atol + rtol * |ref|)`` over every leaf, shard and loss,
+        and where it is: how close the run came to its tolerance (1.0 is the bound)."""
+        worst = (0.0, "-")
+        for cfg, leaves in self.leaves.items():
+            for name, (_, ratio) in leaves.items():
+                worst = max(worst, (ratio, f"{cfg[0]} world={cfg[1]} {name}"))
+        for cfg, shards in self.shards.items():
+            for (rank, name), (_, ratio, _) in shards.items():
+                worst = max(worst, (ratio, f"{cfg[0]} world={cfg[1]} rank {rank}'s shard of {name}"))
+        for cfg, pairs in self.losses.items():
+            for i, (got, ref) in enumerate(pairs):
+                worst = max(worst, (abs(got - ref) / (self.atol + self.rtol * abs(ref)),
+                                    f"{cfg[0]} world={cfg[1]} loss at step {i + 1}"))
+        return worst
+
     def __str__(self) -> str:
-        lines = [f"EquivalenceReport(rtol={self.rtol}, atol={self.atol})"]
+        ratio, where = self.margin()
+        lines = [f"EquivalenceReport(rtol={self.rtol}, atol={self.atol}): worst {ratio:.2f}x the tolerance ({where})"]
         for cfg, leaves in self.leaves.items():
             worst = max(leaves.items(), key=lambda kv: kv[1][1]) if leaves else ("-", (0.0, 0.0))
             loss_diff = max((abs(a - b) for a, b in self.losses[cfg]), default=0.0)
@@ -289,6 +311,10 @@ def check_equivalence(
         finally:
             if own:
                 cluster.close()
-    if raise_on_failure and report.failures():
+    ratio, where = report.margin()
+    failures = report.failures()
+    _log.info("check_equivalence: worst %.3gx the tolerance (rtol=%g, atol=%g) at %s%s", ratio, rtol, atol, where,
+              f"; {len(failures)} failures" if failures else "")
+    if raise_on_failure and failures:
         raise AssertionError("check_equivalence: sharded training differs from single-process training:\n  " + "\n  ".join(report.failures()) + f"\n{report}")
     return report
