@@ -143,7 +143,7 @@ def test_worker_death_is_reported_with_exit_code(fragile):
     start = time.monotonic()
     with pytest.raises(ClusterError, match=r"\[rank 1\].*exit code 3"):
         fragile.run(_exit_on_rank_one)
-    assert time.monotonic() - start < 5  # detected promptly, not by a timeout
+    assert time.monotonic() - start < fragile.timeout / 2  # detected by the exit, not by the 60 s timeout
     _assert_gone(old)
 
 
@@ -153,7 +153,9 @@ def test_deadlock_times_out_and_leaves_no_process():
         start = time.monotonic()
         with pytest.raises(ClusterError) as info:
             c.run(_deadlock)
-        assert time.monotonic() - start < 10
+        # Ended by a 3 s timeout, not left hanging: nothing else could end it (a bound on that,
+        # with room for a loaded machine to tear the world down, not a speed).
+        assert time.monotonic() - start < c.timeout + 30
         # Either gloo's own timeout on rank 0 or the cluster's: whichever fires first.
         msg = str(info.value)
         assert "[rank 0]" in msg or "ranks [0] did not answer" in msg
@@ -167,7 +169,7 @@ def test_silent_rank_is_named_after_timeout():
         start = time.monotonic()
         with pytest.raises(ClusterError, match=r"ranks \[0\] did not answer within 2 s"):
             c.run(_sleep_on_rank_zero)
-        assert 2 <= time.monotonic() - start < 8
+        assert 2 <= time.monotonic() - start < c.timeout + 30  # named after the timeout, not hanging
         _assert_gone(pids)
 
 

@@ -16,6 +16,10 @@ from shardfn.testing import free_port
 from test_ranks_differ import Stack, _outcome
 
 STEP_TIMEOUT = 2.0
+# gloo's own timeout in these worlds. A fault that the step timeout did not end would wait
+# this long, so "ended by the step timeout" reads: at least STEP_TIMEOUT, less than PG_TIMEOUT.
+# Bounds on behaviour, not speed: they hold on a machine many times slower than CI's.
+PG_TIMEOUT = 60.0
 
 
 def _training(mesh, stop_in_loss=False):
@@ -38,7 +42,7 @@ def _training(mesh, stop_in_loss=False):
 def _worker(rank, world, port, scenario, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=PG_TIMEOUT))
     mesh = sf.Mesh.from_group(step_timeout=STEP_TIMEOUT)
     sharded, state, step = _training(mesh, stop_in_loss=rank == 1 and scenario == "stopped_mid_step")
     store = dist.distributed_c10d._get_default_store()
@@ -76,7 +80,7 @@ def _worker(rank, world, port, scenario, queue):
     os._exit(0)
 
 
-def _run(scenario, world=2, timeout=40.0):
+def _run(scenario, world=2, timeout=120.0):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -108,9 +112,9 @@ def test_a_stopped_peer_fails_the_others_within_the_step_timeout():
     out = results[0]
     assert out["error"] == "CommError", out
     assert "no answer from rank 1 within the step timeout (2 s)" in out["message"]
-    assert STEP_TIMEOUT <= out["seconds"] < STEP_TIMEOUT + 6
+    assert STEP_TIMEOUT <= out["seconds"] < PG_TIMEOUT
     assert out["again"]["error"] == "CommError" and "unusable" in out["again"]["message"]
-    assert out["again"]["seconds"] < 0.5
+    assert out["again"]["seconds"] < STEP_TIMEOUT  # refused at once: it does not wait for anyone again
     assert results[1]["message"] == "continued"
 
 
@@ -120,7 +124,7 @@ def test_a_peer_stopped_in_the_middle_of_a_pipelined_step_is_named():
     # rank 0 waits in a collective of the step's forward, not in a header
     assert out["error"] == "CommError" and "no answer from rank 1 within the step timeout (2 s)" in out["message"], out
     assert "header" not in out["message"] and "start of a step" not in out["message"]
-    assert STEP_TIMEOUT <= out["seconds"] < STEP_TIMEOUT + 6
+    assert STEP_TIMEOUT <= out["seconds"] < PG_TIMEOUT
     assert results[1]["error"] == "CommError", results[1]
 
 
@@ -129,7 +133,7 @@ def test_a_peer_busy_elsewhere_fails_both_and_nobody_hangs():
     assert results[0]["error"] == "CommError" and "no answer from rank 1" in results[0]["message"]
     # Rank 1 comes back to a rank that has given up: it times out too, naming rank 0.
     assert results[1]["error"] == "CommError", results[1]
-    assert results[1]["seconds"] < STEP_TIMEOUT + 6
+    assert results[1]["seconds"] < PG_TIMEOUT
 
 
 def test_a_killed_peer_is_named_at_once():
@@ -137,4 +141,6 @@ def test_a_killed_peer_is_named_at_once():
     out = results[0]
     assert out["error"] == "CommError", out
     assert "rank 1 closed the connection" in out["message"]
-    assert out["seconds"] < 6
+    # The message says how it was found (the closed connection, then the guard's 3 s roll call
+    # of who is left); the bound: no timeout of gloo's was waited for.
+    assert out["seconds"] < PG_TIMEOUT
