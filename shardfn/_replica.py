@@ -19,9 +19,11 @@ The replica is a cache, never the truth: the shards are. It is valid while every
 was gathered from is the same tensor at the same version (``_version``), so anything that
 changes a shard outside the step (``checkpoint.load`` in place, ``apply_updates_`` after
 ``jit_grad``) makes the next use gather again instead of computing with stale values.
-A tree rebuilt by pytree utilities has no replica; its next step gathers in forward. The
-replica is set when a tree is made (the step returns a new tree holding it) and never
-changed afterwards: a ``ShardedParams`` is immutable.
+A tree made from another one's values (pytree utilities, ``replace``) keeps the replica of
+each unit whose shards it still holds, and none for new tensors: its next step gathers those
+units in forward ([Note: what a tree carries] in shardfn._sharded). The replica is set when
+a tree is made (the step returns a new tree holding it) and never changed afterwards: a
+``ShardedParams`` is immutable.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ._events import Purpose
 from ._packing import unpack_unit
 from ._offload import pack_shards
 
-__all__ = ["refresh", "replica_of"]
+__all__ = ["kept_for", "refresh", "replica_of"]
 
 
 def _stamp(shards: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
@@ -50,13 +52,22 @@ def replica_of(sharded: Any, index: int, shards: list[torch.Tensor]) -> list[tor
     return kept[0]
 
 
+def kept_for(replicas: dict[int, Any] | None, sharded: Any) -> dict[int, Any] | None:
+    """The units of ``replicas`` (of a tree of ``sharded``'s layout) whose shards in ``sharded``
+    are the tensors they were gathered from, whatever their versions (see the note)."""
+    if not replicas:
+        return None
+    units = {u.index: u for u in sharded.layout.units}
+    kept = {i: (full, stamp) for i, (full, stamp) in replicas.items()
+            if i in units and [id(sharded[n]) for n in units[i].leaves] == [ident for ident, _ in stamp]}
+    return kept or None
+
+
 def refresh(sharded: Any, to: Any, donated: bool) -> Any:
     """The tree with a new replica: every unit's (updated) shards all-gathered, one all-gather
     per unit, in layout order, cast to the param dtype on the way (see the note). A tree is
     never changed once made; a donated one (``jit_step(donate=True)``) hands its old replica
     over, so that the old and the new replica of one unit are alive at once, no more."""
-    from ._sharded import ShardedParams
-
     layout, mesh = sharded.layout, sharded.mesh
     if layout.world == 1:
         return sharded
@@ -71,4 +82,4 @@ def refresh(sharded: Any, to: Any, donated: bool) -> Any:
             # replaced unit by unit
             replicas[u.index] = (unpack_unit(out, [layout.leaves[n] for n in u.leaves], layout.world), _stamp(shards))
             del out
-    return ShardedParams(sharded, layout, mesh, sharded.module, replicas)
+    return sharded._remade(sharded, _replicas=replicas)

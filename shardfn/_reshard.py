@@ -99,8 +99,8 @@ def reshard(
     for n, leaf in layout.leaves.items():
         params[n].requires_grad_(leaf.requires_grad)
     buffers = {n: sharded[n].detach().clone() for n in layout.buffers}
-    new = ShardedParams({**params, **buffers}, layout, mesh, sharded.module)
-    new._verdict = sharded._verdict  # the same values: a step's unread verdict on them too (shardfn._verdict)
+    # the same values: what the tree knows of them goes with them ([Note: what a tree carries])
+    new = sharded._remade({**params, **buffers}, layout=layout, mesh=mesh)
     return new, _move_state(opt_state, old, old_mesh, layout, mesh)
 
 

@@ -27,8 +27,10 @@ from ._plan import Placement, Plan, RematMode, Strategy, make_plan
 from ._units import check_unit_modules
 from ._precision import Precision
 from ._pretrained import read_weights
+from ._replica import kept_for
 from ._safetensors import Source
 from ._tree import TensorTree, check_names, tree_info
+from ._verdict import check_alike
 
 __all__ = ["ShardedParams", "gather", "shard"]
 
@@ -71,11 +73,15 @@ class ShardedParams(TensorTree):
         return types.MappingProxyType(self._replicas) if self._replicas is not None else None
 
     def replace(self, values: Mapping[str, torch.Tensor]) -> "ShardedParams":
-        """A new tree with the same layout, some leaves replaced (and SHARD_OPTIMIZER's replica,
-        still valid for the leaves that are the same: see shardfn._replica)."""
-        new = ShardedParams({**self._data, **values}, self.layout, self.mesh, self.module, self._replicas)
-        new._verdict = self._verdict
-        return new
+        """A new tree with the same layout, some leaves replaced, carrying what this one knows
+        (a step's unread verdict; SHARD_OPTIMIZER's replica of the units whose shards are the
+        same): see [Note: what a tree carries]."""
+        return self._remade({**self._data, **values})
+
+    def _remade(self, data: Mapping[str, torch.Tensor], **changes: Any) -> "ShardedParams":
+        """A tree of ``data`` with this one's fields, each carried by its rule, but those that
+        ``changes`` sets (``reshard``: the layout and mesh) ([Note: what a tree carries])."""
+        return _remade(data, _fields(self), **changes)
 
     def _donate_replicas(self) -> dict[int, Any]:
         """Hands this donated tree's replica over, leaving it none (see shardfn._replica.refresh)."""
@@ -124,10 +130,70 @@ class ShardedParams(TensorTree):
         )
 
 
+# [Note: what a tree carries]
+# A tree is its values plus fields: its structure, which trees mapped together share, and
+# what it knows of its values. Every path that makes a tree from another's values (pytree
+# unflatten, replace, reshard, a step's refresh) goes through _remade, which carries each
+# field by its rule here; a field in no table fails at import. The verdict is about the step
+# that made the values, so it follows whatever is done to them. The replica is a cache of
+# the shards that a step rebuilds when missing: a unit's is kept while the tree's shards of
+# the unit are the tensors it was gathered from (replica_of checks versions at use), else
+# dropped, so no tree holds a full copy of values it lacks. Trees mapped together make one
+# with the first tree's fields: differing verdicts are read there (a non-finite one raises).
+_STRUCTURE = ("layout", "mesh", "module")
+# field -> its value in a new tree, from the fields of the tree it comes from and the new tree
+_CARRIED: dict[str, Callable[[dict[str, Any], ShardedParams], Any]] = {
+    "_verdict": lambda fields, tree: fields["_verdict"],
+    "_replicas": lambda fields, tree: kept_for(fields["_replicas"], tree) if fields["layout"] is tree.layout else None,
+}
+if {*_STRUCTURE, *_CARRIED} != set(ShardedParams.__slots__):
+    raise AssertionError(f"ShardedParams: every field must be structure or carried ([Note: what a tree carries]); "
+                         f"unsorted: {sorted(set(ShardedParams.__slots__) - {*_STRUCTURE, *_CARRIED})}")
+
+
+def _fields(tree: ShardedParams) -> dict[str, Any]:
+    return {f: getattr(tree, f) for f in ShardedParams.__slots__}
+
+
+def _remade(data: Mapping[str, torch.Tensor], fields: dict[str, Any], **changes: Any) -> ShardedParams:
+    """A tree of ``data`` made from a tree with ``fields``; ``changes`` sets some fields."""
+    assert set(changes) <= set(fields), f"[rank {fields['mesh'].rank}] not fields: {set(changes) - set(fields)}"
+    tree = ShardedParams(data, *(changes.get(f, fields[f]) for f in _STRUCTURE))
+    for name, carry in _CARRIED.items():
+        setattr(tree, name, changes[name] if name in changes else carry(fields, tree))
+    return tree
+
+
+class _Context:
+    """A flattened tree's keys and fields. Two are equal (the trees map together) when their
+    keys and structure are; differing verdicts are read then ([Note: what a tree carries])."""
+
+    __slots__ = ("keys", "fields")
+
+    def __init__(self, keys: tuple[str, ...], fields: dict[str, Any]) -> None:
+        self.keys, self.fields = keys, fields
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Context):
+            return NotImplemented
+        if self.keys != other.keys or any(self.fields[f] is not other.fields[f] and self.fields[f] != other.fields[f]
+                                          for f in _STRUCTURE):
+            return False
+        check_alike(self.fields["_verdict"], other.fields["_verdict"], self.fields["mesh"].rank,
+                    "tree_map over several ShardedParams (the result carries one verdict, so each is read)")
+        return True
+
+    def __hash__(self) -> int:
+        return hash(self.keys)
+
+    def __repr__(self) -> str:
+        return f"<{len(self.keys)} leaves, {self.fields['layout'].strategy.value}, {self.fields['mesh']!r}>"
+
+
 pytree.register_pytree_node(
     ShardedParams,
-    lambda s: (list(s._data.values()), (tuple(s._data), s.layout, s.mesh, s.module)),
-    lambda values, ctx: ShardedParams(dict(zip(ctx[0], values)), ctx[1], ctx[2], ctx[3]),
+    lambda s: (list(s._data.values()), _Context(tuple(s._data), _fields(s))),
+    lambda values, ctx: _remade(dict(zip(ctx.keys, values)), ctx.fields),
     serialized_type_name="shardfn.ShardedParams",
 )
 

@@ -18,8 +18,11 @@ own backward, when the device is long past those values), ``checkpoint.save`` an
 ``FloatingPointError`` on every rank (the values came out of an all-reduce, so every rank
 holds the same verdict) before it changes or writes anything, and keeps raising for those
 shards: they hold the bad step's update. ``checkpoint.load`` into them replaces that
-update and the verdict with it; ``reshard`` and ``ShardedParams.replace`` pass the verdict
-on to the trees they make.
+update and the verdict with it; every other tree made from the shards (``reshard``,
+``ShardedParams.replace``, pytree utilities: ``tree_map`` of a copy, a cast, a move) carries
+the verdict on ([Note: what a tree carries] in shardfn._sharded). ``tree_map`` over several
+trees makes a tree that carries the first one's verdict: one that another tree carries
+instead is read there (a wait for the device), and raises if the values were not finite.
 
 Nor is a ``Mean`` loss's count read: a count of zero makes the values non-finite, a
 negative one is made NaN on the device, and the verdict reports either. What still reads
@@ -38,7 +41,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Verdict", "check_verdict"]
+__all__ = ["Verdict", "check_alike", "check_verdict"]
 
 _NOT_FINITE = (
     "[rank {rank}] {call}: the last step on these shards had a global loss ({loss}) or gradient norm ({norm}) that is "
@@ -72,6 +75,17 @@ class Verdict:
                 self.event.synchronize()  # done already, unless the device is a whole step behind
             self.read = self.values.tolist()
         return self.read
+
+
+def check_alike(verdict: Verdict | None, other: Verdict | None, rank: int, call: str) -> None:
+    """Trees mapped together whose verdicts differ: the tree made carries one, so both are read
+    here; raises ``FloatingPointError`` if either step's values were not finite (see the note)."""
+    if verdict is other:
+        return
+    for v in (verdict, other):
+        loss, norm = v.loss_and_norm() if v is not None else (0.0, 0.0)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise FloatingPointError(_NOT_FINITE.format(rank=rank, call=call, loss=loss, norm=norm))
 
 
 def check_verdict(sharded: Any, call: str) -> None:
