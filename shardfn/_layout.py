@@ -125,7 +125,7 @@ class UnitLayout:
     optional: bool = False  # some ranks may skip it: gathered at the start, reduced at the end (Plan(optional=))
     # After its forward: False keeps the gathered parameters for backward, True lets go of
     # them (backward gathers again), an int k keeps them sharded over groups of k ranks
-    # (backward gathers within the group): see shardfn._sharded.reshard_rules.
+    # (backward gathers within the group): see shardfn._resolve.reshard_rules.
     reshard: bool | int = False
     flat: bool = False  # Placement.FLAT ([Note: placements])
     frozen_split: bool = False  # a flat unit of a module that also has trainable (or frozen) leaves of its dtype

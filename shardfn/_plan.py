@@ -251,7 +251,7 @@ class Plan:
     remat: Remat | None = None
     optional: UnitPolicy | None = None
     offload: Offload = dataclasses.field(default_factory=Offload)
-    # bool | int, or ((unit name, bool | int), ...): see shardfn._sharded.reshard_rules
+    # bool | int, or ((unit name, bool | int), ...): see shardfn._resolve.reshard_rules
     reshard_after_forward: Any = None
     placement: Placement | Whole = Placement.FLAT  # see [Note: placements]
     # bytes of a collective's buffer per bucket: neighbouring units share collectives ([Note: buckets])

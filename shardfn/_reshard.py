@@ -26,7 +26,8 @@ from ._mesh import Mesh
 from ._offload import place_on_host
 from ._plan import Plan, Strategy, make_plan
 from ._agreement import verify_agreement
-from ._sharded import ShardedParams, full_units, layout_for, make_subgroups, unit_views
+from ._resolve import layout_for, make_subgroups
+from ._sharded import ShardedParams, full_units, unit_views
 
 __all__ = ["reshard"]
 

@@ -17,19 +17,18 @@ from ._deprecated import renamed
 from ._agreement import verify_agreement, verify_same_values
 from ._events import Purpose
 from ._guard import guarded
-from ._layout import Layout, build_layout
-from ._precision import check_norm_precision
+from ._resolve import layout_for, make_subgroups
+from ._layout import Layout
 from ._packing import shard_buffer, unpack_leaf
 from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
 from ._offload import Offload, place_on_host, to_device_into, with_gaps
-from ._plan import Placement, Plan, RematMode, Strategy, make_plan
-from ._units import check_unit_modules
+from ._plan import Placement, Plan, Strategy, make_plan
 from ._precision import Precision
 from ._pretrained import read_weights
 from ._replica import kept_for
 from ._safetensors import Source
-from ._tree import TensorTree, check_names, tree_info
+from ._tree import TensorTree
 from ._verdict import check_alike
 
 __all__ = ["ShardedParams", "gather", "shard"]
@@ -376,90 +375,6 @@ def unit_views(shards: dict[str, torch.Tensor], layout: Layout, rank: int) -> di
                 view.copy_(shards[n].detach().reshape(-1))
                 shards[n] = view
     return shards
-
-
-def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh: Mesh, plan: Plan) -> Layout:
-    """The layout of ``state`` (full tensors, or meta tensors of their shapes) under ``plan``
-    on ``mesh``: units and remat resolved against the module tree, the mesh checked."""
-    info = tree_info(module, list(state))
-    if module is not None:
-        check_names(state.keys(), info.names, what="shard(params, ...)")
-    unit_paths = plan.units.resolve(module, list(info.params))
-    optional = plan.optional.resolve(module, list(info.params)) if plan.optional is not None else []
-    unit_paths += [p for p in optional if p not in unit_paths]
-    check_unit_modules(module, unit_paths)
-    _check_mesh(plan.strategy, mesh)
-    world = mesh.axis_size("shard") if plan.strategy.sharded else 1
-    unit_modules = {p: module.get_submodule(p) for p in unit_paths} if module is not None else {}
-    if module is not None:
-        unit_modules[""] = module
-    remat_units = plan.remat.select(module, list(info.params), unit_paths) if plan.remat is not None else {}
-    layout = build_layout(plan, mesh.shape, world, mesh.size // world, state, unit_paths, info, unit_modules,
-                          remat_units, frozenset(optional), reshard_rules(plan, unit_paths, world, mesh, remat_units))
-    check_norm_precision(module, layout, mesh)
-    return layout
-
-
-def make_subgroups(layout: Layout, mesh: Mesh) -> None:
-    """The process groups the layout's units reshard to after forward (every rank, in the
-    same order, once the ranks agree on the layout: creating a group is collective)."""
-    for size in sorted({u.subgroup for u in layout.units if u.subgroup is not None}):
-        mesh.subgroup(size)
-
-
-def reshard_rules(plan: Plan, unit_paths: list[str], world: int, mesh: Mesh,
-                  remat: Mapping[str, Any]) -> dict[str, bool | int]:
-    """Unit path -> what it does after its forward (``UnitLayout.reshard``).
-
-    The strategy's rule (FULL_SHARD and HYBRID_SHARD let go, SHARD_GRAD_OP and
-    HYBRID_SHARD_ZERO2 keep), replaced by ``Plan(reshard_after_forward=...)``: a bool for
-    every unit, an int k to keep each unit sharded over groups of k ranks of the shard
-    axis after forward (ZeRO++'s hpZ, FSDP2's ``reshard_after_forward=int``: backward's
-    all-gather stays within the group, e.g. one node), or a dict unit name -> either, for
-    those units (the others follow the strategy). The root unit always keeps its
-    parameters into backward (see ``Layout.collectives_per_step``).
-    """
-    default = plan.strategy.reshard_after_forward
-    rule = plan.reshard_after_forward
-    if rule is None:
-        return {p: default for p in unit_paths}
-    if not plan.strategy.sharded:
-        raise ValueError(f"shard(): reshard_after_forward={rule!r} with NO_SHARD, whose parameters are never sharded. "
-                         "Drop it, or use FULL_SHARD / SHARD_GRAD_OP.")
-    given = dict(rule) if isinstance(rule, tuple) else {p: rule for p in unit_paths}
-    unknown = [k for k in given if k not in unit_paths]
-    if unknown:
-        raise ValueError(f"shard(): reshard_after_forward names {unknown}, which are not units of this plan; the "
-                         f"units are {unit_paths[:8]}{' ...' if len(unit_paths) > 8 else ''} (the root unit always "
-                         "keeps its parameters into backward).")
-    for name, k in given.items():
-        if k is True or k is False:
-            continue
-        if not (1 < k < world and world % k == 0):
-            raise ValueError(
-                f"shard(): reshard_after_forward={k} for {name!r}: a sub-group size must divide the {world} ranks "
-                f"of the shard axis of {mesh!r} and lie strictly between 1 and {world} (e.g. the ranks of one "
-                "node). Pass True to reshard over every rank, False to keep the parameters.")
-        if remat.get(name) is RematMode.SELECTIVE:  # its secondary copy would be one op the replay lacks
-            raise ValueError(
-                f"shard(): reshard_after_forward={k} for {name!r}, which selective remat recomputes: selective "
-                "remat replays the unit's ops one for one, and a sub-group reshard adds a copy to the forward only. "
-                "Use Remat(mode='full') for it, or reshard_after_forward=True.")
-    return {p: given.get(p, default) for p in unit_paths}
-
-
-def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
-    if strategy.hybrid and mesh.ndim != 2:
-        raise ValueError(
-            f"shard(): {strategy.value} shards over the 'shard' axis and replicates over 'replicate' of a 2-D mesh, "
-            f"but {mesh!r} is 1-D. Build the mesh with Mesh.from_env(replicate=R) (or replicate='nodes'), "
-            "or use FULL_SHARD / SHARD_GRAD_OP on this mesh."
-        )
-    if not strategy.hybrid and mesh.ndim != 1:
-        raise ValueError(
-            f"shard(): {strategy.value} runs on a 1-D mesh, but {mesh!r} is 2-D. Use HYBRID_SHARD (or "
-            "HYBRID_SHARD_ZERO2) on a 2-D mesh, or build a 1-D mesh with Mesh.from_env()."
-        )
 
 
 def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
