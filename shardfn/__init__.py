@@ -20,9 +20,9 @@ from ._export import save_pretrained as save_pretrained
 from ._functionalize import Apply as Apply
 from ._functionalize import Params as Params
 from ._functionalize import functionalize as functionalize
-from ._guard import CommError as CommError
-from ._guard import DivergenceError as DivergenceError
-from ._guard import PeerError as PeerError
+from ._errors import CommError as CommError
+from ._errors import DivergenceError as DivergenceError
+from ._errors import PeerError as PeerError
 from ._grad import jit_grad as jit_grad
 from ._layout import Layout as Layout
 from ._materialize import materialize as materialize

@@ -57,15 +57,17 @@ import contextvars
 import datetime
 import time
 import traceback
-import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ._compat import all_gather_single
+from ._errors import CommError, DivergenceError, PeerError
+from ._header import (_CONTEXTS, _DTYPES, _KINDS, _PURPOSES, DETAIL, DIVERGED, FAILED, HEADER, NBYTES, OK,  # noqa: F401
+                      POSITION, STATUS, UNIT, WHAT, WHERE, Where, describe_header, fix, label, unit_id)
 from ._events import Collective, Purpose
 from ._memory import on_host
 
@@ -74,68 +76,13 @@ __all__ = [
     "exchange", "fail", "guarded", "wait", "words",
 ]
 
-HEADER = 7
-WHAT, UNIT, NBYTES, DETAIL, WHERE, STATUS, POSITION = range(HEADER)
-OK = 0  # a status >= FAILED is FAILED + the failing rank's incident number
-FAILED = 1
-DIVERGED = -1  # a rank whose step left the schedule of the previous steps (shardfn._schedule)
 DEFAULT_STEP_TIMEOUT = 60.0
 _ROLL_CALL_S = 3.0
-
-_KINDS = list(Collective)
-_PURPOSES = list(Purpose)
-_DTYPES = [None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
-           torch.bool, torch.int8, torch.int16, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
-
-
-class Where:
-    """What a rank is doing when it issues a collective (the header's ``where``)."""
-
-    OTHER, STEP, APPLY, BIND = 0, 1, 2, 3
-    NAMES = {0: "outside a step (shard, gather, a checkpoint)", 1: "in a step", 2: "in apply outside a step",
-             3: "inside `with shardfn.bind(...)`"}
-
-
-class DivergenceError(RuntimeError):
-    """The ranks were about to issue different collectives; none was issued."""
-
-
-class PeerError(RuntimeError):
-    """Another rank raised inside shardfn; ``rank`` and ``original`` say which and what."""
-
-    def __init__(self, message: str, rank: int, original: str):
-        super().__init__(message)
-        self.rank = rank
-        self.original = original
-
-
-class CommError(RuntimeError):
-    """A peer did not answer within the step timeout, or its connection closed; the
-    process group is unusable from then on."""
-
 
 _WHERE: contextvars.ContextVar[int] = contextvars.ContextVar("shardfn_where", default=Where.OTHER)
 _REGION: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_guarded", default=False)
 # The step in progress, if it checks its schedule (a shardfn._schedule.Run).
 RUN: contextvars.ContextVar[Any] = contextvars.ContextVar("shardfn_run", default=None)
-
-
-def unit_id(name: str) -> int:
-    """The header word for a unit's name (a hash of it; 0 for none)."""
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF if name else 0
-
-
-# Contexts that issue collectives and agree on their end (:func:`agree_exit`): their names
-# and the fix.
-_CONTEXTS = {
-    "shardfn.bind(...)": (
-        "Inside `with shardfn.bind(...)` every forward all-gathers its units on every rank together, so every rank "
-        "must make the same calls there: the same forwards, the same number of generated tokens (Hugging Face's "
-        "generate: pass synced_gpus=True when ranks may stop at different lengths)."),
-    "shardfn.on_shards(...)": (
-        "Inside `with shardfn.on_shards(...)` every psum (global_norm, clip_by_global_norm) is collective: every "
-        "rank must run the same ones, in the same order."),
-}
 
 
 class Guard:
@@ -240,11 +187,6 @@ def agree_words(ch: Channel, mine: list[int], what: str, position: int = 0) -> l
             raise told(DivergenceError(run.explain(ch, headers)), ch)
         raise told(DivergenceError(_diverged(ch, headers)), ch)
     return headers
-
-
-def label(purpose: Purpose, unit: str) -> str:
-    return f"{purpose.value} of {unit or 'the root'}" if purpose in (Purpose.GATHER, Purpose.REGATHER,
-                                                                      Purpose.REDUCE) else purpose.value
 
 
 def exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
@@ -382,33 +324,76 @@ def _live(channels: Iterable[Channel]) -> list[Channel]:
     return [ch for ch in channels if not ch.off]
 
 
-def fail(mesh: Any, exc: BaseException) -> None:
+class Told(NamedTuple):
+    """What :func:`fail` learned while telling the peers: the ranks of the groups it told,
+    and the peers whose failed headers met its own (each raised an error of its own at the
+    same point, or passed one on), as ``{the rank where that error began: its text}``."""
+
+    ranks: frozenset[int]
+    raised: dict[int, str]
+
+
+def fail(mesh: Any, exc: BaseException) -> Told | None:
     """Tells every peer of ``mesh`` that this rank's guarded call raised ``exc``: one failed
     header on each of its axis groups that did not raise ``exc`` (see :func:`told`).
-    Never raises: the caller re-raises ``exc``."""
+    Returns what it saw doing so, or None when it told no one (the groups knew already, or a
+    peer is gone). Never raises: the caller re-raises ``exc``."""
     guard = mesh.guard
     if guard.broken is not None or not dist.is_initialized() or isinstance(exc, CommError):
-        return
+        return None
     run = RUN.get()
     if run is not None:  # a pipelined step first plays its collectives out, as the peers run them
         try:
             run.before_fail()
         except Exception:  # noqa: BLE001 - a peer that is gone; the caller's error is the one to see
-            return
+            return None
     known = _known(exc)
     todo = [ch for ch in _live(guard.channels.values()) if not any(ch.group is g for g in known)]
     if not todo:
-        return
+        return None
     incident = guard.incidents
     guard.incidents += 1
+    me = dist.get_rank()
+    seen = Told(frozenset(r for ch in todo for r in ch.ranks), {})
     try:
         store = dist.distributed_c10d._get_default_store()
-        origin = exc.rank if isinstance(exc, PeerError) else dist.get_rank()
-        store.set(f"shardfn/failure/{dist.get_rank()}/{incident}", f"{origin}|{describe(exc)}")
+        origin = exc.rank if isinstance(exc, PeerError) else me
+        store.set(f"shardfn/failure/{me}/{incident}", f"{origin}|{describe(exc)}")
         for ch in todo:
-            exchange(ch, [0, 0, 0, 0, 0, FAILED + incident, 0], "telling the other ranks of an error")
+            headers = exchange(ch, [0, 0, 0, 0, 0, FAILED + incident, 0], "telling the other ranks of an error")
+            for r, h in zip(ch.ranks, headers):
+                if r != me and h[STATUS] >= FAILED:
+                    began, text = _read_failure(r, h[STATUS])
+                    if began != origin:
+                        seen.raised[began] = text
     except Exception:  # a peer that is gone; the caller's error is the one to see
-        pass
+        return None
+    return seen
+
+
+def _raised_here(mesh: Any, exc: BaseException, seen: Told | None) -> str:
+    """The note on an error this rank raised itself: its rank and mesh, and what the other
+    ranks raise, as far as this rank's exchanges in :func:`fail` tell (``seen``).
+
+    A peer whose failed header met this rank's raised an error of its own at the same point
+    (or passed one on) and raises that; the peers that raised nothing raise
+    :class:`PeerError` naming the ranks that did. So when every rank raised, none raises
+    PeerError. On a 2-D mesh this rank exchanges with its own row and column only, so what
+    the ranks beyond them raise is said with that reservation."""
+    head = f"[rank {mesh.rank}] shardfn: raised on rank {mesh.rank} of {mesh!r}"
+    if seen is None:  # no peer heard of it from this rank
+        return head + "."
+    raised = sorted({dist.get_rank(), *seen.raised})  # ranks of the mesh, as seen.ranks: counts compare them
+    if len(raised) >= mesh.size:
+        if all(text == describe(exc) for text in seen.raised.values()):
+            return head + "; every rank raised this same error itself, so no rank raises PeerError."
+        return head + ("; every rank raised an error of its own here (see each one's traceback), so no rank "
+                       "raises PeerError.")
+    beyond = "" if len(seen.ranks) >= mesh.size else ", or an error of their own raised at the same time"
+    if len(raised) == 1:
+        return head + f"; the other ranks raise PeerError naming it{beyond}."
+    return head + (f"; ranks {raised} each raised an error here, and the other ranks raise PeerError naming "
+                   f"them{beyond}.")
 
 
 @contextmanager
@@ -422,10 +407,9 @@ def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
         yield
     except Exception as e:
         if outer and mesh is not None and mesh.size > 1:
+            seen = fail(mesh, e)
             if not isinstance(e, (PeerError, DivergenceError, CommError)) and not str(e).startswith("[rank "):
-                e.add_note(f"[rank {mesh.rank}] shardfn: raised on rank {mesh.rank} of {mesh!r}; the other ranks raise "
-                           f"PeerError naming it.")
-            fail(mesh, e)
+                e.add_note(_raised_here(mesh, e, seen))
         raise
     finally:
         if wtoken is not None:
@@ -436,60 +420,8 @@ def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
 # -- the divergence message ------------------------------------------------------------
 
 
-def describe_header(h: list[int], names: dict[int, str]) -> str:
-    """One rank's header in words; ``names``: the unit names this rank knows (``Guard.names``)."""
-    kind, purpose = _KINDS[h[WHAT] // 64 % 64], _PURPOSES[h[WHAT] % 64]
-    if purpose is Purpose.STEP:
-        plan = f"pipelined, schedule {h[UNIT]:08x} of {h[NBYTES]} collectives" if h[UNIT] else "checked"
-        return f"step start ({plan}), {Where.NAMES.get(h[WHERE], '?')}"
-    if purpose is Purpose.METRICS and h[NBYTES] < 0:
-        return "the end of its forward and backward (the metrics all-reduce next), in a step"
-    if purpose is Purpose.EXIT:
-        return f"the end of its `with {names.get(h[UNIT], '?')}` block (no more collectives in it)"
-    code = h[WHAT] // 4096
-    dtype = f" {str(_DTYPES[code]).removeprefix('torch.')}" if 0 < code < len(_DTYPES) else ""
-    unit = names.get(h[UNIT], f"unit #{h[UNIT]:x}") if h[UNIT] else ""
-    tokens = f", {h[DETAIL] >> 32} tokens" if h[DETAIL] >> 32 else ""
-    detail = (f", batch of {h[DETAIL] & 0xFFFFFFFF} rows{tokens}" if purpose is Purpose.METRICS and h[DETAIL] > 0 else
-              f", checkpoint {h[DETAIL]:08x}" if purpose is Purpose.CHECKPOINT and h[DETAIL] else "")
-    return (f"{kind.value} ({label(purpose, unit)}), {h[NBYTES]:,} bytes{dtype}{detail}, "
-            f"{Where.NAMES.get(h[WHERE], '?')}")
-
-
 def _diverged(ch: Channel, headers: list[list[int]]) -> str:
     lines = [f"  rank {r}: {describe_header(h, ch.guard.names)}" for r, h in zip(ch.ranks, headers)]
     return (f"[rank {dist.get_rank()}] shardfn: the ranks diverged at their collective #{ch.position} on ranks "
             f"{list(ch.ranks)}; none of them issued it, and nothing was updated:\n" + "\n".join(lines)
             + "\n" + fix(headers, ch.guard.names))
-
-
-def fix(headers: list[list[int]], names: dict[int, str]) -> str:
-    """What to do about ranks whose headers are ``headers``."""
-    same_but_rows = all(h[:DETAIL] + h[DETAIL + 1:STATUS] == headers[0][:DETAIL] + headers[0][DETAIL + 1:STATUS]
-                        for h in headers)
-    exits = [names.get(h[UNIT], "") for h in headers if _PURPOSES[h[WHAT] % 64] is Purpose.EXIT]
-    if exits:
-        fix = _CONTEXTS.get(exits[0], "Every rank must make the same collective calls inside the block.")
-    elif any(_PURPOSES[h[WHAT] % 64] is Purpose.USER for h in headers):
-        fix = ("mesh.barrier, broadcast, reduce and all_gather are collective: every rank must call them, in the "
-               "same order, with tensors of the same shape and dtype (all_gather: pad to one shape first).")
-    elif same_but_rows and _PURPOSES[headers[0][WHAT] % 64] is Purpose.CHECKPOINT:
-        fix = ("The ranks were about to load different checkpoints (their shardfn.json differ: a hash of each is "
-               "shown). Pass the same path on every rank, in a directory every rank sees the same (a shared "
-               "filesystem), and do not write into it while loading.")
-    elif same_but_rows:
-        fix = ("A plain mean loss over batches of different sizes would weight every rank's mean equally, which is "
-               "not the mean over the global batch. Give every rank the same number of rows, or return "
-               "shardfn.Mean(total, count) from loss_fn to weight every element exactly.")
-    elif len({h[WHERE] for h in headers}) > 1:
-        fix = ("Every rank must make the same shardfn calls in the same order: a step, apply on shards, shard(), "
-               "checkpoint.save/load are collective. Evaluate (apply outside a step) on every rank, or on none.")
-    elif any(_PURPOSES[h[WHAT] % 64] is Purpose.STEP for h in headers):
-        fix = ("The ranks started a step with different histories: a different step function (jit_step / jit_grad "
-               "object) on some ranks, or one that some ranks called more often. Call the same step on every rank.")
-    else:
-        fix = ("Every rank must gather and reduce the same units in the same order, the same number of times. A "
-               "module that only some ranks run (experts chosen by the data, LayerDrop, a branch taken for some "
-               "batches) must not be a unit of its own: make units of modules every rank runs (e.g. the blocks "
-               "that hold the experts: units=by_module_type(Block), as the default unit policy does).")
-    return fix

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import zlib
 from typing import Any
 
@@ -35,6 +36,21 @@ _NO_ENV = (
     "{missing} are not set. Launch with `torchrun --nproc-per-node N script.py`, or call "
     "torch.distributed.init_process_group(...) first, or build a mesh with Mesh.from_group()."
 )
+
+# Where a process started under torchrun puts its shards when the script does not say
+# (Mesh.from_env(device=...)): "cuda" or "cpu"; so a script runs on the CPU unchanged.
+DEVICE_VARIABLE = "SHARDFN_DEVICE"
+
+# The same text on every rank: each decides from the same facts (its machine's process count
+# and devices), so every rank raises it before any of them waits for the others.
+_TOO_FEW_GPUS = (
+    "{what}: {started} on this machine, but CUDA sees {devices}{visible}; with NCCL each process needs a "
+    "GPU of its own (it would fail at torch.cuda.set_device with 'invalid device ordinal'). Either:\n"
+    "  * one process per GPU: `torchrun --nproc-per-node gpu {script}` ({count} here);\n"
+    "  * a world of one, no torchrun: `python {script}`;\n"
+    "  * gloo on the CPU, any number of processes: {cpu}."
+)
+_CPU_FROM_ENV = "`{variable}=cpu torchrun --nproc-per-node N {script}`, or Mesh.from_env(device=\"cpu\") in the script"
 
 
 class Mesh:
@@ -76,13 +92,17 @@ class Mesh:
 
     @classmethod
     def from_env(cls, *, replicate: int | str | None = None, timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
-                 step_timeout: float | datetime.timedelta = _guard.DEFAULT_STEP_TIMEOUT) -> "Mesh":
+                 step_timeout: float | datetime.timedelta = _guard.DEFAULT_STEP_TIMEOUT,
+                 device: str | None = None) -> "Mesh":
         """A mesh over the whole world.
 
         Initialises the default process group from torchrun's variables (``RANK``,
         ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when it is not initialised yet:
-        NCCL when CUDA is available, gloo otherwise; a process started without torchrun
-        becomes a world of one. An existing default group is used as it is.
+        NCCL on GPU ``LOCAL_RANK`` when CUDA is available, gloo on the CPU otherwise (or as
+        ``device`` says); a process started without torchrun becomes a world of one. An
+        existing default group is used as it is. With NCCL, every process raises the same
+        ``ValueError`` before starting it when torchrun started more processes on the
+        machine (``LOCAL_WORLD_SIZE``) than CUDA sees GPUs.
 
         Args:
             replicate: ``None`` for a 1-D mesh; an int ``R`` for a 2-D mesh of ``R``
@@ -96,9 +116,23 @@ class Mesh:
                 ranks that did not come (stopped, dead, or busy elsewhere); see
                 [Note: the schedule guard]. A rank that raises inside shardfn tells the
                 others at once; this bounds only the silent cases. Default 60 s.
+            device: ``"cuda"`` (NCCL, one GPU per process) or ``"cpu"`` (gloo, any number
+                of processes, also on a machine with GPUs). ``None``: the environment
+                variable ``SHARDFN_DEVICE`` if set (``SHARDFN_DEVICE=cpu torchrun ...``
+                runs a script on the CPU unchanged), else ``"cuda"`` when CUDA is available.
+
+        Example:
+            >>> mesh = Mesh.from_env(device="cpu")           # gloo, even on a machine with one GPU
         """
+        device = _device(device)
         if not dist.is_initialized():
-            _init_from_env(datetime.timedelta(seconds=seconds(timeout, "Mesh.from_env(timeout=...)")))
+            _init_from_env(datetime.timedelta(seconds=seconds(timeout, "Mesh.from_env(timeout=...)")), device)
+        elif device is not None and (dist.get_backend() == "nccl") != (device == "cuda"):
+            raise ValueError(
+                f"Mesh.from_env(device={device!r}): the default process group already runs {dist.get_backend()}; "
+                f"a mesh on {device} needs {'nccl' if device == 'cuda' else 'gloo'}. Drop device= (and "
+                f"{DEVICE_VARIABLE}) to use the group as it is, or start it with the other backend."
+            )
         if replicate == "nodes":
             if "LOCAL_WORLD_SIZE" not in os.environ:
                 raise ValueError(
@@ -122,6 +156,7 @@ class Mesh:
         backend = dist.get_backend(group)
         device_type = "cuda" if backend == "nccl" else "cpu"
         if device_type == "cuda":
+            _check_gpus("Mesh.from_group()", cpu='torch.distributed.init_process_group("gloo") in the script')
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
         if replicate is not None:
             world = dist.get_world_size()
@@ -324,7 +359,45 @@ def _add_channels(dm: DeviceMesh, guard: _guard.Guard) -> None:
         guard.channels[axis] = guard.channel(group, axis, control)
 
 
-def _init_from_env(timeout: datetime.timedelta) -> None:
+def _device(device: str | None) -> str | None:
+    """``Mesh.from_env(device=...)``, else ``$SHARDFN_DEVICE``, checked: "cuda", "cpu" or None."""
+    what, cpu = f"Mesh.from_env(device={device!r})", "device='cpu'"
+    if device is None:
+        device = os.environ.get(DEVICE_VARIABLE) or None
+        what, cpu = f"Mesh.from_env(): {DEVICE_VARIABLE}={device!r}", f"{DEVICE_VARIABLE}=cpu, or unset it"
+    if device is None:
+        return None
+    if str(device).lower() not in ("cuda", "cpu"):
+        raise ValueError(f"{what}: the device is 'cuda' (NCCL, a GPU per process) or 'cpu' (gloo), got {device!r}.")
+    device = str(device).lower()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{what}: CUDA is not available here (torch {torch.__version__}, "
+                         f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use {cpu} (gloo).")
+    return device
+
+
+def _check_gpus(what: str, cpu: str = _CPU_FROM_ENV) -> None:
+    """Raises the same clear error on every process of a machine that has more of them than
+    CUDA sees GPUs (``LOCAL_WORLD_SIZE``), or whose ``LOCAL_RANK`` names no GPU, before
+    ``torch.cuda.set_device`` fails with 'invalid device ordinal' (and before NCCL starts)."""
+    count = torch.cuda.device_count()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))  # torchrun sets it; other launchers may not
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_world <= count and local_rank < count:
+        return
+    if local_world > count:
+        started = f"torchrun started {local_world} processes (LOCAL_WORLD_SIZE={local_world})"
+    else:  # no LOCAL_WORLD_SIZE, or fewer than LOCAL_RANK: only this fact differs between the processes
+        started = f"this process is local rank {local_rank} (LOCAL_RANK={local_rank})"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "script.py"
+    raise ValueError(_TOO_FEW_GPUS.format(
+        what=what, started=started, devices=f"{count} GPU{'' if count == 1 else 's'}",
+        visible=f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "", script=script,
+        count=f"{count} process{'' if count == 1 else 'es'}", cpu=cpu.format(variable=DEVICE_VARIABLE, script=script)))
+
+
+def _init_from_env(timeout: datetime.timedelta, device: str | None = None) -> None:
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         # Plain `python script.py`: a world of one, on a loopback store.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -333,8 +406,9 @@ def _init_from_env(timeout: datetime.timedelta) -> None:
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         raise ValueError(_NO_ENV.format(missing=", ".join(missing)))
-    use_cuda = torch.cuda.is_available()
+    use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
     if use_cuda:
+        _check_gpus("Mesh.from_env()")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
 

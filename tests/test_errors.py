@@ -119,6 +119,93 @@ def test_mesh_must_be_one_or_two_dimensional():
         sf.Mesh(FakeDM())  # type: ignore[arg-type]
 
 
+@pytest.fixture
+def one_gpu(monkeypatch):
+    """A machine where CUDA sees one GPU, as torchrun's workers see it; ``launch(rank, **env)``
+    sets a worker's variables. Starting NCCL or picking a GPU fails the test: the error must
+    come before both. ``started`` records the backend a process group would have started with."""
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"called with {args} {kwargs}: the error must come first")
+
+    def record(backend, **kwargs):
+        started.append(backend)
+        raise Started(backend)  # stop here: no process group in the test process
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: refuse(backend) if backend == "nccl"
+                        else record(backend, **kw))
+    monkeypatch.setattr("sys.argv", ["examples/train_lm.py", "--steps", "50"])
+    monkeypatch.delenv("SHARDFN_DEVICE", raising=False)
+
+    def launch(rank, **env):
+        for var in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "29500")
+        for var, value in {"RANK": str(rank), "LOCAL_RANK": str(rank), **env}.items():
+            monkeypatch.setenv(var, value)
+
+    launch.started, launch.Started = started, Started
+    return launch
+
+
+def test_more_processes_than_gpus_raise_one_clear_error_on_every_rank(one_gpu):
+    # `torchrun --nproc-per-node 2 examples/train_lm.py` on one GPU: without the check, rank 1
+    # dies in torch.cuda.set_device(1) ("invalid device ordinal") and rank 0 waits for it.
+    texts = []
+    for rank in (0, 1):
+        one_gpu(rank, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", CUDA_VISIBLE_DEVICES="0")
+        with pytest.raises(ValueError) as caught:
+            sf.Mesh.from_env()
+        texts.append(str(caught.value))
+    assert texts[0] == texts[1]  # each rank decides from the same facts
+    assert texts[0] == (
+        "Mesh.from_env(): torchrun started 2 processes (LOCAL_WORLD_SIZE=2) on this machine, but CUDA sees 1 GPU "
+        "(CUDA_VISIBLE_DEVICES=0); with NCCL each process needs a GPU of its own (it would fail at "
+        "torch.cuda.set_device with 'invalid device ordinal'). Either:\n"
+        "  * one process per GPU: `torchrun --nproc-per-node gpu examples/train_lm.py` (1 process here);\n"
+        "  * a world of one, no torchrun: `python examples/train_lm.py`;\n"
+        "  * gloo on the CPU, any number of processes: `SHARDFN_DEVICE=cpu torchrun --nproc-per-node N "
+        "examples/train_lm.py`, or Mesh.from_env(device=\"cpu\") in the script.")
+    # A launcher that sets no LOCAL_WORLD_SIZE: the rank whose LOCAL_RANK names no GPU says so.
+    one_gpu(3, WORLD_SIZE="4")
+    with pytest.raises(ValueError, match=r"this process is local rank 3 \(LOCAL_RANK=3\) on this machine, but CUDA "
+                                         r"sees 1 GPU;"):
+        sf.Mesh.from_env()
+    # One process per GPU goes on to NCCL (refused here only because the test stops there).
+    one_gpu(0, WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    with pytest.raises(AssertionError, match="the error must come first"):
+        sf.Mesh.from_env()
+
+
+@pytest.mark.parametrize("how", ["argument", "variable"])
+def test_gloo_on_the_cpu_on_a_machine_with_a_gpu(one_gpu, monkeypatch, how):
+    one_gpu(1, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    if how == "variable":
+        monkeypatch.setenv("SHARDFN_DEVICE", "cpu")
+    with pytest.raises(one_gpu.Started):
+        sf.Mesh.from_env(device="cpu") if how == "argument" else sf.Mesh.from_env()
+    assert one_gpu.started == ["gloo"]
+
+
+def test_a_device_that_is_not_there_is_named(one_gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "device is 'cuda' (NCCL, a GPU per process) or 'cpu' (gloo), got 'gpu'" in _catch(sf.Mesh.from_env,
+                                                                                             device="gpu")
+    assert "CUDA is not available here" in _catch(sf.Mesh.from_env, device="cuda")
+    monkeypatch.setenv("SHARDFN_DEVICE", "cuda")
+    assert "SHARDFN_DEVICE='cuda': CUDA is not available here" in _catch(sf.Mesh.from_env)
+    assert "use SHARDFN_DEVICE=cpu, or unset it (gloo)" in _catch(sf.Mesh.from_env)
+
+
 def hybrid_errors():
     params, _ = _gpt()
     flat = sf.Mesh.from_group()

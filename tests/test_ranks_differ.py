@@ -192,6 +192,31 @@ def raising_then_going_on(kind):
     return {**out, "unchanged": unchanged, "next_loss": metrics["loss"]}
 
 
+def float_loss_on(ranks, at):
+    """In step ``at``, the ranks ``ranks`` return a Python float from ``loss_fn`` (``.item()``,
+    not a tensor), so each of them raises the same TypeError; every rank catches its error
+    (with its notes) and steps on."""
+    torch.manual_seed(0)
+    mesh, apply, sharded = _setup(Stack())
+    opt = adamw(1e-2)
+
+    def loss_fn(apply, params, batch):
+        loss = apply(params, batch["x"]).pow(2).mean()
+        return loss.item() if mesh.rank in ranks and batch["bad"] else loss
+
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    state = opt.init(sharded)
+    for _ in range(at):
+        sharded, state, _ = step(sharded, state, {"x": torch.randn(4, 8), "bad": False})
+    out = {"error": None}
+    try:
+        step(sharded, state, {"x": torch.randn(4, 8), "bad": True})
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        out = {"error": type(e).__name__, "message": str(e), "notes": getattr(e, "__notes__", [])}
+    _, _, metrics = step(sharded, state, {"x": torch.ones(4, 8) * (mesh.rank + 1), "bad": False})
+    return {**out, "next_loss": metrics["loss"]}
+
+
 def uneven_rows(mean):
     torch.manual_seed(0)
     mesh, apply, sharded = _setup(Stack())
@@ -307,8 +332,30 @@ def test_an_error_on_one_rank_reaches_every_rank_and_training_goes_on(clusters, 
     assert original in outs[0]["message"] and original in outs[1]["message"]
     assert f"{outs[1]['error']}: " in outs[0]["message"]  # the original exception's type
     for out in outs:
-        assert out["unchanged"] and out["seconds"] < 10
+        assert out["unchanged"] and out["seconds"] < STEP_TIMEOUT
     # Both went on in lockstep: the next step ran on both ranks and agrees.
+    assert outs[0]["next_loss"] == outs[1]["next_loss"]
+
+
+@pytest.mark.parametrize("at", [0, 4])  # a step checked collective by collective, and a pipelined one
+@pytest.mark.parametrize("ranks", [(1,), (0, 1)])
+def test_the_note_on_an_error_says_what_the_other_ranks_raise(clusters, ranks, at):
+    """A rank that raised alone tells the others, which raise PeerError naming it; when every
+    rank raised (a loss_fn returning a Python float, on every rank alike), none raises
+    PeerError, and the note does not claim they do."""
+    outs = clusters[2].run(float_loss_on, ranks, at)
+    for r, out in enumerate(outs):
+        head = f"[rank {r}] shardfn: raised on rank {r} of Mesh(shard=2, device=cpu, backend=gloo, rank={r}); "
+        if r not in ranks:
+            assert out["error"] == "PeerError" and out["notes"] == [], out
+            assert out["message"].startswith(f"[rank {r}] shardfn: rank 1 raised, so this rank stops too"), out
+            assert "TypeError: loss_fn(apply, params, batch): must return a scalar tensor" in out["message"]
+            continue
+        assert out["error"] == "TypeError" and "got float" in out["message"], out
+        if len(ranks) == 1:
+            assert out["notes"] == [head + "the other ranks raise PeerError naming it."]
+        else:
+            assert out["notes"] == [head + "every rank raised this same error itself, so no rank raises PeerError."]
     assert outs[0]["next_loss"] == outs[1]["next_loss"]
 
 

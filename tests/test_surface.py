@@ -13,13 +13,16 @@ import functools
 import inspect
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
+import traceback
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardfn as sf
 from conftest import dotted
@@ -75,6 +78,28 @@ def test_all_holds_what_users_call_and_each_name_is_documented():
     for name in ("LeafLayout", "UnitLayout", "BufferLayout", "Purpose", "Grad", "Step", "FullShard", "HybridShardZero2"):
         with pytest.warns(DeprecationWarning, match="goes in the next release"):
             assert getattr(sf, name) is not None
+
+
+def test_errors_go_by_their_public_names():
+    """A traceback names an error as users import it (``shardfn.PeerError``, not
+    ``shardfn._guard.PeerError``), and it pickles under that name, with its fields."""
+    errors = [(prefix, name, getattr(module, name)) for prefix, module in _namespaces() for name in module.__all__
+              if inspect.isclass(getattr(module, name)) and issubclass(getattr(module, name), BaseException)]
+    assert {f"{p}.{n}" for p, n, _ in errors} >= {"shardfn.DivergenceError", "shardfn.PeerError", "shardfn.CommError",
+                                                  "shardfn.testing.ClusterError"}
+    for prefix, name, cls in errors:
+        assert (cls.__module__, cls.__qualname__) == (prefix, name), cls
+        args = ("[rank 0] shardfn: rank 1 raised", 1, "KeyError: 'labels'") if cls is sf.PeerError else ("it broke",)
+        err = cls(*args)
+        if prefix == "shardfn":  # the guard marks the errors it relays with process groups, which do not pickle
+            err._shardfn_told = [dist.ProcessGroup(dist.HashStore(), 0, 1)]
+        err.add_note("a note")
+        assert traceback.format_exception_only(err)[0] == f"{prefix}.{name}: {args[0]}\n"
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is cls and back.args == err.args and back.__notes__ == ["a note"]
+        assert not hasattr(back, "_shardfn_told")
+        if cls is sf.PeerError:
+            assert (back.rank, back.original) == (1, "KeyError: 'labels'")
 
 
 def _loss(apply, params, batch):

@@ -42,6 +42,8 @@ class ClusterError(RuntimeError):
     """A task failed on some rank; the cluster was torn down. `failures` maps each
     failing rank to its traceback text (or how it died)."""
 
+    __module__ = "shardfn.testing"  # the name users import it by, in tracebacks too
+
     def __init__(self, message: str, failures: dict[int, str] | None = None):
         super().__init__(message)
         self.failures = dict(failures or {})
