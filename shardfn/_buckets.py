@@ -41,11 +41,11 @@ step. One param dtype and one reshard rule per bucket. The members of a bucket a
 gathered together, so FULL_SHARD holds a bucket where it held a unit: choose
 ``bucket_bytes`` by the memory one bucket of gathered parameters may take.
 
-A bucket one of whose members a rank does not run (a unit skipped on that rank) is
-gathered and reduced all the same on every rank: the skipped member's parameters are not
-used, and its gradient is zero. Alone, such a unit would make the ranks' collectives
-differ (a DivergenceError); in a bucket it is the arithmetic of a module that contributes
-nothing on that rank, as with DDP.
+A unit that some ranks skip (not run in the step) raises the same DivergenceError on every
+rank, bucketed or alone, unless it is declared optional (``Plan(optional=...)``, alone in its
+bucket): one rule, whatever the bucket sizes. Alone, its collectives differ; in a bucket they
+would not, so a bucket's reduction carries in its header's detail which members this rank
+did not run (:func:`skipped_detail`), and ranks that skipped different ones disagree there.
 """
 
 from __future__ import annotations
@@ -56,11 +56,12 @@ import torch
 
 from . import _collectives as C
 from ._events import Purpose
+from ._guard import unit_id
 from ._offload import pack_shards
 from ._packing import shard_buffer
 from ._plan import Strategy
 
-__all__ = ["FIRST_BUCKET_BYTES", "GatherBucket", "ReduceBucket", "gather_buckets", "reduce_buckets"]
+__all__ = ["FIRST_BUCKET_BYTES", "GatherBucket", "ReduceBucket", "gather_buckets", "reduce_buckets", "skipped_detail"]
 
 FIRST_BUCKET_BYTES = 2**20
 
@@ -224,18 +225,19 @@ class ReduceBucket:
 
     def issue(self) -> None:
         """One collective for the bucket. Called early, after a backward, for a bucket some of
-        whose units this rank did not use: its parts of them are zero, and each still gets
-        its part of the result, the other ranks' gradients (a rank that used none of a
-        bucket's units issues nothing, and if another did, the ranks diverge: an error)."""
+        whose units this rank did not use: its parts of them are zero, and its header names
+        them, so the ranks agree on the step only if every rank skipped the same ones (a
+        rank that used none of a bucket's units issues nothing: the ranks diverge too)."""
         first = self.units[0]
         rt, ready = first.runtime, self.ready
+        detail = skipped_detail([u.unit.name for u in self.units if u not in ready])
         if self.rows == 1:
             for unit in self.units:
                 if unit not in ready:
                     self.part(unit).zero_()
             out = buf = self.buffer
             work = C.all_reduce(buf, first.grads.replicate, Purpose.REDUCE, self.name, op=rt.reduce_op,
-                                async_op=rt.overlap, to=rt.observers)
+                                async_op=rt.overlap, to=rt.observers, detail=detail)
         else:
             rt.wait_pending()  # one bucket's unsharded gradients in flight at a time
             parts = [u.grads.acc.view(self.rows, -1) if u in ready else
@@ -245,13 +247,19 @@ class ReduceBucket:
             del parts
             out = torch.empty(self.numel, dtype=first.unit.reduce_dtype, device=buf.device)
             work = C.reduce_scatter(out, buf.view(-1), first.channel, Purpose.REDUCE, self.name, op=rt.reduce_op,
-                                    async_op=rt.overlap, to=rt.observers)
+                                    async_op=rt.overlap, to=rt.observers, detail=detail)
         if rt.overlap:
             rt.add_pending(work, (buf, out), bucket=self.rows == 1)
         for unit, off in zip(self.units, self.offsets):
             rt.reduced.append((unit, out[off : off + unit.unit.grad_numel]))
             unit.grads.acc = None
         self.buffer, self.ready = None, []
+
+
+def skipped_detail(skipped: list[str]) -> int:
+    """The header detail of a bucket's reduction whose members ``skipped`` this rank did not
+    run: 0 for none, else the first one's name hash and how many (shardfn._guard prints it)."""
+    return unit_id(skipped[0]) | len(skipped) << 32 if skipped else 0
 
 
 def attach_buckets(units: dict[int, Any], reduce: bool) -> None:

@@ -69,13 +69,13 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose: Pur
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose: Purpose, unit: str = "",
-                   op: ReduceOp = AVG, async_op: bool = False, to: Any = None) -> Any:
+                   op: ReduceOp = AVG, async_op: bool = False, to: Any = None, detail: int = 0) -> Any:
     """``out`` receives this rank's chunk of the average (or ``op``) of ``inp`` over ``ch``'s group.
 
     With ``async_op`` it returns the work handle: ``out`` is valid after ``work.wait()``
-    and ``inp`` must stay alive until then.
+    and ``inp`` must stay alive until then. ``detail``: a number every rank must agree on.
     """
-    _record(Collective.REDUCE_SCATTER, ch, inp, purpose, unit, to, op=op)
+    _record(Collective.REDUCE_SCATTER, ch, inp, purpose, unit, to, detail, op)
     with _range(Collective.REDUCE_SCATTER, purpose, unit):
         work, finish = issue_reduce_scatter(out, inp, ch.group, op)
     if async_op:

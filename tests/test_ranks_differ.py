@@ -307,15 +307,31 @@ def test_a_block_skipped_on_every_rank_alike_runs_the_step_again_and_trains_exac
             torch.testing.assert_close(full[name], expected[name], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("at_step", [1, 6])  # checked collective by collective; pipelined
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
-def test_a_block_skipped_on_one_rank_inside_a_bucket_trains_as_the_global_batch_does(clusters, strategy):
-    """In a bucket ([Note: buckets]) the skipped layer's collectives are its neighbours':
-    every rank issues the same ones, the skipping rank contributes a zero gradient of the
-    layer and still receives the others', and the step is exactly the one-device step on
-    the global batch whose skipping rank's rows skip the layer (DDP's arithmetic). Alone,
-    the same skip raises (the tests above). (A rank that dropped the reduced gradient of a
-    unit it did not run would update its shard, or its replica, with zeros: silently apart.)"""
-    outs = clusters[2].run(skipped_block, (0,), 2, 4, strategy=strategy, bucket_bytes=None)
+@pytest.mark.parametrize("bucket_bytes", [0, None], ids=["alone", "bucketed"])
+def test_a_block_skipped_on_one_rank_raises_alone_or_in_a_bucket(clusters, bucket_bytes, strategy, at_step):
+    """One rule ([Note: buckets]): a unit that some ranks skip raises the same error on every
+    rank, whether it reduces alone or in a bucket with its neighbours (the default 4 MiB
+    buckets hold all three layers: the same collectives on every rank, told apart by their
+    headers), before anything changes; declared optional, it trains (the test after)."""
+    outs = clusters[2].run(skipped_block, (1,), at_step, strategy=strategy, bucket_bytes=bucket_bytes)
+    for per_rank, _, _ in outs:
+        assert all(o["error"] is None for o in per_rank[:at_step])
+        last = per_rank[at_step]
+        assert last["error"] == "DivergenceError" and last["unchanged"], last
+        assert "layers.1" in last["message"] and "optional" in last["message"], last["message"]
+    assert outs[0][0][at_step]["message"].split("] ", 1)[1] == outs[1][0][at_step]["message"].split("] ", 1)[1]
+    if bucket_bytes is None and at_step == 1:  # the header names what the skipping rank left out
+        assert "without layers.1 (not run on this rank)" in outs[0][0][at_step]["message"]
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_a_block_declared_optional_and_skipped_on_one_rank_trains_as_the_global_batch_does(clusters, strategy):
+    """Declared optional, the skipped layer is gathered and reduced on every rank, the
+    skipping rank contributing a zero gradient: exactly the one-device step on the global
+    batch whose skipping rank's rows skip the layer (DDP's arithmetic), bit for bit."""
+    outs = clusters[2].run(skipped_block, (0,), 2, 4, strategy=strategy, optional=["layers.1"])
     expected = clusters[1].run(stack_reference, 2, 4, 2, (0,))[0]
     for per_rank, full, reruns in outs:
         assert all(o["error"] is None for o in per_rank), per_rank
