@@ -20,12 +20,21 @@ newest one there, so torchrun can restart it after a rank dies and it continues 
 ``--standalone``. The variable gives each restart a fresh store: with the store shared,
 as by default, a restarted worker can read the addresses of the workers that died and
 fail to connect; see docs/checkpoints.md.)
+
+What it leaves behind: rank 0 writes one JSON line per step to ``metrics.jsonl`` in the run
+directory (``--run-dir``; default: a new ``runs/<date>-<time>``, or, when it resumes, the
+directory of the run that saved the checkpoint, so a restart continues the same file):
+``step``, ``loss``, ``val_loss`` (null on steps without validation), ``grad_norm``,
+``tokens_per_s``, ``peak_memory_bytes`` and ``comm_bytes`` (rank 0's, that step). At the
+end it draws ``loss_curves.png`` there (train and validation loss), with matplotlib
+(``pip install matplotlib``, or the ``plot`` extra); without it, it says so in one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import signal
 import resource
@@ -120,6 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--ckpt-dir", default=None, help="directory for checkpoints (step-NNNNNN); none: no checkpoints")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint interval in steps (and after the last step)")
+    p.add_argument("--run-dir", default=None,
+                   help="where rank 0 writes metrics.jsonl (a JSON line per step) and loss_curves.png; default: a "
+                   "new runs/<date>-<time>, or, resuming, the run directory saved in the checkpoint (a restart "
+                   "continues the same metrics.jsonl)")
     p.add_argument(
         "--resume", action=argparse.BooleanOptionalAction, default=True,
         help="continue from the newest checkpoint in --ckpt-dir, if there is one (default: yes, because a worker "
@@ -162,11 +175,87 @@ def say(text: object) -> None:
     sys.stdout.flush()
 
 
-def peak_mib(device: torch.device) -> float:
-    """This process's peak memory: allocated on the GPU, else the peak resident set (MiB)."""
+def peak_bytes(device: torch.device) -> int:
+    """This process's peak memory: allocated on the GPU, else the peak resident set (bytes)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def peak_mib(device: torch.device) -> float:
+    return peak_bytes(device) / 2**20
+
+
+METRICS, CURVES = "metrics.jsonl", "loss_curves.png"
+
+
+def new_run_dir(root: str = "runs") -> str:
+    """``runs/<date>-<time>``, made now; ``-2``, ``-3``, ... when a run started in the same second."""
+    base = os.path.join(root, time.strftime("%Y%m%d-%H%M%S"))
+    for n in range(1, 1000):
+        path = base if n == 1 else f"{base}-{n}"
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{base}: 999 runs started in this second")
+
+
+class MetricsFile:
+    """Rank 0's ``metrics.jsonl``: one JSON object per step, flushed as it is written (``tail -f``
+    works). A run that starts at step ``start`` keeps the lines of the steps before it (those of
+    the checkpoint it resumed from) and drops the rest, which it is about to redo."""
+
+    def __init__(self, run_dir: str, start: int):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, METRICS)
+        kept = [line for line in read_metrics(self.path) if line["step"] < start] if start > 1 else []
+        self.file = open(self.path, "w", buffering=1, encoding="utf-8")  # line-buffered
+        for line in kept:
+            self.write(line)
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (none if there is no such file)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_losses(run_dir: str, title: str) -> str:
+    """Draws ``loss_curves.png`` (train and validation loss by step) from the run's
+    ``metrics.jsonl``; returns the line to print: where the picture is, or how to get it."""
+    metrics, png = os.path.join(run_dir, METRICS), os.path.join(run_dir, CURVES)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (f"no {CURVES}: matplotlib is not installed (pip install matplotlib, or pip install -e \".[plot]\"); "
+                f"the metrics are in {metrics}")
+    records = read_metrics(metrics)
+    val = [r for r in records if r["val_loss"] is not None]
+    fig, ax = plt.subplots(figsize=(6.4, 4), dpi=100)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1, label="train (the step's batch)")
+    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", ms=4, label="validation (fixed batch)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (cross-entropy, nats per byte)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+    return f"loss curves: {png}"
 
 
 class Progress:
@@ -306,7 +395,7 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     tokens_per_step = args.global_batch * args.seq_len
     first = loss = float("nan")
-    start = 1
+    start, saved_run_dir = 1, None
     resume_from = sf.checkpoint.latest(args.ckpt_dir) if args.ckpt_dir else None
     if resume_from and not args.resume:
         raise ValueError(f"--no-resume, but --ckpt-dir {args.ckpt_dir} holds checkpoints ({resume_from}); "
@@ -316,7 +405,15 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
         gen.set_state(extra["data_rng"])
         torch.set_rng_state(extra["torch_rng"])
         start, first, loss = extra["step"] + 1, extra["first_loss"], extra["loss"]
+        saved_run_dir = extra.get("run_dir")  # checkpoints from before metrics.jsonl have none
         log(f"resumed from {resume_from} at step {extra['step']}")
+    # Every rank takes the same branch (same arguments, same checkpoint): rank 0 names a new
+    # directory and tells the others, who save its name in the checkpoints for a restart.
+    run_dir = args.run_dir or saved_run_dir or mesh.broadcast(new_run_dir() if mesh.rank == 0 else None)
+    run_log = None
+    if mesh.rank == 0:
+        run_log = MetricsFile(run_dir, start)
+        log(f"metrics: {run_log.path} (a JSON line per step)")
     progress = Progress(args.progress, mesh.rank, args.steps, start)
     v = float("nan")
     for n in range(start, args.steps + 1):
@@ -330,16 +427,22 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
         if n == 1:
             first = loss
         trained_tokens += tokens_per_step
-        comm = sum(metrics["comm_bytes"].values()) / 2**20
+        comm_bytes = sum(metrics["comm_bytes"].values())
+        comm = comm_bytes / 2**20
         progress.step(n, loss, tokens_per_step / dt, peak_mib(mesh.device), comm)
-        if n % args.log_every == 0 or n == args.steps:
+        validated = n % args.log_every == 0 or n == args.steps
+        if validated:
             v = val_loss()
             progress.write(f"val loss {v:.4f} at step {n}")
+        if run_log is not None:
+            run_log.write({"step": n, "loss": loss, "val_loss": v if validated else None,
+                           "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / dt,
+                           "peak_memory_bytes": peak_bytes(mesh.device), "comm_bytes": comm_bytes})
         if args.ckpt_dir and (n % args.save_every == 0 or n == args.steps):
             # Everything the loop needs to go on exactly: the step, the data generator (and
             # torch's global generator, for a model with dropout), the losses it reports.
             extra = {"step": n, "first_loss": first, "loss": loss, "data_rng": gen.get_state(),
-                     "torch_rng": torch.get_rng_state()}
+                     "torch_rng": torch.get_rng_state(), "run_dir": run_dir}
             sf.checkpoint.save(os.path.join(args.ckpt_dir, f"step-{n:06d}"), sharded, opt_state, extra=extra)
     progress.close()
     seconds = time.perf_counter() - t_start
@@ -354,6 +457,9 @@ def train(args: argparse.Namespace, mesh: sf.Mesh) -> None:
         f"({'allocated on the GPU' if mesh.device.type == 'cuda' else 'resident set'}), "
         f"{comm:.2f} MiB communicated per rank and step, checkpoint {checkpoint or 'none (--ckpt-dir)'}")
     log(f"final loss {loss:.4f} (first {first:.4f})")
+    if run_log is not None:
+        run_log.close()
+        log(plot_losses(run_dir, f"examples/train_lm.py: {args.model}, {args.strategy}, {mesh.size} ranks"))
     if args.report_all_ranks:
         say(f"rank {dist.get_rank()} final loss {loss!r}")
     if args.export:
