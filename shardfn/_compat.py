@@ -3,7 +3,7 @@
 Every use of an API that some supported release lacks, renames or changes goes through
 this module, each with a comment naming the releases, so that raising the floor later is
 a matter of deleting lines here. ``tools/torch_matrix.sh VERSION`` runs the whole suite on
-one release (README, "Supported torch").
+one release (docs/benchmarks.md, "The torch range").
 
 One difference is a behaviour, not a name, and is met where it arises: torch 2.11's
 ``dcp.load`` swallows what a storage reader's ``read_metadata`` raises and fails later
