@@ -11,13 +11,12 @@ import math
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from procs import run_in_session
 from shardfn.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,18 +41,8 @@ def run(args: list[str], cwd: Path) -> str:
     elif args[0] == "python":
         args = [sys.executable, *args[1:]]
     args = [str(SCRIPT) if a == "examples/huggingface.py" else a for a in args]
-    # its own session, so that a hang kills torchrun's workers too
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        out, err = proc.communicate(timeout=120)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left (nothing, after a clean exit)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    assert proc.returncode == 0, f"{shlex.join(args)}\n{out[-3000:]}\n{err[-3000:]}"
+    code, out, err = run_in_session(args, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert code == 0, f"{shlex.join(args)}\n{out[-3000:]}\n{err[-3000:]}"
     return out
 
 

@@ -9,7 +9,6 @@ fp32 tolerance (the 3 ranks sum the gradients in another order).
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from procs import run_in_session
 
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny model; a global batch of 6 splits over 2 and over 3 ranks
@@ -33,21 +34,10 @@ def train_lm(nproc, ckpt_dir, final_state, *extra, env=None):
            "--max-restarts", "1", str(ROOT / "examples" / "train_lm.py"),
            *CONFIG, "--ckpt-dir", str(ckpt_dir), "--final-state", str(final_state), *extra]
     t0 = time.perf_counter()
-    # its own session, so that a hang kills torchrun's workers too, not only torchrun
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                                 **(env or {})})
-    try:
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left (nothing, after a clean exit)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    code, stdout, stderr = run_in_session(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})})
     errors = "\n".join(line for line in stderr.splitlines() if "FutureWarning" not in line and "return func" not in line)
-    assert proc.returncode == 0, stdout[-3000:] + errors[-5000:]
+    assert code == 0, stdout[-3000:] + errors[-5000:]
     assert "shared store" not in stderr
     return stdout, time.perf_counter() - t0
 
