@@ -46,8 +46,8 @@ takes a process group. What a rank is doing (the header's ``where``), whether it
 inside a guarded region and the step in progress are context variables, set and reset
 by the ``with`` blocks that own them.
 
-Cost: one small all-gather (56 bytes per rank) per collective, waited before the
-collective starts — except inside a step whose collectives repeat the previous steps',
+Cost: one small all-reduce (112 bytes, whatever the world: [Note: a fixed-size agreement])
+per collective, waited before the collective starts — except inside a step whose collectives repeat the previous steps',
 where the check is pipelined (see [Note: the pipelined guard] in shardfn._schedule).
 """
 
@@ -88,7 +88,7 @@ RUN: contextvars.ContextVar[Any] = contextvars.ContextVar("shardfn_run", default
 class Guard:
     """The schedule guard of one mesh (``mesh.guard``): see [Note: the guard's state]."""
 
-    __slots__ = ("timeout", "channels", "subgroups", "names", "broken", "incidents", "headers")
+    __slots__ = ("timeout", "channels", "subgroups", "names", "broken", "incidents", "headers", "header_bytes")
 
     def __init__(self, timeout: float):
         self.timeout = timeout
@@ -98,6 +98,7 @@ class Guard:
         self.broken: str | None = None  # the CommError that made the process group unusable
         self.incidents = 0  # this rank's failures so far
         self.headers = 0  # header exchanges so far (tests count them)
+        self.header_bytes = 0  # the bytes of the exchanges' results so far: what reached this rank
 
     def channel(self, group: Any, axis: str, control: Any = None) -> "Channel":
         """A channel over ``group`` whose headers travel on ``control`` (default: the group)."""
@@ -190,16 +191,32 @@ def agree_words(ch: Channel, mine: list[int], what: str, position: int = 0) -> l
 
 
 def exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
-    """All ranks' headers (one all-gather on the control group); raises PeerError when a
-    peer's header says it failed."""
+    """All ranks' headers; raises PeerError when a peer's header says it failed.
+
+    [Note: a fixed-size agreement] The ranks first agree on a value whose size does not
+    grow with the world: one all-reduce (MAX) of the header and its negation gives every
+    word's largest and smallest value over the ranks. Equal, every rank sent this header,
+    and that is the answer. Otherwise (a divergence, a failure, a deviation: every rank sees
+    it, so every rank goes on alike) an all-gather brings each rank's header for the message.
+    """
     me = dist.get_rank()
     with on_host():  # host memory on any device (the control group is gloo's)
-        out = torch.empty(ch.size * HEADER, dtype=torch.int64)
+        extremes = torch.tensor([*mine, *(-w for w in mine)], dtype=torch.int64)
         ch.guard.headers += 1
-        work = all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=ch.control, async_op=True)
+        ch.guard.header_bytes += extremes.numel() * extremes.element_size()
+        work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ch.control, async_op=True)
     wait(work, ch, what)
+    top = extremes.tolist()
+    if top[:HEADER] == [-w for w in top[HEADER:]]:
+        headers = [list(mine) for _ in ch.ranks]
+    else:
+        with on_host():
+            out = torch.empty(ch.size * HEADER, dtype=torch.int64)
+            ch.guard.header_bytes += out.numel() * out.element_size()
+            work = all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=ch.control, async_op=True)
+        wait(work, ch, what)
+        headers = out.view(-1, HEADER).tolist()
     ch.position += 1
-    headers = out.view(-1, HEADER).tolist()
     failed = [(r, h[STATUS]) for r, h in zip(ch.ranks, headers) if h[STATUS] >= FAILED]
     if failed and mine[STATUS] < FAILED:
         origin, original = _read_failure(*failed[0])

@@ -266,8 +266,8 @@ def test_reduce_scatter_on_gloo_sums_each_ranks_own_chunk(clusters, world):
             want = (total / world if op == "avg" else total).float()
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             assert recorded == {"reduce_scatter": world * 4 * (4 if dtype == "torch.float32" else 2)}
-            # Sends and receives (and the guard's header all-gather), no gloo reduce-scatter.
-            assert set(ops) == {"c10d::_allgather_base_", "c10d::recv_", "c10d::send"}, ops
+            # Sends and receives (and the guard's header all-reduce), no gloo reduce-scatter.
+            assert set(ops) == {"c10d::allreduce_", "c10d::recv_", "c10d::send"}, ops
 
 
 def freed_for_real():

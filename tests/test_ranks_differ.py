@@ -297,6 +297,34 @@ def test_steady_steps_check_their_schedule_with_two_headers(clusters):
         assert headers[3:] == [2] * 5, headers  # pipelined from step 3 on: the opening and the metrics header
 
 
+def guard_traffic(steps):
+    """Per step of a steady training: the header exchanges and the bytes this rank sent in them."""
+    torch.manual_seed(0)
+    mesh, apply, sharded = _setup(Stack())
+    opt = adamw(1e-2)
+    step = sf.jit_step(lambda apply, p, b: apply(p, b).pow(2).mean(), mesh, optimizer=opt)
+    state = opt.init(sharded)
+    out = []
+    for n in range(steps):
+        headers, sent = mesh.guard.headers, mesh.guard.header_bytes
+        sharded, state, _ = step(sharded, state, torch.randn(4, 8, generator=torch.Generator().manual_seed(n)))
+        out.append((mesh.guard.headers - headers, mesh.guard.header_bytes - sent))
+    return out
+
+
+def test_the_guard_sends_a_fixed_size_whatever_the_world(clusters):
+    """[Note: a fixed-size agreement]: ranks that agree exchange one 112-byte all-reduce per
+    header (the header and its negation), at 2, 3 and 4 ranks alike: a steady step's two
+    cost 224 bytes whatever the world (an all-gather of every rank's header grew with it)."""
+    per_world = {}
+    for world in (2, 3, 4):
+        for per_rank in clusters[world].run(guard_traffic, 6):
+            assert all(sent == 112 * headers for headers, sent in per_rank), per_rank  # no all-gather
+            assert per_rank[3:] == [(2, 224)] * 3, per_rank  # pipelined from step 3 on
+            per_world.setdefault(world, per_rank)
+    assert per_world[2] == per_world[3] == per_world[4]
+
+
 def test_a_block_skipped_on_every_rank_alike_runs_the_step_again_and_trains_exactly(clusters):
     outs = clusters[2].run(skipped_block, (0, 1), 5, 8)
     expected = clusters[1].run(stack_reference, 5, 8)[0]
