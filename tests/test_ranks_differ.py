@@ -131,11 +131,11 @@ def skipped_block(skip_ranks, at_step, steps=None, **plan):
     for n in range(steps or at_step + 1):
         batch = {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * n + mesh.rank)), "n": n}
         before = _snapshot(sharded, state)
-        headers = mesh.guard.headers
+        headers, sent = mesh.guard.headers, mesh.guard.header_bytes
         with sf.record_collectives() as log:
             out = _outcome(lambda: step(sharded, state, batch))
         outs.append({**out, "unchanged": _unchanged(before, sharded, state), "headers": mesh.guard.headers - headers,
-                     "collectives": len(log.calls)})
+                     "header_bytes": mesh.guard.header_bytes - sent, "collectives": len(log.calls)})
     return outs, sf.gather(sharded), step.grad.schedule.reruns
 
 
@@ -297,28 +297,14 @@ def test_steady_steps_check_their_schedule_with_two_headers(clusters):
         assert headers[3:] == [2] * 5, headers  # pipelined from step 3 on: the opening and the metrics header
 
 
-def guard_traffic(steps):
-    """Per step of a steady training: the header exchanges and the bytes this rank sent in them."""
-    torch.manual_seed(0)
-    mesh, apply, sharded = _setup(Stack())
-    opt = adamw(1e-2)
-    step = sf.jit_step(lambda apply, p, b: apply(p, b).pow(2).mean(), mesh, optimizer=opt)
-    state = opt.init(sharded)
-    out = []
-    for n in range(steps):
-        headers, sent = mesh.guard.headers, mesh.guard.header_bytes
-        sharded, state, _ = step(sharded, state, torch.randn(4, 8, generator=torch.Generator().manual_seed(n)))
-        out.append((mesh.guard.headers - headers, mesh.guard.header_bytes - sent))
-    return out
-
-
 def test_the_guard_sends_a_fixed_size_whatever_the_world(clusters):
     """[Note: a fixed-size agreement]: ranks that agree exchange one 112-byte all-reduce per
     header (the header and its negation), at 2, 3 and 4 ranks alike: a steady step's two
     cost 224 bytes whatever the world (an all-gather of every rank's header grew with it)."""
     per_world = {}
     for world in (2, 3, 4):
-        for per_rank in clusters[world].run(guard_traffic, 6):
+        for outs, _, _ in clusters[world].run(skipped_block, (), -1, 6):
+            per_rank = [(o["headers"], o["header_bytes"]) for o in outs]
             assert all(sent == 112 * headers for headers, sent in per_rank), per_rank  # no all-gather
             assert per_rank[3:] == [(2, 224)] * 3, per_rank  # pipelined from step 3 on
             per_world.setdefault(world, per_rank)
