@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from . import _guard as G
 from ._compat import all_gather_single, reduce_scatter_single
 from ._events import Collective, CollectiveCall, Purpose, emit, label, marker, observers
+from ._recording import recording
 
 __all__ = [
     "AVG", "MAX", "MIN", "SUM", "all_gather", "all_gather_mesh", "all_reduce", "all_reduce_mesh", "barrier",
@@ -64,7 +65,10 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose: Pur
     """
     _record(Collective.ALL_GATHER, ch, out, purpose, unit, to, detail)
     with _range(Collective.ALL_GATHER, purpose, unit):
-        work = all_gather_single(out, inp, group=ch.group, async_op=True)
+        if recording():
+            work = _Functional(out, _F.all_gather_into_tensor(inp.reshape(-1), ch.size, ch.group.group_name))
+        else:
+            work = all_gather_single(out, inp, group=ch.group, async_op=True)
     return _done(work, ch, async_op, Collective.ALL_GATHER, purpose, unit)
 
 
@@ -77,7 +81,11 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose:
     """
     _record(Collective.REDUCE_SCATTER, ch, inp, purpose, unit, to, detail, op)
     with _range(Collective.REDUCE_SCATTER, purpose, unit):
-        work, finish = issue_reduce_scatter(out, inp, ch.group, op)
+        if recording():
+            work, finish = _Functional(out, _F.reduce_scatter_tensor(inp.reshape(-1), _OPS[op], ch.size,
+                                                                    ch.group.group_name)), None
+        else:
+            work, finish = issue_reduce_scatter(out, inp, ch.group, op)
     if async_op:
         return G.Pending(work, ch, f"{Collective.REDUCE_SCATTER.value} ({G.label(purpose, unit)})", finish)
     _done(work, ch, False, Collective.REDUCE_SCATTER, purpose, unit)
@@ -135,6 +143,24 @@ def _reduce_scatter_gloo(out: torch.Tensor, inp: torch.Tensor, group: ProcessGro
     return work, finish
 
 
+_F = torch.ops._c10d_functional
+_OPS = {SUM: "sum", AVG: "avg", MAX: "max", MIN: "min"}
+
+
+class _Functional:
+    """A functional collective in a recorded step ([Note: recording a step]): waiting
+    copies its result into the buffer the eager collective writes in place."""
+
+    def __init__(self, out: torch.Tensor, result: torch.Tensor):
+        self.out, self.result = out, result
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self.result is not None:
+            done, self.result = _F.wait_tensor(self.result), None
+            self.out.copy_(done.view(self.out.shape))
+        return True
+
+
 class _Works:
     """Several work handles waited as one (a batch of sends and receives)."""
 
@@ -155,7 +181,10 @@ def all_reduce(t: torch.Tensor, ch: G.Channel, purpose: Purpose, unit: str = "",
     (the step's metrics all-reduce passes the batch's rows)."""
     _record(Collective.ALL_REDUCE, ch, t, purpose, unit, to, detail, op)
     with _range(Collective.ALL_REDUCE, purpose, unit):
-        work = dist.all_reduce(t, op=op, group=ch.group, async_op=True)
+        if recording():
+            work = _Functional(t, _F.all_reduce(t, _OPS[op], ch.group.group_name))
+        else:
+            work = dist.all_reduce(t, op=op, group=ch.group, async_op=True)
     return _done(work, ch, async_op, Collective.ALL_REDUCE, purpose, unit)
 
 

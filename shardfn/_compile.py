@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ._recording import recording
 from ._runtime import current
 
 __all__ = ["backend_of", "compilable", "compile_stats"]
@@ -47,6 +48,9 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if traced is not None and recording():  # the scalars as values of the program ([Note: recording a step])
+            return traced(*(torch.tensor(a, dtype=torch.float64) if isinstance(a, float) else a for a in args),
+                          **kwargs)
         rt = current()
         backend = rt.compile if rt is not None else None
         if not backend:

@@ -93,6 +93,7 @@ from ._layout import Layout, UnitLayout
 from ._offload import copy_stream, join_stream, pack_shards, to_device
 from ._packing import shard_buffer, unpack_unit
 from ._plan import RematMode
+from ._recording import recording, relative_view
 from ._reduce import UnitGrads
 from ._runtime import Runtime, invariant
 
@@ -427,7 +428,8 @@ class Unit:
             self._gather(Purpose.REGATHER)
             self._prefetch_next(forward=False)
         # (the gathered parameters were made without autograd: no detach needed for a fresh view)
-        view = self.full[handle.index].as_strided(handle.size, handle.stride, handle.offset)
+        full = self.full[handle.index]
+        view = (full.as_strided(handle.size, handle.stride, handle.offset), full, full.t())[handle.kind]
         self.handles -= 1
         handle.use.pending -= 1
         # the node that reads it holds the view until it is done
@@ -440,11 +442,12 @@ class _Handle:
     """A saved tensor that lives in a gathered parameter's storage, packed without a
     reference to it (see [Note: how a sharded call works])."""
 
-    __slots__ = ("unit", "use", "index", "size", "stride", "offset")
+    __slots__ = ("unit", "use", "index", "size", "stride", "offset", "kind")
 
-    def __init__(self, unit: Unit, index: int, t: torch.Tensor):
+    def __init__(self, unit: Unit, index: int, t: torch.Tensor, kind: int = 0):
         self.unit, self.use, self.index = unit, unit.use, index
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.kind = kind  # how it is made again: 0 by its offsets; 1 the parameter; 2 its transpose
 
 
 def saved_handles(units: list[Unit]) -> Any:
@@ -458,9 +461,15 @@ def saved_handles(units: list[Unit]) -> Any:
         for unit in units:
             index = unit.storages.get(id(t.untyped_storage())) if unit.storages else None
             if index is not None and unit.full is not None and t.dtype == unit.full[index].dtype:
+                kind = 0
+                if recording():
+                    found = relative_view(t, unit.full)
+                    if found is None:
+                        return t
+                    index, kind = found
                 unit.handles += 1
                 unit.use.pending += 1
-                return _Handle(unit, index, t)
+                return _Handle(unit, index, t, kind)
         return t
 
     def unpack(packed: Any) -> torch.Tensor:

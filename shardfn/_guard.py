@@ -70,6 +70,7 @@ from ._header import (_CONTEXTS, _DTYPES, _KINDS, _PURPOSES, DETAIL, DIVERGED, F
                       POSITION, STATUS, UNIT, WHAT, WHERE, Where, describe_header, fix, label, unit_id)
 from ._events import Collective, Purpose
 from ._memory import on_host
+from ._recording import untraced
 
 __all__ = [
     "Channel", "CommError", "DivergenceError", "Guard", "PeerError", "Where", "agree", "agree_exit", "agree_words",
@@ -193,12 +194,20 @@ def agree_words(ch: Channel, mine: list[int], what: str, position: int = 0) -> l
 def exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
     """All ranks' headers; raises PeerError when a peer's header says it failed.
 
+    A recorded step's headers are this call's host work, not its program's ([Note:
+    recording a step]).
+
     [Note: a fixed-size agreement] The ranks first agree on a value whose size does not
     grow with the world: one all-reduce (MAX) of the header and its negation gives every
     word's largest and smallest value over the ranks. Equal, every rank sent this header,
     and that is the answer. Otherwise (a divergence, a failure, a deviation: every rank sees
     it, so every rank goes on alike) an all-gather brings each rank's header for the message.
     """
+    with untraced():
+        return _exchange(ch, mine, what)
+
+
+def _exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
     me = dist.get_rank()
     with on_host():  # host memory on any device (the control group is gloo's)
         extremes = torch.tensor([*mine, *(-w for w in mine)], dtype=torch.int64)

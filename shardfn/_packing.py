@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ._offload import with_gaps
+from ._recording import cat_into, recording
 
 LeafLayout = Any  # shardfn._layout.LeafLayout (imported there from here: no cycle)
 
@@ -48,7 +49,7 @@ def unpack_unit(gathered: torch.Tensor, leaves: Sequence[LeafLayout], world: int
         return _flat_views(gathered.view(-1), leaves)
     outs = [gathered.new_empty((world, leaf.shard_numel)) for leaf in leaves]
     if outs:
-        torch.split_with_sizes_copy(gathered, [leaf.shard_numel for leaf in leaves], dim=1, out=outs)
+        cat_into(gathered, outs, torch.split_with_sizes_copy, split_sizes=[leaf.shard_numel for leaf in leaves], dim=1)
     return [t.view(-1)[: math.prod(leaf.shape)].view(leaf.shape) for t, leaf in zip(outs, leaves)]
 
 
@@ -84,12 +85,14 @@ def pack_unit(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], world: int,
     if starts is not None:
         out = buffer.view(-1)
         parts = with_gaps(list(zip(starts, (t.reshape(-1) for t in tensors))), out.numel(), out)
-        if parts:
+        if parts and recording():  # into the buffer itself, not a view of it (see cat_into)
+            buffer.copy_(torch.cat(parts).view(buffer.shape))
+        elif parts:
             torch.cat(parts, out=out)
         return
     parts = [t.reshape(1) if t.dim() == 0 else t for t in tensors if t.numel()]  # empty: no columns
     if parts:
-        torch._chunk_cat(parts, dim=0, num_chunks=world, out=buffer)
+        cat_into(parts, buffer, torch._chunk_cat, dim=0, num_chunks=world)
 
 
 def pack_leaf(buffer: torch.Tensor, full: torch.Tensor, leaf: LeafLayout, world: int, offset: int) -> None:
@@ -132,7 +135,11 @@ def shard_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
     is one contiguous tensor of ``numel`` elements in ``dtype`` (as :func:`shardfn.shard` lays
     them out, and in-place updates keep them); else None, and the caller packs them.
 
-    The all-gather then sends it as it is: no copy ([Note: placements])."""
+    The all-gather then sends it as it is: no copy ([Note: placements]). Not while a step
+    is recorded: the buffer is no input of the program, which reaches the state only
+    through its leaves ([Note: recording a step]), so the shards are packed."""
+    if recording():
+        return None
     base = shards[0]._base if shards else None
     if base is None or base.dtype != dtype or base.dim() != 1 or base.numel() != numel or not base.is_contiguous():
         return None

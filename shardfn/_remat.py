@@ -18,7 +18,6 @@ original forward, not again by the recompute.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch.utils.checkpoint
 
 from ._events import Purpose
 from ._plan import RematMode
+from ._recording import Unrecordable, recording
 
 __all__ = ["remat_forward"]
 
@@ -63,14 +63,13 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
                 for u in reversed(units):
                     u.exit()  # the use ends; a kept unit holds its parameters (Unit.holds)
 
-        context_fn = _selective(unit.layout.plan.remat.save) if selective else _no_contexts
+        if selective and recording():
+            raise Unrecordable("selective remat chooses what to save by dispatch modes that a recorded step cannot hold",
+                               "full remat (Remat() without mode='selective')")
+        context_fn = _selective(unit.layout.plan.remat.save) if selective else torch.utils.checkpoint.noop_context_fn
         return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return wrapped
-
-
-def _no_contexts() -> tuple[Any, Any]:
-    return contextlib.nullcontext(), contextlib.nullcontext()
 
 
 def _selective(save: tuple[str, ...]):

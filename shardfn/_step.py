@@ -17,6 +17,7 @@ from ._guard import Where, guarded
 from ._mesh import Mesh
 from ._offload import mark_host_trees, place_on_host, wait_for_device
 from ._plan import Strategy
+from ._recording import recording
 from ._replica import refresh
 from ._precision import DynamicLossScale, LossScaleState
 from ._runtime import Accumulate, current
@@ -77,7 +78,8 @@ class Step:
         scale = float(opt_state.scale) if self.loss_scale is not None else 1.0
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=self.donate, track=self.grad.sync_buffers)
         with self.grad.run(sharded, batch, buffers, scale) as (_, grads, metrics):
-            metrics.update(hyperparams(self.optimizer, inner))
+            if not recording():  # a graph step reads them on the host, for each replay
+                metrics.update(hyperparams(self.optimizer, inner))
             skip = False
             if self.loss_scale is not None:
                 # The same value on every rank: the norm came out of an all-reduce.
@@ -263,6 +265,7 @@ def jit_step(
     aux: str | None = None,
     on_nonfinite: str | None = None,
     compile: bool | str = False,
+    graph: bool | str = False,
 ) -> Step:
     """Builds ``step(sharded, opt_state, batch) -> (sharded, opt_state, metrics)``.
 
@@ -350,6 +353,14 @@ def jit_step(
             generating code). The first step compiles; later steps do not recompile (check
             with :func:`shardfn.compile_stats`). Results equal eager's to float
             reassociation (docs/compile.md). ``apply`` outside the step runs eagerly.
+        graph: ``True`` records the whole step once, on the first call, and from then on
+            runs it as one compiled program (inductor): every gather, the forward, the
+            backward, the reductions, the update and the metrics, with no Python per unit
+            or leaf and no header exchange per step ([Note: a graph step]). The step then
+            reports as ``on_nonfinite="raise_next"`` does and updates in place
+            (``donate``). ``"eager"`` runs the recorded program op by op (for finding
+            whether a problem is the compiler's). Refused, with the reason, where a step
+            cannot be one program: see docs/compile.md.
 
     ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
     gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),
@@ -374,8 +385,35 @@ def jit_step(
     if loss_scale is not None and on_nonfinite in ("raise", "raise_next"):
         raise ValueError(f"jit_step(loss_scale=..., on_nonfinite={on_nonfinite!r}): a loss-scaled step skips the steps "
                          "whose gradients overflow and lowers the scale; leave on_nonfinite out (it is \"skip\").")
+    if graph:
+        _check_graph(graph, mesh, donate, loss_scale, on_nonfinite, compile)
+        on_nonfinite = "raise_next"
     grad = Grad(as_loss(loss_fn, "jit_step", stacklevel=5), mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
                 overlap=overlap, prefetch=prefetch, has_aux=aux is not None, mean_aux=aux == "mean", what="step",
                 compile=backend_of(compile, "jit_step"), keep_gathered=bool(keep_gathered),
                 read_metrics=on_nonfinite != "raise_next")
-    return Step(grad, optimizer, donate, loss_scale, on_nonfinite or ("skip" if loss_scale is not None else "raise"))
+    step = Step(grad, optimizer, donate, loss_scale, on_nonfinite or ("skip" if loss_scale is not None else "raise"))
+    if graph:
+        from ._graph import GraphStep
+
+        return GraphStep(step, None if graph == "eager" else backend_of(graph, "jit_step(graph=...)"))
+    return step
+
+
+def _check_graph(graph: Any, mesh: Mesh, donate: bool, loss_scale: Any, on_nonfinite: Any, compile: Any) -> None:
+    """What a graph step cannot be, refused when it is built ([Note: a graph step])."""
+    why = None
+    if compile:
+        why = "compile=... compiles parts of an eager step; graph=True compiles the whole step: leave compile out"
+    elif not donate:
+        why = "donate=False returns new tensors; a recorded program updates the state in place: leave donate on"
+    elif loss_scale is not None:
+        why = "a loss scale decides on the host whether to skip each step"
+    elif on_nonfinite in ("raise", "skip"):
+        why = (f"on_nonfinite={on_nonfinite!r} reads the loss on the host before the update; a graph step reads "
+               "nothing and reports as on_nonfinite=\"raise_next\" does: leave on_nonfinite out")
+    elif mesh.device.type != "cpu":
+        why = (f"the mesh is on {mesh.device.type}: this release records and replays steps on CPU meshes only (CUDA "
+               "graph capture is not built yet); use compile=True there")
+    if why is not None:
+        raise ValueError(f"jit_step(graph={graph!r}): {why}. Or build the step with graph=False.")

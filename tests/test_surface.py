@@ -366,6 +366,8 @@ def test_every_error_message_starts_with_the_call_it_is_about():
                     continue
                 if getattr(node.exc.func, "id", "") in ("AttributeError", "FileNotFoundError", "KeyError"):
                     continue  # Python's own forms: the missing name or path
+                if getattr(node.exc.func, "id", "") == "Unrecordable":
+                    continue  # a clause of jit_step(graph=True)'s refusal, which names the call
                 text = _message(node.exc.args[0], constants)
                 if text is None:
                     continue

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
+from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
 from .._compile import compilable
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from ._fused import fused_groups, zeros_like_views
@@ -98,7 +98,7 @@ def adamw(
         _check_grads(grads, state.mu, "adamw")
         if weight_decay or params is not None:
             params = _check_params(grads, params, "adamw")
-        count = int(state.count)
+        count = _count(state.count)
         lr = _resolve_learning_rate(learning_rate, count)
         # The same float expressions, in the same order, as torch.optim's single
         # tensor AdamW, so results agree to rounding.
@@ -137,7 +137,7 @@ def adamw(
         _check_state(state, AdamWState, "adamw")
         _check_grads(grads, state.mu, "adamw")
         params = _check_params(grads, params, "adamw")
-        count = int(state.count)
+        count = _count(state.count)
         lr = _resolve_learning_rate(learning_rate, count)
         t = count + 1
         step_size = lr / (1 - b1**t)

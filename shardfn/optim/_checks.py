@@ -8,6 +8,8 @@ from typing import Any, Union
 
 import torch
 
+from .._recording import Unrecordable, recording
+
 Params = Mapping[str, torch.Tensor]
 ScalarOrSchedule = Union[float, Callable[[int], float]]
 
@@ -121,7 +123,14 @@ def _check_hyper(name: str, value: float, opt: str, *, lo: float, hi: float | No
         raise ValueError(f"{opt}: {name} must be {bound}, got {value}.")
 
 
-def _resolve_learning_rate(learning_rate: ScalarOrSchedule, count: int) -> float:
+def _count(count: torch.Tensor) -> Any:
+    """The updates done so far, for an update's scalars: an int; while a graph step records
+    (see [Note: recording a step]), the count itself as a float64 tensor, so that the
+    scalars are computed by the program from the state, not baked into it."""
+    return count.double() if recording() else int(count)
+
+
+def _resolve_learning_rate(learning_rate: ScalarOrSchedule, count: Any, tensor_ok: bool = True) -> Any:
     """The learning rate for the update after ``count`` updates.
 
     Args:
@@ -137,7 +146,12 @@ def _resolve_learning_rate(learning_rate: ScalarOrSchedule, count: int) -> float
     """
     if not callable(learning_rate):
         return float(learning_rate)
+    if isinstance(count, torch.Tensor) and not tensor_ok:
+        raise Unrecordable("a learning-rate schedule of an optimizer that takes its learning rate as a number (muon)",
+                           "a constant learning rate")
     value = learning_rate(count)
+    if isinstance(value, torch.Tensor) and isinstance(count, torch.Tensor):
+        return value  # computed by the recorded program from the count
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"learning_rate(count): the schedule returned {value!r} ({type(value).__name__}) for "

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _trainable
+from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _trainable
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from ._whole import full_shape, require_whole, whole_tensor
@@ -157,7 +157,7 @@ def muon(
         _check_state(state, MuonState, "muon")
         _check_grads(grads, state.momentum_buffer, "muon")
         params = _check_params(grads, params, "muon")
-        lr = _resolve_learning_rate(learning_rate, int(state.count))
+        lr = _resolve_learning_rate(learning_rate, _count(state.count), tensor_ok=False)
         with torch.no_grad():
             state.count.add_(1)
             orthogonal = step(grads, state, params, lr)

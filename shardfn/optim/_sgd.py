@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
+from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
 from ._combinators import _add_
 from ._fused import fused_groups, zeros_like_views
 from .._compile import compilable
@@ -115,7 +115,7 @@ def sgd(
         if momentum:
             _check_grads(grads, state.momentum_buffer, "sgd")
         params = _check_params(grads, params, "sgd")
-        lr = _resolve_learning_rate(learning_rate, int(state.count))
+        lr = _resolve_learning_rate(learning_rate, _count(state.count))
         keys = list(grads)
         with torch.no_grad():
             state.count.add_(1)

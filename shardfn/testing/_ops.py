@@ -17,8 +17,9 @@ launch a kernel on a GPU are all of them except
   answers without dispatching, so the block patches them): on a GPU each is a copy to the
   host and a synchronisation, unless the tensor lives on the host anyway (an optimizer's
   step count). They are listed apart, with the tensor read, as ``reads``;
-* the collectives (namespace ``c10d``), counted apart as ``collectives``: what one costs
-  depends on the backend, not on the dispatcher.
+* the collectives (namespaces ``c10d``, and ``_c10d_functional`` in a recorded graph
+  step, whose ``wait_tensor`` is not counted), counted apart as ``collectives``: what one
+  costs depends on the backend, not on the dispatcher.
 
 A GPU launches about one kernel per such op (a foreach op over many tensors, a matmul or
 an attention may launch a few; ``benchmarks/gpu_check.py`` prints both counts). The count
@@ -87,8 +88,9 @@ class _Counter(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if func.namespace == "profiler":
             pass
-        elif func.namespace == "c10d":
-            self.count.collectives[name] += 1
+        elif func.namespace in ("c10d", "_c10d_functional"):  # (a recorded step's are functional)
+            if name != "wait_tensor":
+                self.count.collectives[name] += 1
         elif name in _READS:
             self.count.reads.append((name, args[0]))
         elif not (func.is_view or name in _NO_KERNEL):

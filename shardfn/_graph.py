@@ -1,0 +1,312 @@
+"""``jit_step(graph=True)``: the whole step recorded once, then replayed as one program.
+
+[Note: a graph step]
+The first call runs the eager step (it learns the units' order, as any first step). The
+second records: the eager step runs once more under ``make_fx`` ([Note: recording a step]
+in shardfn._recording), every collective checked header by header, so what is recorded is
+one graph of every operation of the step (all-gathers, forward, backward, regathers,
+reductions and buckets, clipping, the update, the metrics) and the ranks agreed on each of
+its collectives. Before the program is used the ranks agree on its fingerprint (its
+collectives in order: op, group, shape, dtype); then each later call only runs it: one
+compiled graph (inductor) on CPU, no Python per unit or per leaf, no header exchange. The
+state is updated in place (donation), so the same tensors are the program's inputs on
+every call. A batch or state of another shape, dtype or structure is recorded again (every
+rank must do the same: a rank that records while another replays meets it at its first
+collective, and both fail at the process group's timeout).
+
+Reported as ``on_nonfinite="raise_next"`` reports: the program reads nothing on the host;
+its loss and gradient norm travel with the shards, and the next call (or a save) raises on
+every rank if they were not finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+import zlib
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _guard as G
+from ._errors import DivergenceError
+from ._events import Collective, CollectiveCall, Purpose, emit, observe, observers
+from ._recording import Unrecordable, record, recording
+from ._verdict import Verdict, check_verdict
+from .optim import hyperparams
+
+__all__ = ["GraphStep"]
+
+_TORCH = os.path.dirname(torch.__file__)
+_PACKAGE = os.path.dirname(__file__)
+
+_REFUSED = (
+    "[rank {rank}] jit_step(graph=True): this step cannot be recorded as one program: {why}, at {where}. A recorded "
+    "program would replay that value as a constant (a silently different step). Fix: {fix}, or build the step with "
+    "graph=False."
+)
+
+
+_DIFFERENT = (
+    "[rank {rank}] shardfn: the ranks on {ranks} recorded different programs for {what}: the fingerprints of their "
+    "collectives (kind, group, size and dtype, in order) are {prints}. Each rank ran its step, checked collective by "
+    "collective, but their programs differ elsewhere, so none is replayed. Every rank must record the same step: the "
+    "same batch shapes and dtypes, plan, optimizer and loss_fn; or build the step with graph=False."
+)
+
+
+def _where(tb: Any) -> str:
+    """The innermost frame of ``tb`` outside torch and this module: the code that asked."""
+    for frame in reversed(traceback.extract_tb(tb)):
+        if not frame.filename.startswith(_TORCH) and frame.filename != __file__:
+            name = frame.filename
+            if name.startswith(_PACKAGE):
+                name = os.path.relpath(name, os.path.dirname(_PACKAGE))
+            elif name.startswith(os.getcwd() + os.sep):
+                name = os.path.relpath(name)
+            return f"{name}:{frame.lineno} ({frame.name}: {frame.line})"
+    return "an unknown place"
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Refuses, while recording, every operation whose result depends on a tensor's value
+    on the host (a read) or whose shape depends on values (``nonzero``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        tags = func.tags
+        if torch.Tag.data_dependent_output in tags:
+            raise Unrecordable(f"{func._overloadpacket.__name__} reads a tensor's value on the host",
+                               "keep the value on the device (a tensor operation instead of .item(), bool() or "
+                               "torch.equal; metrics can be read after the step)")
+        if torch.Tag.dynamic_output_shape in tags:
+            raise Unrecordable(f"{func._overloadpacket.__name__} makes a tensor whose shape depends on values",
+                               "give every tensor a static shape (a mask instead of indexing by values)")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _no_host_copies() -> Any:
+    """``.tolist()`` and ``.numpy()`` of a CPU tensor read its values without dispatching
+    (so :class:`_NoHostReads` cannot see them): refused while recording, as the rest."""
+    saved = {how: getattr(torch.Tensor, how) for how in ("tolist", "numpy")}
+
+    def refuse(how: str) -> Any:
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if recording():
+                raise Unrecordable(f"Tensor.{how}() reads a tensor's values on the host",
+                                   "keep the value on the device (metrics can be read after the step)")
+            return saved[how](tensor, *args, **kwargs)
+
+        return read
+
+    try:
+        for how in saved:
+            setattr(torch.Tensor, how, refuse(how))
+        yield
+    finally:
+        for how, method in saved.items():
+            setattr(torch.Tensor, how, method)
+
+
+def _what(x: Any) -> Any:
+    """What a program is recorded for: a tensor's shape, dtype and device; any other value itself."""
+    return (x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else x
+
+
+def _hidden(leaves: list[Any]) -> list[torch.Tensor] | None:
+    """The tensors of a state that is not a pytree (``from_torch``'s: its optimizer's private
+    parameters and per-parameter state), which the program must take as inputs too; None
+    while that optimizer has not made its state yet (it does in its first step)."""
+    from .optim._torch import TorchOptimizerState
+
+    hidden: list[torch.Tensor] = []
+    for leaf in leaves:
+        if isinstance(leaf, TorchOptimizerState) and leaf.optimizer is not None:
+            params = leaf.optimizer.param_groups[0]["params"]
+            if any(p not in leaf.optimizer.state for p in params):
+                return None
+            hidden += params
+            hidden += [v for p in params for v in leaf.optimizer.state[p].values() if isinstance(v, torch.Tensor)]
+    return hidden
+
+
+class _Program:
+    """One recorded step: its graph, what it is run by, and what a replay reports."""
+
+    def __init__(self, gm: torch.fx.GraphModule, calls: list[CollectiveCall], comm_bytes: dict[str, int],
+                 aux_spec: Any, axes: dict[str, str]) -> None:
+        self.gm = gm
+        self.fn: Any = gm
+        self.calls = calls
+        self.comm_bytes = comm_bytes
+        self.aux_spec = aux_spec
+        self.replays = 0
+        self.collectives = [n for n in gm.graph.nodes if n.op == "call_function"
+                            and getattr(n.target, "namespace", "") == "_c10d_functional" and "wait" not in n.name]
+        self.fingerprint = _fingerprint(self.collectives, axes)
+
+
+def _fingerprint(nodes: list[Any], axes: dict[str, str]) -> int:
+    """The program's collectives in order (op, group, input shape and dtype): what every rank
+    must have recorded alike. Local ops may differ by rank (a shard's offset), and so do the
+    names of the groups: a group is named by its mesh axis (``axes``: group name -> axis)."""
+    text = repr([(str(n.target), [axes.get(a, "?") if isinstance(a, str) and a in axes else a
+                                  for a in n.args if isinstance(a, (str, int))],
+                  tuple(n.args[0].meta["val"].shape) if "val" in n.args[0].meta else None,
+                  str(n.args[0].meta["val"].dtype) if "val" in n.args[0].meta else None) for n in nodes])
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF or 1
+
+
+class _Calls:
+    def __init__(self) -> None:
+        self.calls: list[CollectiveCall] = []
+
+    def receive(self, event: Any) -> None:
+        if isinstance(event, CollectiveCall):
+            self.calls.append(event)
+
+
+class GraphStep:
+    """``step(sharded, opt_state, batch)`` built by ``jit_step(graph=True)``; see [Note: a graph step]."""
+
+    def __init__(self, step: Any, backend: str | None) -> None:
+        self.step = step
+        self.mesh = step.mesh
+        self.backend = backend  # "inductor", or None: the recorded graph runs op by op
+        self.programs: dict[Any, _Program] = {}
+        self.recordings = 0
+        self._last: tuple[Any, Any, list[torch.Tensor], Any] | None = None  # (sharded, opt_state, leaves, spec)
+
+    def __getattr__(self, name: str) -> Any:  # init, grad, optimizer, ...: the eager step's
+        if name == "step":
+            raise AttributeError(name)
+        return getattr(self.step, name)
+
+    def __call__(self, sharded: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+        check_verdict(sharded, "step")
+        last = self._last
+        if last is not None and last[0] is sharded and last[1] is opt_state:  # the trees the last call returned
+            state, shape = last[2], last[3]
+        else:
+            with G.guarded(self.mesh, G.Where.STEP):
+                self.step._check(sharded, opt_state)
+            leaves, spec = pytree.tree_flatten((sharded, opt_state))
+            hidden = _hidden(leaves)
+            if hidden is None:  # state an optimizer makes in its first step: made by an eager one
+                return self.step(sharded, opt_state, batch)
+            state = [t for t in leaves if isinstance(t, torch.Tensor)] + hidden
+            shape = (spec, tuple(_what(t) for t in leaves), tuple(_what(t) for t in hidden))
+        inputs, bspec = pytree.tree_flatten(batch)
+        key = (shape, bspec, tuple(_what(t) for t in inputs))
+        program = self.programs.get(key)
+        metrics = hyperparams(self.step.optimizer, opt_state)  # the learning rate, read on the host
+        if program is None:
+            program, aux = self._record(sharded, opt_state, batch, state, inputs)
+            self.programs[key] = program
+        else:
+            aux = self._replay(program, state, inputs)
+        self._last = (sharded, opt_state, state, shape)
+        metrics.update(loss=aux[0], grad_norm=aux[1], tokens=self._tokens(batch), comm_bytes=dict(program.comm_bytes))
+        if program.aux_spec is not None:
+            metrics["aux"] = pytree.tree_unflatten(list(aux[2:]), program.aux_spec)
+        sharded._verdict = Verdict(aux[0], aux[1])
+        return sharded, opt_state, metrics
+
+    def _tokens(self, batch: Any) -> int:
+        from ._batch import count_tokens
+
+        return count_tokens(batch) * self.mesh.size
+
+    def _replay(self, program: _Program, state: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
+        if program.fn is program.gm and self.backend is not None:
+            program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False)
+        with torch.no_grad():
+            out = program.fn(state, inputs)
+        program.replays += 1
+        to = observers()
+        if to:
+            for call in program.calls:
+                emit(call, to)
+        return out
+
+    def _record(self, sharded: Any, opt_state: Any, batch: Any, state: list[torch.Tensor],
+                inputs: list[Any]) -> tuple[_Program, Any]:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        if sharded.layout.offloaded:
+            raise ValueError(_REFUSED.format(
+                rank=self.mesh.rank, why="offloaded shards are copied between host and device by the step's Python",
+                where=f"{sharded.layout!r}", fix="shard without offload"))
+        out: dict[str, Any] = {}
+        seen = _Calls()
+        # ZeRO-1's kept full parameters are a cache outside the inputs: the program gathers
+        # them from the shards in its forward instead ([Note: replicated parameters])
+        sharded._replicas = None
+
+        def program(state_in: list[torch.Tensor], batch_in: list[Any]) -> list[torch.Tensor]:
+            # The leaves are the trees' own tensors (make_fx in real mode traces the objects
+            # it is given), so the step runs on the trees themselves.
+            before = pytree.tree_leaves((sharded, opt_state))
+            with record(), _NoHostReads(), observe(seen):
+                new, new_state, metrics = self.step(sharded, opt_state, batch)
+            after = pytree.tree_leaves((new, new_state))
+            with torch.no_grad():
+                for old, now in zip(before, after):
+                    if now is not old:  # a leaf the step replaced: written back, so the inputs stay the state
+                        old.copy_(now)
+            out["metrics"] = metrics
+            aux = metrics.get("aux")
+            leaves, out["aux_spec"] = pytree.tree_flatten(aux) if "aux" in metrics else ([], None)
+            return [metrics["loss"].detach(), metrics["grad_norm"].detach(), *[a.detach() for a in leaves]]
+
+        self.recordings += 1
+        try:
+            with _no_host_copies():
+                gm = make_fx(program, record_module_stack=False, record_stack_traces=True)(state, inputs)
+        except Unrecordable as e:
+            raise ValueError(_REFUSED.format(rank=self.mesh.rank, why=e.why, where=_where(e.__traceback__),
+                                             fix=e.fix)) from None
+        _strip(gm)
+        _check_constants(gm, state, inputs)
+        metrics = out["metrics"]
+        axes = {self.mesh.channel(a).group.group_name: a for a in self.mesh.axis_names}
+        prog = _Program(gm, seen.calls, metrics["comm_bytes"], out["aux_spec"], axes)
+        for axis in self.mesh.axis_names:  # every rank recorded the same collectives, or every rank raises
+            ch = self.mesh.channel(axis)
+            if ch.off:
+                continue
+            what = "the recorded program of jit_step(graph=True)"
+            mine = G.words(Collective.BARRIER, Purpose.STEP, "", 0, prog.fingerprint)
+            headers = G.exchange(ch, [*mine, G.OK, 0], what)
+            prints = [h[G.DETAIL] for h in headers]
+            if len(set(prints)) > 1:
+                raise G.told(DivergenceError(_DIFFERENT.format(rank=self.mesh.rank, ranks=list(ch.ranks), prints=prints,
+                                                               what=what)), ch)
+        aux = [metrics["loss"], metrics["grad_norm"]]
+        if prog.aux_spec is not None:
+            aux += pytree.tree_leaves(metrics["aux"])
+        return prog, aux
+
+
+def _check_constants(gm: torch.fx.GraphModule, *trees: list[Any]) -> None:
+    """No tensor the program holds as a constant may share memory with its inputs: the
+    program must reach the state only through its inputs, or a replay on other tensors of
+    the same shapes would read and write the recorded ones."""
+    inputs = {t.untyped_storage().data_ptr() for tree in trees for t in tree if isinstance(t, torch.Tensor) and t.numel()}
+    for node in gm.graph.nodes:
+        value = getattr(gm, node.target) if node.op == "get_attr" else None
+        if isinstance(value, torch.Tensor) and value.numel() and value.untyped_storage().data_ptr() in inputs:
+            used = [u.meta.get("stack_trace", "").strip().splitlines()[-2:] for u in node.users]
+            raise AssertionError(f"shardfn internal error: jit_step(graph=True) recorded a tensor of the step's state "
+                                 f"as a constant of the program ({tuple(value.shape)}), used at {used}")
+
+
+def _strip(gm: torch.fx.GraphModule) -> None:
+    """Drops the profiler's range markers (they hold no tensors, and a compiled graph cannot)."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and getattr(node.target, "namespace", "") == "profiler":
+            gm.graph.erase_node(node)
+    gm.recompile()

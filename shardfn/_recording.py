@@ -1,0 +1,103 @@
+"""Whether the step in progress is being recorded as one program (``jit_step(graph=True)``).
+
+[Note: recording a step]
+A graph step is recorded by running the eager step once under ``make_fx``: every tensor
+operation the step dispatches (gathers, forward, backward, reductions, update, metrics)
+becomes a node of one graph, and everything decided in Python (which unit gathers when,
+buckets, prefetch) is decided once, at the recording. Three things differ while recording:
+
+* collectives are the functional ones (``torch.ops._c10d_functional``), which a graph can
+  hold; the result is copied into the buffer the eager code wrote in place;
+* the schedule guard's header exchanges run outside the recording (:func:`untraced`):
+  they are host work of this call, not of the program;
+* a value read on the host (``.item()``, ``bool(t)``, ``torch.equal``) would be baked
+  into the program as a constant, so every such read refuses the recording
+  (:class:`shardfn._graph.HostRead`), and the built-in optimizers compute their step
+  scalars (learning rate, bias corrections) from the step count as tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["Unrecordable", "cat_into", "recording", "relative_view", "untraced"]
+
+_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_recording", default=False)
+
+
+class Unrecordable(RuntimeError):
+    """Raised while recording by what cannot be part of a recorded program:
+    ``Unrecordable(why, fix)``; ``jit_step(graph=True)`` reports both and where it was."""
+
+    def __init__(self, why: str, fix: str) -> None:
+        super().__init__(why)
+        self.why, self.fix = why, fix
+
+
+def recording() -> bool:
+    """Whether a graph step is being recorded in this context (see the note)."""
+    return _RECORDING.get()
+
+
+@contextlib.contextmanager
+def record() -> Iterator[None]:
+    token = _RECORDING.set(True)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Tensor work that is this call's, not the recorded program's (the guard's headers):
+    runs with every dispatch mode (the recorder's) set aside."""
+    if not _RECORDING.get():
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    token = _RECORDING.set(False)
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        _RECORDING.reset(token)
+
+
+def cat_into(parts: list[Any], out: Any, op: Any = None, **kwargs: Any) -> None:
+    """``op(parts, out=out, **kwargs)`` (``torch.cat`` by default); while recording, the
+    op's result copied into ``out``: an ``out=`` write into a view of a buffer made inside
+    the program comes out of inductor wrong (NaN gradients, seen in torch 2.13), a copy
+    does not."""
+    import torch
+
+    op = op or torch.cat
+    if not _RECORDING.get():
+        op(parts, out=out, **kwargs)
+    elif isinstance(out, (list, tuple)):
+        for o, r in zip(out, op(parts, **kwargs)):
+            o.copy_(r)
+    else:
+        out.copy_(op(parts, **kwargs))
+
+
+def relative_view(t: Any, fulls: list[Any]) -> tuple[int, int] | None:
+    """How a saved tensor is made again from the regathered parameters ``fulls`` while a
+    step is recorded: ``(index, 1)`` when it is parameter ``index`` itself, ``(index, 2)``
+    its transpose, None when neither (it is then kept, not packed). Eager code makes it by
+    ``as_strided`` at its storage offset; a compiled program lays its buffers out anew, so
+    that offset points elsewhere there (inductor read garbage): only views relative to the
+    parameter are safe. A flat unit's parameters share one storage: each is tried."""
+    geometry = (t.size(), t.stride(), t.storage_offset())
+    for i, full in enumerate(fulls):
+        if full.dtype != t.dtype:
+            continue
+        if geometry == (full.size(), full.stride(), full.storage_offset()):
+            return i, 1
+        if full.dim() == 2 and geometry == (full.t().size(), full.t().stride(), full.storage_offset()):
+            return i, 2
+    return None

@@ -1,0 +1,249 @@
+"""jit_step(graph=True): the whole step recorded once and replayed as one program.
+
+The grid replays the recorded program op by op (``graph="eager"``: the same recording, no
+code generation: inductor takes tens of seconds per program on 2 cores); the inductor
+program itself is checked at world 2 for the strategies whose graphs differ most, against
+single-process training and against the eager step.
+"""
+
+import functools
+import math
+
+import pytest
+import torch
+
+import shardfn as sf
+from bounds import ADAMW, SGD_MOMENTUM
+from shardfn.testing import check_equivalence, count_ops, split_batch
+from test_equivalence import gpt_batches, gpt_loss, gpt_model
+
+def _decay(lr, count):
+    """A learning-rate schedule written with operators only: it takes the count as a number
+    (eager) or as a tensor (a recorded step computes it on the device)."""
+    return lr * 0.8**count
+
+
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "SHARD_OPTIMIZER"]
+OPTIMIZERS = {
+    "adamw": ADAMW,
+    "sgd_momentum": SGD_MOMENTUM,
+    "adamw_schedule": functools.partial(sf.optim.adamw, functools.partial(_decay, 1e-3), eps=1e-3),
+    "torch_sgd": functools.partial(sf.optim.from_torch, torch.optim.SGD, lr=0.05, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_recorded_step_matches_single_process(clusters, opt_name):
+    report = check_equivalence(gpt_model, gpt_loss, gpt_batches(), optimizer=OPTIMIZERS[opt_name],
+                               strategies=STRATEGIES, world_sizes=[2], clusters=clusters,
+                               step_options={"graph": "eager"})
+    assert report.failures() == []
+
+
+def test_recorded_step_matches_at_worlds_1_3_and_hybrid(clusters):
+    for world, strategies in ((1, ["FULL_SHARD"]), (3, ["FULL_SHARD", "NO_SHARD"]),
+                              ((2, 2), ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"])):
+        report = check_equivalence(gpt_model, gpt_loss, gpt_batches(), optimizer=ADAMW, strategies=strategies,
+                                   world_sizes=[world], clusters=clusters, step_options={"graph": "eager"})
+        assert report.failures() == []
+
+
+def test_recorded_step_with_remat_precision_and_micro_batches(clusters):
+    plans = [sf.Plan("FULL_SHARD", remat=sf.Remat()),
+             sf.Plan("FULL_SHARD", precision=sf.Precision(param=torch.bfloat16, reduce=torch.float32)),
+             sf.Plan("SHARD_GRAD_OP", placement="rows", bucket_bytes=0)]
+    report = check_equivalence(gpt_model, gpt_loss, gpt_batches(), optimizer=SGD_MOMENTUM, strategies=plans[::2],
+                               world_sizes=[2], clusters=clusters, step_options={"graph": "eager", "micro_batches": 2})
+    assert report.failures() == []
+    # bf16 parameters: against the eager bf16 step (the single-process reference is fp32).
+    # The recorded update takes its scalars as tensors (eager: Python floats), so a bf16
+    # parameter may round the other way: ADAMW (lr / eps <= 1) moves an element by at most
+    # lr per step (+ its decay), so two runs stay within 2 lr per step of each other.
+    eager, graph = (clusters[2].run(_train, plans[1], g, 3)[0] for g in (False, "eager"))
+    assert graph["losses"][0] == eager["losses"][0]  # the same parameters, the same ops
+    assert graph["losses"] == pytest.approx(eager["losses"], rel=2**-7)
+    for name, p in eager["params"].items():
+        bound = 3 * 2 * 1e-3 * (1 + 0.01 * float(p.abs().max()))
+        torch.testing.assert_close(graph["params"][name].float(), p.float(), rtol=0, atol=bound)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_compiled_program_matches_single_process(clusters, strategy):
+    report = check_equivalence(gpt_model, gpt_loss, gpt_batches(), optimizer=ADAMW, strategies=[strategy],
+                               world_sizes=[2], clusters=clusters, step_options={"graph": True})
+    assert report.failures() == []
+
+
+def _train(plan, graph, steps=4, schedule=False, batches=None):
+    """Losses, full parameters and, per call, the collectives dispatched, the host reads,
+    the guard's header exchanges and the recordings so far."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, plan)
+    opt = sf.optim.adamw(lambda c: 1e-3 * 0.8**c) if schedule else ADAMW()
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt, graph=graph,
+                       **({} if graph else {"on_nonfinite": "raise_next"}))
+    state = step.init(sharded)
+    out = {"losses": [], "collectives": [], "reads": [], "headers": [], "recordings": [], "comm": []}
+    for b in batches or gpt_batches(steps):
+        headers = mesh.guard.headers
+        verdict = [sharded._verdict.values] if sharded._verdict is not None else []  # read on the host by design
+        with sf.record_collectives() as log, count_ops() as ops:
+            sharded, state, metrics = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+        out["losses"].append(float(metrics["loss"]))
+        out["collectives"].append(dict(ops.collectives))
+        out["reads"].append(len(ops.device_reads(host=[state.count, *verdict], world=mesh.size)))
+        out["headers"].append(mesh.guard.headers - headers)
+        out["recordings"].append(getattr(step, "recordings", None))
+        out["comm"].append((dict(log.counts()), dict(metrics["comm_bytes"])))
+    out["params"] = sf.gather(sharded)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_a_replay_issues_the_eager_collectives_and_nothing_on_the_host(clusters, strategy):
+    eager = clusters[2].run(_train, sf.Plan(strategy), False)[0]
+    graph = clusters[2].run(_train, sf.Plan(strategy), "eager")[0]
+    # One recording (the first call); every later call replays it.
+    assert graph["recordings"] == [1, 1, 1, 1]
+    # The program's collectives, dispatched op by op, are the eager step's, one for one
+    # (the eager step issues gloo's reduce-scatter as paired sends: counted by shardfn's log).
+    kinds = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+             "all_reduce": "all_reduce"}
+    for replay, (counts, comm) in zip(graph["collectives"][1:], eager["comm"][1:]):
+        assert {kinds[k]: n for k, n in replay.items()} == counts
+    assert [c for c in graph["comm"]] == eager["comm"][:1] * 4  # bytes per kind, as the eager step reports
+    # A replay reads nothing on the host and exchanges no header: no guard, whatever the world.
+    assert graph["reads"][1:] == [0, 0, 0]
+    assert graph["headers"][1:] == [0, 0, 0]
+    assert eager["headers"][1] > 0
+    torch.testing.assert_close(torch.tensor(graph["losses"]), torch.tensor(eager["losses"]), rtol=1e-6, atol=0)
+    for name, p in eager["params"].items():
+        torch.testing.assert_close(graph["params"][name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_new_batch_shape_is_recorded_again(clusters):
+    batches = gpt_batches(5)
+    batches[2] = {k: v[:, :5] for k, v in batches[2].items()}  # shorter sequences, once
+    graph = clusters[2].run(_train, sf.Plan("FULL_SHARD"), "eager", batches=batches)[0]
+    eager = clusters[2].run(_train, sf.Plan("FULL_SHARD"), False, batches=batches)[0]
+    assert graph["recordings"] == [1, 1, 2, 2, 2]  # the old shape replays its program again
+    assert graph["headers"][3:] == [0, 0]
+    torch.testing.assert_close(torch.tensor(graph["losses"]), torch.tensor(eager["losses"]), rtol=1e-6, atol=0)
+
+
+def _with_fingerprint(offset):
+    """A graph step whose rank 1 records another program (its fingerprint moved)."""
+    from shardfn import _graph
+
+    mesh = sf.Mesh.from_group()
+    original = _graph._fingerprint
+    if mesh.rank == 1:
+        _graph._fingerprint = lambda nodes, axes: original(nodes, axes) + offset
+    try:
+        torch.manual_seed(0)
+        sharded = sf.shard(sf.functionalize(gpt_model())[0], mesh, "FULL_SHARD")
+        step = sf.jit_step(gpt_loss, mesh, optimizer=SGD_MOMENTUM(), graph="eager")
+        state = step.init(sharded)
+        try:
+            step(sharded, state, split_batch(gpt_batches(1)[0], mesh.rank, mesh.size))
+        except sf.DivergenceError as e:
+            return str(e)
+        return "replayed"
+    finally:
+        _graph._fingerprint = original
+
+
+def test_ranks_that_recorded_different_programs_all_raise(clusters):
+    assert clusters[2].run(_with_fingerprint, 0) == ["replayed", "replayed"]
+    out = clusters[2].run(_with_fingerprint, 7)
+    assert all("the recorded program of jit_step(graph=True)" in e for e in out), out
+
+
+def _refusal(case):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    plan = {"offload": sf.Plan("FULL_SHARD", offload=sf.Offload(params=True, optimizer=True)),
+            "muon_schedule": sf.Plan("NO_SHARD")}.get(case, "FULL_SHARD")
+    sharded = sf.shard(sf.functionalize(gpt_model())[0], mesh, plan)
+    loss = gpt_loss
+    opt = SGD_MOMENTUM()
+    options = {"graph": True}
+    if case == "item":
+        def loss(apply, params, batch):
+            out = gpt_loss(apply, params, batch)
+            return out * 2 if out.item() > 100 else out
+    elif case == "tolist":
+        def loss(apply, params, batch):
+            return gpt_loss(apply, params, batch) * (1 + 0 * batch["x"].float().mean().tolist())
+    elif case == "nonzero":
+        def loss(apply, params, batch):
+            return gpt_loss(apply, params, batch) + _data_dependent(batch)
+    elif case == "host_schedule":
+        opt = sf.optim.sgd(lambda c: 0.1 * math.cos(c / 100))
+    elif case == "adafactor":
+        opt = sf.optim.adafactor(1e-2)
+    elif case == "muon_schedule":
+        opt = sf.optim.partition({"muon": sf.optim.muon(lambda c: 0.01), "adamw": sf.optim.adamw(1e-3)},
+                                 lambda name, shape: "muon" if len(shape) == 2 else "adamw")
+    elif case in ("compile", "donate", "raise", "loss_scale"):
+        options.update({"compile": {"compile": True}, "donate": {"donate": False}, "raise": {"on_nonfinite": "raise"},
+                        "loss_scale": {"loss_scale": sf.DynamicLossScale()}}[case])
+    try:
+        step = sf.jit_step(loss, mesh, optimizer=opt, **options)
+        state = step.init(sharded)
+        step(sharded, state, split_batch(gpt_batches(1)[0], mesh.rank, mesh.size))
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return "accepted"
+
+
+def _data_dependent(batch):
+    return (batch["x"] > 3).nonzero().sum() * 0.0
+
+
+@pytest.mark.parametrize("case, why", [
+    ("item", "_local_scalar_dense reads a tensor's value on the host, at tests/test_graph.py"),
+    ("tolist", "Tensor.tolist() reads a tensor's values on the host, at tests/test_graph.py"),
+    ("nonzero", "nonzero makes a tensor whose shape depends on values, at tests/test_graph.py"),
+    ("host_schedule", "_local_scalar_dense reads a tensor's value on the host, at tests/test_graph.py"),
+    ("adafactor", "reads a tensor's value on the host, at shardfn/optim/_adafactor.py"),
+    ("muon_schedule", "a learning-rate schedule of an optimizer that takes its learning rate as a number (muon)"),
+    ("offload", "offloaded shards are copied between host and device by the step's Python"),
+    ("compile", "jit_step(graph=True): compile=... compiles parts of an eager step"),
+    ("donate", "jit_step(graph=True): donate=False returns new tensors"),
+    ("raise", "jit_step(graph=True): on_nonfinite='raise' reads the loss on the host"),
+    ("loss_scale", "jit_step(graph=True): a loss scale decides on the host whether to skip each step"),
+])
+def test_what_cannot_be_one_program_is_refused_with_where_and_the_fix(clusters, case, why):
+    out = clusters[2].run(_refusal, case)
+    for message in out:
+        assert why in message, message
+        assert "graph=False" in message
+
+
+def _nonfinite():
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(gpt_model())[0], mesh, "FULL_SHARD")
+
+    def loss(apply, params, batch):
+        return gpt_loss(apply, params, batch) * batch["scale"]
+
+    step = sf.jit_step(loss, mesh, optimizer=SGD_MOMENTUM(), graph="eager")
+    state = step.init(sharded)
+    seen = []
+    for scale in (1.0, 1.0, float("nan") if mesh.rank == 1 else 1.0, 1.0):
+        b = split_batch(gpt_batches(1)[0], mesh.rank, mesh.size)
+        b["scale"] = torch.tensor(scale)
+        try:
+            sharded, state, metrics = step(sharded, state, b)
+            seen.append("ok")
+        except FloatingPointError as e:
+            seen.append("raised" if "not finite" in str(e) else str(e))
+    return seen
+
+
+def test_a_non_finite_replay_raises_on_every_rank_at_the_next_call(clusters):
+    assert clusters[2].run(_nonfinite) == [["ok", "ok", "ok", "raised"]] * 2
