@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import _collectives as C
 from ._events import Purpose
+from ._recording import recording
 
 __all__ = ["StepBuffers"]
 
@@ -61,6 +62,8 @@ class StepBuffers:
 
     def flags(self, device: torch.device) -> torch.Tensor:
         """1.0 for each floating-point buffer this rank's forward changed, else 0.0."""
+        if recording() and self.floating:  # compared on the device: a recorded step reads nothing
+            return torch.stack([_changed(self.work[n], self.before[n]) for n in self.floating]).to(device)
         out = [0.0 if _same(self.work[n], self.before[n]) else 1.0 for n in self.floating]
         return torch.tensor(out, dtype=torch.float32, device=device)
 
@@ -72,6 +75,8 @@ class StepBuffers:
         """
         if is_fake(changed_anywhere) or not self.floating:  # (nothing to read from the device)
             return []
+        if recording():
+            return self._sync_all(changed_anywhere, mesh)
         names = [n for n, f in zip(self.floating, changed_anywhere.tolist()) if f > 0]
         if not names or mesh.size == 1:
             return names
@@ -84,6 +89,30 @@ class StepBuffers:
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
         return names
+
+    def _sync_all(self, changed_anywhere: torch.Tensor, mesh) -> list[str]:
+        """A recorded step cannot choose on the host which buffers to average: it averages
+        every floating-point buffer (one all-reduce per mesh axis, whether or not one
+        changed) and keeps the average only where some rank changed the buffer."""
+        names = list(self.floating)
+        if mesh.size == 1:
+            return names
+        flat = torch.cat([self.work[n].detach().reshape(-1).float() for n in names])
+        C.all_reduce_mesh(flat, mesh, Purpose.BUFFERS, op=C.AVG)
+        offset = 0
+        with torch.no_grad():
+            for n, flag in zip(names, changed_anywhere.unbind(0)):
+                b = self.work[n]
+                mean = flat[offset : offset + b.numel()].view_as(b).to(b.dtype)
+                b.copy_(torch.where(flag > 0, mean, b))
+                offset += b.numel()
+        return names
+
+
+def _changed(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    if now.shape != before.shape or now.dtype != before.dtype:
+        return torch.ones((), dtype=torch.float32, device=now.device)
+    return (now != before).any().float()
 
 
 def _same(now: torch.Tensor, before: torch.Tensor) -> bool:

@@ -247,3 +247,46 @@ def _nonfinite():
 
 def test_a_non_finite_replay_raises_on_every_rank_at_the_next_call(clusters):
     assert clusters[2].run(_nonfinite) == [["ok", "ok", "ok", "raised"]] * 2
+
+
+def test_muon_partition_and_clipping_record(clusters):
+    import test_muon as M
+
+    ref_losses, _ = M.reference()
+    report = check_equivalence(M.model, M.loss_fn, M.batches(), optimizer=functools.partial(M.optimizer, torch.float32),
+                               strategies=[sf.Plan("FULL_SHARD", placement=sf.whole(M.matrices)), "NO_SHARD"],
+                               world_sizes=[2], clusters=clusters, raise_on_failure=False,
+                               step_options={"graph": "eager"})
+    M._against_torch(report, ref_losses)
+    report = check_equivalence(gpt_model, gpt_loss, gpt_batches(), optimizer=_clipped, strategies=["FULL_SHARD"],
+                               world_sizes=[2], clusters=clusters, step_options={"graph": "eager"})
+    assert report.failures() == []
+
+
+def _clipped():
+    return sf.optim.chain(sf.optim.clip_by_global_norm(0.5), SGD_MOMENTUM())
+
+
+def _hf(kind):
+    from test_pretrained import build
+
+    return build(kind)
+
+
+def _hf_loss(apply, params, batch):
+    logits = apply(params, batch["x"]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["y"].reshape(-1))
+
+
+def _hf_batches(vocab):
+    g = torch.Generator().manual_seed(3)
+    return [{"x": torch.randint(0, vocab, (4, 12), generator=g), "y": torch.randint(0, vocab, (4, 12), generator=g)}
+            for _ in range(3)]
+
+
+@pytest.mark.parametrize("kind, vocab", [("gpt2", 61), ("llama", 40)])
+def test_hugging_face_models_record(clusters, kind, vocab):
+    report = check_equivalence(functools.partial(_hf, kind), _hf_loss, _hf_batches(vocab), optimizer=ADAMW,
+                               strategies=["FULL_SHARD"], world_sizes=[2], clusters=clusters,
+                               step_options={"graph": "eager"})
+    assert report.failures() == []
