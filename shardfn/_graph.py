@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from . import _guard as G
 from ._errors import DivergenceError
@@ -223,8 +223,11 @@ class GraphStep:
     def _replay(self, program: _Program, state: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
         if program.fn is program.gm and self.backend is not None:
             program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False)
+        # Under a dispatch mode of the caller's (an op counter, a memory tracker) dynamo runs
+        # nothing compiled: the recorded graph runs op by op, so the mode sees each op.
+        fn = program.gm if _get_current_dispatch_mode() is not None else program.fn
         with torch.no_grad():
-            out = program.fn(state, inputs)
+            out = fn(state, inputs)
         program.replays += 1
         to = observers()
         if to:
