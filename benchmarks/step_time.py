@@ -152,6 +152,7 @@ class Spec:
     compiled: bool = False  # shardfn: jit_step(compile=True); fsdp2: each Block's forward compiled (regional)
     placement: str = "flat"  # shardfn: Plan(placement=...); "flat" is shardfn's default
     buckets: bool = True  # shardfn: Plan(bucket_bytes=0) when False (each unit reduces alone)
+    graph: bool = False  # shardfn: jit_step(graph=True), the whole step recorded and replayed compiled
 
 
 SPECS = {
@@ -170,6 +171,9 @@ SPECS = {
     "shardfn_full_compiled": Spec("shardfn", compiled=True),
     "shardfn_full_rows": Spec("shardfn", placement="rows"),
     "shardfn_no_shard_nobuckets": Spec("shardfn", strategy="NO_SHARD", buckets=False),
+    "shardfn_full_graph": Spec("shardfn", graph=True),
+    "shardfn_no_shard_graph": Spec("shardfn", strategy="NO_SHARD", graph=True),
+    "shardfn_w1_graph": Spec("shardfn", world1=True, graph=True),
 }
 CONFIGS = tuple(SPECS)
 # The compared pairs (configuration, peer) and the target for each: the largest
@@ -185,6 +189,9 @@ PAIRS = {
     ("shardfn_full_compiled", "shardfn_full"): None,
     ("shardfn_full_compiled", "fsdp2_compiled"): None,
     ("shardfn_full", "shardfn_full_rows"): None,
+    ("shardfn_full_graph", "fsdp2"): 0.85,
+    ("shardfn_full_graph", "ddp"): 1.00,
+    ("shardfn_full_graph", "shardfn_full"): None,
 }
 # The two regimes (--preset): "big" units, where compute hides the collectives (the default
 # GPT above), and "small" ones, latency-bound as a GPU is where compute shrinks a hundredfold:
@@ -195,7 +202,9 @@ PRESETS = {
     "small": {"dims": {"d_model": 64, "layers": 24, "heads": 2, "seq": 16, "vocab": 64, "batch": 1},
               "targets": {("shardfn_no_shard", "ddp"): 1.10, ("shardfn_full", "fsdp2"): 0.50,
                           ("shardfn_full", "ddp"): 1.50, ("shardfn_grad_op", "fsdp2_noreshard"): None,
-                                      ("shardfn_no_shard", "shardfn_no_shard_nobuckets"): None}},
+                          ("shardfn_no_shard", "shardfn_no_shard_nobuckets"): None,
+                          ("shardfn_no_shard_graph", "ddp"): 0.80, ("shardfn_full_graph", "ddp"): 1.00,
+                          ("shardfn_full_graph", "shardfn_full"): None}},
 }
 WARMUP = 2
 LOSS_TOL = 1e-4  # fp32 configurations among themselves
@@ -337,12 +346,13 @@ def build_shardfn_step(spec: Spec, model: torch.nn.Module, lr: float):
     del params  # the full parameters are not part of the trained state
     state["opt"] = opt.init(state["sharded"])
     compiled = {"compile": True} if spec.compiled else {}  # (so that an older shardfn can be measured too)
+    compiled.update({"graph": True} if spec.graph else {})
     jstep = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt, prefetch=spec.prefetch,
                         **compiled)
 
     def step(x, y):
         state["sharded"], state["opt"], metrics = jstep(state["sharded"], state["opt"], (x, y))
-        return metrics["loss"]
+        return float(metrics["loss"]) if spec.graph else metrics["loss"]  # (a graph step's is a tensor, global)
 
     def persistent():
         return [state["sharded"], state["opt"]]

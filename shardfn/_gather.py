@@ -429,7 +429,8 @@ class Unit:
             self._prefetch_next(forward=False)
         # (the gathered parameters were made without autograd: no detach needed for a fresh view)
         full = self.full[handle.index]
-        view = (full.as_strided(handle.size, handle.stride, handle.offset), full, full.t())[handle.kind]
+        view = full if handle.kind == 1 else full.t() if handle.kind == 2 else full.as_strided(
+            handle.size, handle.stride, handle.offset)
         self.handles -= 1
         handle.use.pending -= 1
         # the node that reads it holds the view until it is done
@@ -461,12 +462,10 @@ def saved_handles(units: list[Unit]) -> Any:
         for unit in units:
             index = unit.storages.get(id(t.untyped_storage())) if unit.storages else None
             if index is not None and unit.full is not None and t.dtype == unit.full[index].dtype:
-                kind = 0
-                if recording():
-                    found = relative_view(t, unit.full)
-                    if found is None:
-                        return t
-                    index, kind = found
+                found = relative_view(t, unit.full) if recording() else (index, 0)
+                if found is None:
+                    return t
+                index, kind = found
                 unit.handles += 1
                 unit.use.pending += 1
                 return _Handle(unit, index, t, kind)

@@ -1,22 +1,21 @@
 """``jit_step(graph=True)``: the whole step recorded once, then replayed as one program.
 
 [Note: a graph step]
-The first call runs the eager step (it learns the units' order, as any first step). The
-second records: the eager step runs once more under ``make_fx`` ([Note: recording a step]
-in shardfn._recording), every collective checked header by header, so what is recorded is
-one graph of every operation of the step (all-gathers, forward, backward, regathers,
-reductions and buckets, clipping, the update, the metrics) and the ranks agreed on each of
-its collectives. Before the program is used the ranks agree on its fingerprint (its
-collectives in order: op, group, shape, dtype); then each later call only runs it: one
-compiled graph (inductor) on CPU, no Python per unit or per leaf, no header exchange. The
-state is updated in place (donation), so the same tensors are the program's inputs on
-every call. A batch or state of another shape, dtype or structure is recorded again (every
-rank must do the same: a rank that records while another replays meets it at its first
-collective, and both fail at the process group's timeout).
+The first call records: the eager step runs once under ``make_fx`` ([Note: recording a
+step] in shardfn._recording), every collective checked header by header, so the step's
+operations (all-gathers, forward, backward with its regathers, reductions and buckets,
+clipping, the update, the metrics) become one graph whose collectives the ranks agreed
+on one by one. Before the program is used the ranks agree on its fingerprint (its
+collectives in order); then each call only runs it, compiled: no Python per unit or leaf,
+no header exchange, no host read. The state is updated in place (donation), so the same
+tensors are its inputs on every call. A batch or state of another shape, dtype or
+structure is recorded again; every rank must do the same (a rank that records while
+another replays meets it at its first collective, and both fail at the process group's
+timeout). An optimizer that makes its state in its first step (``from_torch``) runs one
+eager step first.
 
-Reported as ``on_nonfinite="raise_next"`` reports: the program reads nothing on the host;
-its loss and gradient norm travel with the shards, and the next call (or a save) raises on
-every rank if they were not finite.
+It reports as ``on_nonfinite="raise_next"`` does: the loss and gradient norm travel with
+the shards, and the next call (or a save) raises on every rank if they were not finite.
 """
 
 from __future__ import annotations
@@ -112,14 +111,22 @@ def _no_host_copies() -> Any:
 
 
 def _what(x: Any) -> Any:
-    """What a program is recorded for: a tensor's shape, dtype and device; any other value itself."""
-    return (x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else x
+    """What a program is recorded for: a tensor's shape, dtype and device; any other value
+    itself (an unhashable one: the object)."""
+    if isinstance(x, torch.Tensor):
+        return x.shape, x.dtype, x.device
+    try:
+        hash(x)
+    except TypeError:
+        return type(x), id(x)
+    return x
 
 
 def _hidden(leaves: list[Any]) -> list[torch.Tensor] | None:
     """The tensors of a state that is not a pytree (``from_torch``'s: its optimizer's private
     parameters and per-parameter state), which the program must take as inputs too; None
-    while that optimizer has not made its state yet (it does in its first step)."""
+    while that optimizer has made no state for some parameter (before its first step; one
+    eager step makes it, and what it still has not made after that it keeps none of)."""
     from .optim._torch import TorchOptimizerState
 
     hidden: list[torch.Tensor] = []
@@ -177,6 +184,7 @@ class GraphStep:
         self.mesh = step.mesh
         self.backend = backend  # "inductor", or None: the recorded graph runs op by op
         self.programs: dict[Any, _Program] = {}
+        self.warm = False  # whether an eager first step made an optimizer's state (see _hidden)
         self.recordings = 0
         self._last: tuple[Any, Any, list[torch.Tensor], Any] | None = None  # (sharded, opt_state, leaves, spec)
 
@@ -195,9 +203,10 @@ class GraphStep:
                 self.step._check(sharded, opt_state)
             leaves, spec = pytree.tree_flatten((sharded, opt_state))
             hidden = _hidden(leaves)
-            if hidden is None:  # state an optimizer makes in its first step: made by an eager one
+            if hidden is None and not self.warm:  # state an optimizer makes in its first step: made by an eager one
+                self.warm = True
                 return self.step(sharded, opt_state, batch)
-            state = [t for t in leaves if isinstance(t, torch.Tensor)] + hidden
+            state = [t for t in leaves if isinstance(t, torch.Tensor)] + (hidden or [])
             shape = (spec, tuple(_what(t) for t in leaves), tuple(_what(t) for t in hidden))
         inputs, bspec = pytree.tree_flatten(batch)
         key = (shape, bspec, tuple(_what(t) for t in inputs))

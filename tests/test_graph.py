@@ -290,3 +290,30 @@ def test_hugging_face_models_record(clusters, kind, vocab):
                                strategies=["FULL_SHARD"], world_sizes=[2], clusters=clusters,
                                step_options={"graph": "eager"})
     assert report.failures() == []
+
+
+def _convnet(graph, steps=3):
+    from test_state import conv_batches, conv_loss
+    from shardfn.testing.models import ConvNet
+
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(ConvNet())[0], mesh, "FULL_SHARD")
+    step = sf.jit_step(conv_loss, mesh, optimizer=SGD_MOMENTUM(), graph=graph,
+                       **({} if graph else {"on_nonfinite": "raise_next"}))
+    state = step.init(sharded)
+    for b in conv_batches(steps):
+        sharded, state, metrics = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+    return {n: sharded[n].detach().clone() for n in sharded.layout.buffers}, sf.gather(sharded)
+
+
+def test_batchnorm_statistics_are_averaged_in_the_program(clusters):
+    # The program compares the buffers on the device and averages those some rank changed:
+    # every rank ends with the eager step's statistics and parameters.
+    eager, graph = (clusters[2].run(_convnet, g) for g in (False, "eager"))
+    for (eb, ep), (gb, gp) in zip(eager, graph):
+        for n, b in eb.items():
+            torch.testing.assert_close(gb[n], b, rtol=1e-6, atol=1e-7)
+        for n, p in ep.items():
+            torch.testing.assert_close(gp[n], p, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(graph[0][0][n], graph[1][0][n]) for n in graph[0][0])
