@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from . import _guard as G
 from ._errors import DivergenceError
-from ._events import Collective, CollectiveCall, Purpose, emit, observe, observers
+from ._events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe, observers
 from ._recording import Unrecordable, record, recording
 from ._verdict import Verdict, check_verdict
 from .optim import hyperparams
@@ -167,15 +167,6 @@ def _fingerprint(nodes: list[Any], axes: dict[str, str]) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF or 1
 
 
-class _Calls:
-    def __init__(self) -> None:
-        self.calls: list[CollectiveCall] = []
-
-    def receive(self, event: Any) -> None:
-        if isinstance(event, CollectiveCall):
-            self.calls.append(event)
-
-
 class GraphStep:
     """``step(sharded, opt_state, batch)`` built by ``jit_step(graph=True)``; see [Note: a graph step]."""
 
@@ -253,7 +244,7 @@ class GraphStep:
                 rank=self.mesh.rank, why="offloaded shards are copied between host and device by the step's Python",
                 where=f"{sharded.layout!r}", fix="shard without offload"))
         out: dict[str, Any] = {}
-        seen = _Calls()
+        seen = CollectiveLog()
         # ZeRO-1's kept full parameters are a cache outside the inputs: the program gathers
         # them from the shards in its forward instead ([Note: replicated parameters])
         sharded._replicas = None

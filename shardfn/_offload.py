@@ -40,7 +40,6 @@ import torch.utils._pytree as pytree
 
 from ._events import Transfer, emit
 from ._memory import mark_host
-from ._recording import cat_into
 
 __all__ = ["Offload", "pack_shards", "to_device_into", "to_host", "wait_for_device", "with_gaps"]
 
@@ -133,7 +132,7 @@ def pack_shards(out: torch.Tensor, shards: Sequence[torch.Tensor], offloaded: bo
         if offloaded:
             to_device_into(out, shards, to, unit)
         else:
-            cat_into(parts, out)
+            torch.cat(parts, out=out)
         return
     if offloaded:
         out.zero_()
@@ -141,7 +140,7 @@ def pack_shards(out: torch.Tensor, shards: Sequence[torch.Tensor], offloaded: bo
             out[off : off + p.numel()].copy_(p, non_blocking=True)
         emit(Transfer("to_device", sum(p.numel() for p in parts) * out.element_size(), unit, len(parts)), to)
     else:
-        cat_into(with_gaps(list(zip(offsets, parts)), out.numel(), out), out)
+        torch.cat(with_gaps(list(zip(offsets, parts)), out.numel(), out), out=out)
 
 
 def to_host(t: torch.Tensor, dtype: torch.dtype, to: Any, unit: str) -> torch.Tensor:

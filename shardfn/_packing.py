@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ._offload import with_gaps
-from ._recording import cat_into, recording
+from ._recording import recording
 
 LeafLayout = Any  # shardfn._layout.LeafLayout (imported there from here: no cycle)
 
@@ -49,7 +49,7 @@ def unpack_unit(gathered: torch.Tensor, leaves: Sequence[LeafLayout], world: int
         return _flat_views(gathered.view(-1), leaves)
     outs = [gathered.new_empty((world, leaf.shard_numel)) for leaf in leaves]
     if outs:
-        cat_into(gathered, outs, torch.split_with_sizes_copy, split_sizes=[leaf.shard_numel for leaf in leaves], dim=1)
+        torch.split_with_sizes_copy(gathered, [leaf.shard_numel for leaf in leaves], dim=1, out=outs)
     return [t.view(-1)[: math.prod(leaf.shape)].view(leaf.shape) for t, leaf in zip(outs, leaves)]
 
 
@@ -85,14 +85,12 @@ def pack_unit(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], world: int,
     if starts is not None:
         out = buffer.view(-1)
         parts = with_gaps(list(zip(starts, (t.reshape(-1) for t in tensors))), out.numel(), out)
-        if parts and recording():  # into the buffer itself, not a view of it (see cat_into)
-            buffer.copy_(torch.cat(parts).view(buffer.shape))
-        elif parts:
+        if parts:
             torch.cat(parts, out=out)
         return
     parts = [t.reshape(1) if t.dim() == 0 else t for t in tensors if t.numel()]  # empty: no columns
     if parts:
-        cat_into(parts, buffer, torch._chunk_cat, dim=0, num_chunks=world)
+        torch._chunk_cat(parts, dim=0, num_chunks=world, out=buffer)
 
 
 def pack_leaf(buffer: torch.Tensor, full: torch.Tensor, leaf: LeafLayout, world: int, offset: int) -> None:

@@ -23,7 +23,7 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Unrecordable", "cat_into", "recording", "relative_view", "untraced"]
+__all__ = ["Unrecordable", "recording", "relative_view", "untraced"]
 
 _RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_recording", default=False)
 
@@ -66,23 +66,6 @@ def untraced() -> Iterator[None]:
             yield
     finally:
         _RECORDING.reset(token)
-
-
-def cat_into(parts: list[Any], out: Any, op: Any = None, **kwargs: Any) -> None:
-    """``op(parts, out=out, **kwargs)`` (``torch.cat`` by default); while recording, the
-    op's result copied into ``out``: an ``out=`` write into a view of a buffer made inside
-    the program comes out of inductor wrong (NaN gradients, seen in torch 2.13), a copy
-    does not."""
-    import torch
-
-    op = op or torch.cat
-    if not _RECORDING.get():
-        op(parts, out=out, **kwargs)
-    elif isinstance(out, (list, tuple)):
-        for o, r in zip(out, op(parts, **kwargs)):
-            o.copy_(r)
-    else:
-        out.copy_(op(parts, **kwargs))
 
 
 def relative_view(t: Any, fulls: list[Any]) -> tuple[int, int] | None:
