@@ -3,15 +3,12 @@
 [Note: buckets]
 Every collective costs a latency and the host work of issuing and waiting for it,
 whatever its size, and small units pay them unit by unit. So neighbouring units travel
-together, up to ``Plan(bucket_bytes=...)`` bytes of the collective's buffer (default 4
-MiB; 0: every unit alone). The default is measured (world 2, CPU, gloo): on 25 units of
-~50k parameters FULL_SHARD steps in 92 ms alone, 53 with 1 MiB buckets, 51 with 4 MiB, 48
-with 25 MiB (NO_SHARD: 64, 34, 35, 34); on 8 blocks of 3.1M parameters, 25 MiB buckets
-(two blocks each) cost 3.7% (1,048 against 1,010 ms) and raise the peak, since a unit
-that large already amortises its collective's latency and the bucket adds copies. 4 MiB
-keeps nearly all the gain on small units and leaves big ones alone (DDP uses 25 MB). Which units share a bucket is part of
-the layout, the same on every rank; a bucket is named after its first and last units
-(``blocks.0..blocks.5``), and collectives and ``explain`` use that name.
+together, up to ``Plan(bucket_bytes=...)`` bytes of the collective's buffer (0: every unit
+alone). The 4 MiB default keeps nearly all the gain on small units and leaves units that
+already amortise their latency alone, where a bucket would only add copies and peak
+memory (measured in docs/strategies.md, "Choosing the size"). Which units share a bucket
+is part of the layout, the same on every rank; a bucket is named after its first and last
+units (``blocks.0..blocks.5``), and collectives and ``explain`` use that name.
 
 Gradients (:func:`reduce_buckets`), taken from the last unit back (backward's order), the
 first bucket up to 1 MiB (DDP's first bucket) so that communication starts early, one

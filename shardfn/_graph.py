@@ -21,6 +21,8 @@ the shards, and the next call (or a save) raises on every rank if they were not 
 from __future__ import annotations
 
 import contextlib
+import gc
+import operator
 import os
 import traceback
 import zlib
@@ -154,6 +156,7 @@ class _Program:
         self.collectives = [n for n in gm.graph.nodes if n.op == "call_function"
                             and getattr(n.target, "namespace", "") == "_c10d_functional" and "wait" not in n.name]
         self.fingerprint = _fingerprint(self.collectives, axes)
+        self.workspace = workspace(gm)
 
 
 def _fingerprint(nodes: list[Any], axes: dict[str, str]) -> int:
@@ -178,11 +181,19 @@ class GraphStep:
         self.warm = False  # whether an eager first step made an optimizer's state (see _hidden)
         self.recordings = 0
         self._last: tuple[Any, Any, list[torch.Tensor], Any] | None = None  # (sharded, opt_state, leaves, spec)
+        self._program: _Program | None = None  # the last one run
 
     def __getattr__(self, name: str) -> Any:  # init, grad, optimizer, ...: the eager step's
         if name == "step":
             raise AttributeError(name)
         return getattr(self.step, name)
+
+    @property
+    def workspace_bytes(self) -> int | None:
+        """The most bytes the last program run holds beyond the state and the batch (its
+        activations, gathered units and gradients), in its recorded order; None before the
+        first recording. Inductor plans the compiled program's buffers itself."""
+        return self._program.workspace if self._program is not None else None
 
     def __call__(self, sharded: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         check_verdict(sharded, "step")
@@ -209,6 +220,7 @@ class GraphStep:
         else:
             aux = self._replay(program, state, inputs)
         self._last = (sharded, opt_state, state, shape)
+        self._program = program
         metrics.update(loss=aux[0], grad_norm=aux[1], tokens=self._tokens(batch), comm_bytes=dict(program.comm_bytes))
         if program.aux_spec is not None:
             metrics["aux"] = pytree.tree_unflatten(list(aux[2:]), program.aux_spec)
@@ -288,10 +300,75 @@ class GraphStep:
             if len(set(prints)) > 1:
                 raise G.told(DivergenceError(_DIFFERENT.format(rank=self.mesh.rank, ranks=list(ch.ranks), prints=prints,
                                                                what=what)), ch)
+        gc.collect()  # the recording's tracer and proxies form cycles that hold the step's intermediates
         aux = [metrics["loss"], metrics["grad_norm"]]
         if prog.aux_spec is not None:
             aux += pytree.tree_leaves(metrics["aux"])
         return prog, aux
+
+
+_UNMARKED_ALIASES = (torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten._unsafe_view.default)
+
+
+def _aliased(node: torch.fx.Node) -> torch.fx.Node | None | bool:
+    """The node whose memory ``node``'s output shares (by the op's schema; ``wait_tensor``
+    returns its input, ``_unsafe_view`` its input's memory; an element of a list output
+    shares the list's), or False where the output is memory of its own."""
+    target = node.target
+    if target in _UNMARKED_ALIASES or target is operator.getitem:
+        return node.args[0]
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    info = schema.returns[0].alias_info if schema.returns else None
+    if info is None:
+        return False
+    given = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+    for arg in schema.arguments:  # a list of views (``Tensor(a)[]``) names no set: its first aliased argument
+        if arg.alias_info is not None and (arg.alias_info.before_set & info.before_set or not info.before_set):
+            base = given.get(arg.name)
+            return base[0] if isinstance(base, (list, tuple)) else base
+    return False
+
+
+def workspace(gm: torch.fx.GraphModule) -> int:
+    """The most bytes the program holds beyond its inputs and constants, run in its recorded
+    order with each tensor freed after its last use (as the graph's own code frees them).
+    A view or an in-place result shares its base's memory and keeps it alive; an op's list
+    of new tensors lives while the list is used, and each element while it is."""
+    nodes = list(gm.graph.nodes)
+    owns: dict[torch.fx.Node, list[tuple[torch.fx.Node, int]]] = {}  # node -> the allocations it keeps alive
+    size: dict[tuple[torch.fx.Node, int], int] = {}  # allocation (node, element) -> bytes
+    for n in nodes:
+        base = _aliased(n) if n.op == "call_function" else None
+        if n.op != "call_function" or base is None:
+            owns[n] = []  # an input, a constant, or a view of one
+        elif base is False:
+            vals = n.meta.get("val")
+            many = isinstance(vals, (list, tuple))
+            keys = [(n, i) for i in range(len(vals) if many else 1)]
+            for key, v in zip(keys, vals if many else [vals]):
+                size[key] = v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else 0
+            owns[n] = keys
+        elif n.target is operator.getitem and len(owns[base]) > 1:
+            owns[n] = [owns[base][n.args[1]]]
+        else:
+            owns[n] = owns[base] if isinstance(base, torch.fx.Node) else []
+    order = {n: i for i, n in enumerate(nodes)}
+    last = {key: order[key[0]] for key in size}
+    for n in nodes:
+        for user in n.users:
+            for key in owns[n]:
+                last[key] = max(last[key], order[user])
+    freed: dict[int, int] = {}
+    now = peak = 0
+    for i, n in enumerate(nodes):
+        for key in owns[n] if owns[n] and owns[n][0][0] is n else []:
+            now += size[key]
+            freed[last[key]] = freed.get(last[key], 0) + size[key]
+        peak = max(peak, now)
+        now -= freed.pop(i, 0)
+    return peak
 
 
 def _check_constants(gm: torch.fx.GraphModule, *trees: list[Any]) -> None:

@@ -15,6 +15,7 @@ import torch
 import shardfn as sf
 from bounds import ADAMW, SGD_MOMENTUM
 from shardfn.testing import check_equivalence, count_ops, split_batch
+from shardfn.testing.models import GPT, GPTConfig
 from test_equivalence import gpt_batches, gpt_loss, gpt_model
 
 def _decay(lr, count):
@@ -124,6 +125,60 @@ def test_a_replay_issues_the_eager_collectives_and_nothing_on_the_host(clusters,
     torch.testing.assert_close(torch.tensor(graph["losses"]), torch.tensor(eager["losses"]), rtol=1e-6, atol=0)
     for name, p in eager["params"].items():
         torch.testing.assert_close(graph["params"][name], p, rtol=1e-5, atol=1e-6)
+
+
+# Units that outweigh the activations, and no buckets: each unit's gathered parameters and
+# gradients come and go on their own, so what a program holds shows when it frees them.
+_BIG_UNITS = GPTConfig(vocab_size=29, seq_len=4, d_model=64, n_layers=6)
+
+
+def _memory(strategy, graph, steps=4):
+    """Per call: the live bytes at most beyond the state and the batch, the bytes of the
+    state after it and its storages, and the workspace the step reports; and one block's
+    parameter bytes."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(GPT(_BIG_UNITS))
+    sharded = sf.shard(params, mesh, sf.Plan(strategy, bucket_bytes=0))
+    step = sf.jit_step(gpt_loss, mesh, optimizer=ADAMW(), graph=graph, **({} if graph else {"on_nonfinite": "raise_next"}))
+    state = step.init(sharded)
+    out = {"peak": [], "persistent": [], "state": [], "workspace": []}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        b = {k: torch.randint(0, 29, (2, 4), generator=g) for k in ("x", "y")}
+        b = split_batch(b, mesh.rank, mesh.size)
+        with sf.track_live_bytes(sharded, state, b) as mem:
+            held = mem.current
+            sharded, state, metrics = step(sharded, state, b)
+            del metrics
+        out["peak"].append(mem.peak - held)
+        with sf.track_live_bytes(sharded, state) as trees:
+            out["persistent"].append(trees.current)
+        out["state"].append([t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((sharded, state))])
+        out["workspace"].append(step.workspace_bytes if graph else None)
+    out["block"] = sum(p.numel() * p.element_size() for k, p in params.items() if k.startswith("blocks.0."))
+    return out
+
+
+def test_a_replay_holds_no_more_than_the_eager_step_and_says_how_much(clusters):
+    eager = clusters[2].run(_memory, "FULL_SHARD", False)[0]
+    graph = clusters[2].run(_memory, "FULL_SHARD", "eager")[0]
+    kept = clusters[2].run(_memory, "SHARD_GRAD_OP", "eager")[0]
+    # The workspace a graph step reports is what a replay holds at most: exactly so at world
+    # 1. With collectives, a measured replay can hold more for a while: the process group's
+    # thread lets go of a collective's buffers, now and then after the next ops have run.
+    alone = clusters[1].run(_memory, "FULL_SHARD", "eager")[0]
+    assert alone["peak"][1:] == alone["workspace"][1:] and alone["workspace"][1] > 0
+    assert graph["workspace"][1:] == graph["workspace"][1:2] * 3 and graph["workspace"][1] <= min(graph["peak"][1:])
+    # FULL_SHARD's program holds at most what the eager step holds. It frees each unit after
+    # its forward and gathers it again for the backward: SHARD_GRAD_OP's program, which
+    # keeps every unit gathered from its forward to its backward, holds more, by at least
+    # one block's parameters.
+    assert graph["workspace"][1] <= min(eager["peak"][1:])
+    assert graph["workspace"][1] + graph["block"] <= kept["workspace"][1]
+    # The state is as large as the eager step's: the program keeps no copy of it.
+    assert graph["persistent"] == eager["persistent"]
+    assert graph["state"][1:] == graph["state"][:1] * 3  # every replay updates the same tensors in place
 
 
 def test_a_new_batch_shape_is_recorded_again(clusters):
