@@ -50,7 +50,11 @@ offload (``Offload(params=True, optimizer=True)``, fp32). For each row:
   ``CPUOffloadPolicy()`` for offload) or, for NO_SHARD, DDP (bf16: under
   ``torch.autocast``; DDP has no offload, so the offload row's peer keeps everything on the
   GPU); and for plain PyTorch in one process on the same per-rank batch (fp32, and bf16
-  under ``torch.autocast``): the "plain torch" rows, and the "x plain" column.
+  under ``torch.autocast``): the "plain torch" rows, and the "x plain" column. On CUDA,
+  the plain step is also captured as one CUDA graph (variants ``fp32 cg`` and ``bf16 cg``,
+  :func:`graphed_step`): the floor a whole-step program can reach, its "x plain" against
+  the eager plain step. ``jit_step(graph=True)`` is refused on CUDA in this release
+  (docs/compile.md), so it has no rows yet.
 
 World 2 on one GPU: NCCL first (which normally refuses two ranks on one GPU: "Duplicate GPU
 detected"), then gloo over CUDA tensors; a backend counts as usable when the process group
@@ -486,10 +490,54 @@ def peer_name(strategy: str, variant: str) -> str:
 
 
 def plain_row(ctx: Ctx, variant: str, timed: list) -> dict:
-    """Plain PyTorch in one process on the per-rank batch: fp32, or bf16 under autocast."""
+    """Plain PyTorch in one process on the per-rank batch: fp32, or bf16 under autocast;
+    "... cg": the same step captured as one CUDA graph (the floor of a whole-step program)."""
     model = build_model(ctx).to(ctx.device)
-    step = torch_step(model, ctx, autocast=variant == "bf16")
-    return time_steps(step, to_device(timed, ctx.device), ctx)
+    batches = to_device(timed, ctx.device)
+    if variant.endswith(" cg"):
+        step = graphed_step(model, ctx, variant.startswith("bf16"), *batches[0])
+    else:
+        step = torch_step(model, ctx, autocast=variant == "bf16")
+    return time_steps(step, batches, ctx)
+
+
+def graphed_step(model: torch.nn.Module, ctx: Ctx, autocast: bool, x0: torch.Tensor, y0: torch.Tensor) -> Callable:
+    """Plain PyTorch's training step (forward, backward, AdamW) captured as one CUDA graph,
+    as the CUDA-graph recipe of PyTorch's documentation does it: a few eager steps on a side
+    stream first, AdamW's state on the device (``capturable=True``), autocast without its
+    cache, the batch copied into static input tensors before each replay."""
+    opt = torch.optim.AdamW(model.parameters(), lr=ctx.opts["lr"], weight_decay=ctx.opts["wd"], foreach=True,
+                            capturable=True)
+    static_x, static_y = x0.clone(), y0.clone()
+
+    def body() -> torch.Tensor:
+        cast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if autocast
+                else contextlib.nullcontext())
+        with cast:
+            loss = lm_loss(model(static_x), static_y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)  # the gradients are allocated in the graph's pool, written by every replay
+    with torch.cuda.graph(graph):
+        static_loss = body()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        return static_loss
+
+    return step
 
 
 def measure_all(ctx: Ctx, out: Any) -> None:
@@ -505,7 +553,7 @@ def measure_all(ctx: Ctx, out: Any) -> None:
                              "mesh": repr(ctx.mesh)}))
     ref = guarded(ctx, lambda: reference(ctx, eq_batches) if ctx.rank == 0 else {})
     if ctx.world == 1:
-        for variant in ("fp32", "bf16"):
+        for variant in ("fp32", "bf16") + (("fp32 cg", "bf16 cg") if ctx.device.type == "cuda" else ()):
             row = guarded(ctx, lambda: plain_row(ctx, variant, timed))
             out.put(("plain", 0, {"variant": variant, **row}))
     for strategy in STRATEGIES:
@@ -673,13 +721,15 @@ def table(outcomes: list[Outcome], opts: dict, peaks: dict | None, n_params: int
     def mfu(ms: float | None, variant: str) -> str:
         if ms is None or peaks is None:
             return "-"
-        return f"{6 * n_params * tokens / (ms / 1e3) / peaks['bf16' if variant == 'bf16' else 'fp32']:.1%}"
+        return f"{6 * n_params * tokens / (ms / 1e3) / peaks['bf16' if variant.startswith('bf16') else 'fp32']:.1%}"
 
     plain = next((o.plain for o in outcomes if o.plain), {})
     for variant, p in plain.items():
+        eager = plain.get(variant[:4], {}).get("ms")  # a captured step against the eager one
         lines.append(f"{1:>5}  {'plain torch':<14}{variant:<9}{'-':<7}{'-':>9}{'-':>9}{'-':>10}"
                      f"{fmt(p.get('ms'), '.1f'):>10}  {'-':<24}{'-':<8}{'-':>9}{'-':>9}{'-':>8}"
-                     f"{'1.00' if 'ms' in p else '-':>8}{mfu(p.get('ms'), variant):>7}{fmt(p.get('mib'), '.0f'):>9}{'-':>10}"
+                     f"{fmt(p['ms'] / eager if 'ms' in p and eager else None, '.2f'):>8}"
+                     f"{mfu(p.get('ms'), variant):>7}{fmt(p.get('mib'), '.0f'):>9}{'-':>10}"
                      f"{fmt(p.get('ops'), 'd'):>7}{'-':>9}{'1.00' if 'ops' in p else '-':>8}{fmt(p.get('launch'), 'd'):>8}"
                      f"{'-':>7}{fmt(p.get('sync'), 'd'):>5}{fmt(p.get('host_ms'), '.1f'):>8}{'-':>6}{'-':>13}")
     for o in outcomes:

@@ -10,8 +10,9 @@ collectives in order); then each call only runs it, compiled: no Python per unit
 no header exchange, no host read. The state is updated in place (donation), so the same
 tensors are its inputs on every call. A batch or state of another shape, dtype or
 structure is recorded again; every rank must do the same (a rank that records while
-another replays meets it at its first collective, and both fail at the process group's
-timeout). An optimizer that makes its state in its first step (``from_torch``) runs one
+another replays meets it at its first collective: the recording rank raises within the
+step timeout, the replaying ones, which exchange nothing, at the process group's timeout).
+An optimizer that makes its state in its first step (``from_torch``) runs one
 eager step first.
 
 It reports as ``on_nonfinite="raise_next"`` does: the loss and gradient norm travel with
@@ -33,7 +34,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from . import _guard as G
-from ._errors import DivergenceError
+from ._errors import CommError, DivergenceError
 from ._events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe, observers
 from ._recording import Unrecordable, record, recording
 from ._verdict import Verdict, check_verdict
@@ -56,6 +57,16 @@ _DIFFERENT = (
     "collectives (kind, group, size and dtype, in order) are {prints}. Each rank ran its step, checked collective by "
     "collective, but their programs differ elsewhere, so none is replayed. Every rank must record the same step: the "
     "same batch shapes and dtypes, plan, optimizer and loss_fn; or build the step with graph=False."
+)
+
+
+_LOST = (
+    "[rank {rank}] shardfn: jit_step(graph=True): a collective of the recorded program did not complete ({error}). A "
+    "replay waits for its peers as long as the process group's timeout, not the step timeout. Every rank must run the "
+    "same program each step: a rank whose batch changed shape or dtype records a new program while the others replay "
+    "theirs, and their collectives never match (pad batches to one shape, or drop the last one); a peer that stopped "
+    "or died ends a replay the same way. The process group is unusable now; restart the job (torchrun "
+    "--max-restarts) and resume from shardfn.checkpoint.latest(...)."
 )
 
 
@@ -238,8 +249,15 @@ class GraphStep:
         # Under a dispatch mode of the caller's (an op counter, a memory tracker) dynamo runs
         # nothing compiled: the recorded graph runs op by op, so the mode sees each op.
         fn = program.gm if _get_current_dispatch_mode() is not None else program.fn
-        with torch.no_grad():
-            out = fn(state, inputs)
+        self.mesh.guard.check_alive("jit_step(graph=True)")
+        try:
+            with torch.no_grad():
+                out = fn(state, inputs)
+        except RuntimeError as e:  # the program's collectives: torch's own timeout ends a replay nobody matches
+            if not any(w in str(e).lower() for w in ("timed out", "timeout", "closed", "reset", "connection")):
+                raise
+            self.mesh.guard.broken = _LOST.format(rank=self.mesh.rank, error=f"{type(e).__name__}: {str(e)[:200]}")
+            raise CommError(self.mesh.guard.broken) from None
         program.replays += 1
         to = observers()
         if to:
