@@ -234,6 +234,7 @@ _COLLECTIVES = {
     "_c10d_functional::all_gather_into_tensor_out": ("all_gather", "out"),
     "_c10d_functional::all_gather_into_tensor_coalesced": ("all_gather", "inputs"),
     "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "_c10d_functional::all_to_all_single": ("reduce_scatter", "input"),  # a graph step's reduce-scatter on gloo
     "_c10d_functional::reduce_scatter_tensor_out": ("reduce_scatter", "input"),
     "_c10d_functional::reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs"),
     "_c10d_functional::all_reduce": ("all_reduce", "input"),

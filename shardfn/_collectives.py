@@ -65,8 +65,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose: Pur
     """
     _record(Collective.ALL_GATHER, ch, out, purpose, unit, to, detail)
     with _range(Collective.ALL_GATHER, purpose, unit):
-        if recording():
-            work = _Functional(out, _F.all_gather_into_tensor(inp.reshape(-1), ch.size, ch.group.group_name))
+        if recording():  # straight into ``out``, as eagerly: a copy of every gathered unit less
+            work = _Functional(out, _F.all_gather_into_tensor_out(inp.reshape(-1), ch.size, ch.group.group_name,
+                                                                  out=out.view(-1)))
         else:
             work = all_gather_single(out, inp, group=ch.group, async_op=True)
     return _done(work, ch, async_op, Collective.ALL_GATHER, purpose, unit)
@@ -82,8 +83,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose:
     _record(Collective.REDUCE_SCATTER, ch, inp, purpose, unit, to, detail, op)
     with _range(Collective.REDUCE_SCATTER, purpose, unit):
         if recording():
-            work, finish = _Functional(out, _F.reduce_scatter_tensor(inp.reshape(-1), _OPS[op], ch.size,
-                                                                    ch.group.group_name)), None
+            work, finish = _reduce_scatter_recorded(out, inp.reshape(-1), ch, op), None
         else:
             work, finish = issue_reduce_scatter(out, inp, ch.group, op)
     if async_op:
@@ -149,16 +149,40 @@ _OPS = {SUM: "sum", AVG: "avg", MAX: "max", MIN: "min"}
 
 class _Functional:
     """A functional collective in a recorded step ([Note: recording a step]): waiting
-    copies its result into the buffer the eager collective writes in place."""
+    copies its result (through ``then``, the local part that completes it) into the buffer
+    the eager collective writes in place."""
 
-    def __init__(self, out: torch.Tensor, result: torch.Tensor):
-        self.out, self.result = out, result
+    def __init__(self, out: torch.Tensor, result: torch.Tensor, then: Any = None):
+        self.out, self.result, self.then = out, result, then
 
     def wait(self, timeout: Any = None) -> bool:
         if self.result is not None:
             done, self.result = _F.wait_tensor(self.result), None
-            self.out.copy_(done.view(self.out.shape))
+            if self.then is not None:
+                self.out.copy_(self.then(done).view(self.out.shape))
+            elif done.data_ptr() != self.out.data_ptr():  # (an ``_out`` collective wrote ``out`` itself)
+                self.out.copy_(done.view(self.out.shape))
         return True
+
+
+def _reduce_scatter_recorded(out: torch.Tensor, flat: torch.Tensor, ch: G.Channel, op: ReduceOp) -> _Functional:
+    """A reduce-scatter in a recorded step. On gloo, as eagerly, not gloo's own ([Note:
+    reduce-scatter on gloo]): a graph has no sends, so every rank's chunks travel in one
+    all-to-all (the same bytes as the paired sends), then are summed in rank order, as the
+    eager path sums them ([Note: the order of the sum])."""
+    n = ch.size
+    if not (op in (SUM, AVG) and n > 1 and flat.device.type == "cpu" and "gloo" in str(dist.get_backend(ch.group))):
+        return _Functional(out, _F.reduce_scatter_tensor(flat, _OPS[op], n, ch.group.group_name))
+
+    def add(received: torch.Tensor) -> torch.Tensor:
+        rows = received.view(n, -1)  # row r: rank r's chunk of this rank's part
+        total = rows[0] + rows[1]
+        for r in range(2, n):
+            total.add_(rows[r])
+        return total.div_(n) if op == AVG else total
+
+    sizes = [flat.numel() // n] * n
+    return _Functional(out, _F.all_to_all_single(flat, sizes, sizes, ch.group.group_name), add)
 
 
 class _Works:

@@ -1,19 +1,22 @@
 """``jit_step(graph=True)``: the whole step recorded once, then replayed as one program.
 
 [Note: a graph step]
-The first call records: the eager step runs once under ``make_fx`` ([Note: recording a
-step] in shardfn._recording), every collective checked header by header, so the step's
-operations (all-gathers, forward, backward with its regathers, reductions and buckets,
-clipping, the update, the metrics) become one graph whose collectives the ranks agreed
-on one by one. Before the program is used the ranks agree on its fingerprint (its
-collectives in order); then each call only runs it, compiled: no Python per unit or leaf,
-no header exchange, no host read. The state is updated in place (donation), so the same
-tensors are its inputs on every call. A batch or state of another shape, dtype or
-structure is recorded again; every rank must do the same (a rank that records while
-another replays meets it at its first collective: the recording rank raises within the
-step timeout, the replaying ones, which exchange nothing, at the process group's timeout).
-An optimizer that makes its state in its first step (``from_torch``) runs one
-eager step first.
+The first call runs the eager step under the rules of a recording: what a program cannot
+hold is refused there, and the step learns its units' forward order, so that the
+recorded step prefetches as eager steps do. The second call records: the eager step runs
+once under ``make_fx`` ([Note: recording a step] in shardfn._recording), every
+collective checked header by header, so the step's operations (all-gathers, forward,
+backward with its regathers, reductions and buckets, clipping, the update, the metrics)
+become one graph whose collectives the ranks agreed on one by one. Its inputs are the
+state's flat buffers, not the leaves that are views of them (inputs that alias one
+another would be copied back after every run). Before the program is used the ranks
+agree on its fingerprint (its collectives in order); then each call only runs it,
+compiled: no Python per unit or leaf, no header exchange, no host read. The state is
+updated in place (donation), so the same tensors are its inputs on every call. A batch
+or state of another shape, dtype or structure is recorded again; every rank must do the
+same (a rank that records while another replays meets it at its first collective: the
+recording rank raises within the step timeout, the replaying ones, which exchange
+nothing, at the process group's timeout).
 
 It reports as ``on_nonfinite="raise_next"`` does: the loss and gradient norm travel with
 the shards, and the next call (or a save) raises on every rank if they were not finite.
@@ -135,22 +138,40 @@ def _what(x: Any) -> Any:
     return x
 
 
-def _hidden(leaves: list[Any]) -> list[torch.Tensor] | None:
+def _hidden(leaves: list[Any]) -> list[torch.Tensor]:
     """The tensors of a state that is not a pytree (``from_torch``'s: its optimizer's private
-    parameters and per-parameter state), which the program must take as inputs too; None
-    while that optimizer has made no state for some parameter (before its first step; one
-    eager step makes it, and what it still has not made after that it keeps none of)."""
+    parameters and per-parameter state), which the program must take as inputs too. The
+    first call, eager, has made that state (a parameter it made none for keeps none)."""
     from .optim._torch import TorchOptimizerState
 
     hidden: list[torch.Tensor] = []
     for leaf in leaves:
         if isinstance(leaf, TorchOptimizerState) and leaf.optimizer is not None:
             params = leaf.optimizer.param_groups[0]["params"]
-            if any(p not in leaf.optimizer.state for p in params):
-                return None
             hidden += params
-            hidden += [v for p in params for v in leaf.optimizer.state[p].values() if isinstance(v, torch.Tensor)]
+            hidden += [v for p in params for v in leaf.optimizer.state.get(p, {}).values()
+                       if isinstance(v, torch.Tensor)]
     return hidden
+
+
+def _bases(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What a program takes as its inputs for the state: each tensor's base (for a sharded
+    tree's leaves and an optimizer's state, the unit's flat buffer), once. Leaves that
+    share a buffer would be inputs that alias one another, which the compiler handles by
+    copying every updated input back after the program."""
+    bases: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        base = t._base if t._base is not None else t
+        bases.setdefault(id(base), base)
+    return list(bases.values())
+
+
+def _view_of_base(leaf: Any) -> Any:
+    """``leaf`` made again, while recording, as a view of its base (an input of the program)."""
+    if not isinstance(leaf, torch.Tensor) or leaf._base is None:
+        return leaf
+    view = leaf._base.as_strided(leaf.size(), leaf.stride(), leaf.storage_offset())
+    return view.requires_grad_() if leaf.requires_grad else view  # (the base is no trainable leaf)
 
 
 class _Program:
@@ -189,7 +210,7 @@ class GraphStep:
         self.mesh = step.mesh
         self.backend = backend  # "inductor", or None: the recorded graph runs op by op
         self.programs: dict[Any, _Program] = {}
-        self.warm = False  # whether an eager first step made an optimizer's state (see _hidden)
+        self.warm = False  # whether the first call ran (eagerly, see _warm_up)
         self.recordings = 0
         self._last: tuple[Any, Any, list[torch.Tensor], Any] | None = None  # (sharded, opt_state, leaves, spec)
         self._program: _Program | None = None  # the last one run
@@ -215,11 +236,11 @@ class GraphStep:
             with G.guarded(self.mesh, G.Where.STEP):
                 self.step._check(sharded, opt_state)
             leaves, spec = pytree.tree_flatten((sharded, opt_state))
-            hidden = _hidden(leaves)
-            if hidden is None and not self.warm:  # state an optimizer makes in its first step: made by an eager one
+            if not self.warm:
                 self.warm = True
-                return self.step(sharded, opt_state, batch)
-            state = [t for t in leaves if isinstance(t, torch.Tensor)] + (hidden or [])
+                return self._warm_up(sharded, opt_state, batch)
+            hidden = _hidden(leaves)
+            state = _bases([t for t in leaves if isinstance(t, torch.Tensor)] + hidden)
             shape = (spec, tuple(_what(t) for t in leaves), tuple(_what(t) for t in hidden))
         inputs, bspec = pytree.tree_flatten(batch)
         key = (shape, bspec, tuple(_what(t) for t in inputs))
@@ -265,14 +286,32 @@ class GraphStep:
                 emit(call, to)
         return out
 
-    def _record(self, sharded: Any, opt_state: Any, batch: Any, state: list[torch.Tensor],
-                inputs: list[Any]) -> tuple[_Program, Any]:
-        from torch.fx.experimental.proxy_tensor import make_fx
+    def _warm_up(self, sharded: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+        """The first call: one eager step, under the rules of a recording. What a program
+        cannot hold is refused now, and the step learns its units' forward order, so that
+        the recorded step prefetches as eager steps do (a first step has no order to follow)
+        and an optimizer that makes its state in its first step (``from_torch``) has made it."""
+        self._refuse_offload(sharded)
+        metrics = hyperparams(self.step.optimizer, opt_state)
+        try:
+            with _no_host_copies(), record(), _NoHostReads():
+                sharded, opt_state, out = self.step(sharded, opt_state, batch)
+        except Unrecordable as e:
+            raise ValueError(_REFUSED.format(rank=self.mesh.rank, why=e.why, where=_where(e.__traceback__),
+                                             fix=e.fix)) from None
+        return sharded, opt_state, {**metrics, **out}
 
+    def _refuse_offload(self, sharded: Any) -> None:
         if sharded.layout.offloaded:
             raise ValueError(_REFUSED.format(
                 rank=self.mesh.rank, why="offloaded shards are copied between host and device by the step's Python",
                 where=f"{sharded.layout!r}", fix="shard without offload"))
+
+    def _record(self, sharded: Any, opt_state: Any, batch: Any, state: list[torch.Tensor],
+                inputs: list[Any]) -> tuple[_Program, Any]:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        self._refuse_offload(sharded)
         out: dict[str, Any] = {}
         seen = CollectiveLog()
         # ZeRO-1's kept full parameters are a cache outside the inputs: the program gathers
@@ -280,11 +319,13 @@ class GraphStep:
         sharded._replicas = None
 
         def program(state_in: list[torch.Tensor], batch_in: list[Any]) -> list[torch.Tensor]:
-            # The leaves are the trees' own tensors (make_fx in real mode traces the objects
-            # it is given), so the step runs on the trees themselves.
-            before = pytree.tree_leaves((sharded, opt_state))
+            # The inputs are the state's own buffers (make_fx in real mode traces the objects
+            # it is given); the step runs on trees whose leaves are views of them made here.
+            leaves, spec = pytree.tree_flatten((sharded, opt_state))
+            before = [_view_of_base(t) for t in leaves]
+            trees = pytree.tree_unflatten(before, spec)
             with record(), _NoHostReads(), observe(seen):
-                new, new_state, metrics = self.step(sharded, opt_state, batch)
+                new, new_state, metrics = self.step(*trees, batch)
             after = pytree.tree_leaves((new, new_state))
             with torch.no_grad():
                 for old, now in zip(before, after):

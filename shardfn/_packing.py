@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from ._offload import with_gaps
-from ._recording import recording
 
 LeafLayout = Any  # shardfn._layout.LeafLayout (imported there from here: no cycle)
 
@@ -133,11 +132,8 @@ def shard_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
     is one contiguous tensor of ``numel`` elements in ``dtype`` (as :func:`shardfn.shard` lays
     them out, and in-place updates keep them); else None, and the caller packs them.
 
-    The all-gather then sends it as it is: no copy ([Note: placements]). Not while a step
-    is recorded: the buffer is no input of the program, which reaches the state only
-    through its leaves ([Note: recording a step]), so the shards are packed."""
-    if recording():
-        return None
+    The all-gather then sends it as it is: no copy ([Note: placements]); a recorded step's
+    program takes these buffers as its inputs ([Note: recording a step])."""
     base = shards[0]._base if shards else None
     if base is None or base.dtype != dtype or base.dim() != 1 or base.numel() != numel or not base.is_contiguous():
         return None

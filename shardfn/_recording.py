@@ -4,15 +4,20 @@
 A graph step is recorded by running the eager step once under ``make_fx``: every tensor
 operation the step dispatches (gathers, forward, backward, reductions, update, metrics)
 becomes a node of one graph, and everything decided in Python (which unit gathers when,
-buckets, prefetch) is decided once, at the recording. Three things differ while recording:
+buckets, prefetch) is decided once, at the recording. Five things differ while recording:
 
 * collectives are the functional ones (``torch.ops._c10d_functional``), which a graph can
-  hold; the result is copied into the buffer the eager code wrote in place;
+  hold, writing the buffer the eager code writes in place (an all-gather) or copied into
+  it; on gloo a reduce-scatter is an all-to-all and a sum in rank order, as it is paired
+  sends eagerly;
+* the state's flat buffers are the program's inputs, and the leaves views of them made in
+  the recording, so that the step's zero-copy paths (a unit's shard buffer sent as it is,
+  the update over a unit's buffers) read inputs;
 * the schedule guard's header exchanges run outside the recording (:func:`untraced`):
   they are host work of this call, not of the program;
 * a value read on the host (``.item()``, ``bool(t)``, ``torch.equal``) would be baked
   into the program as a constant, so every such read refuses the recording
-  (:class:`shardfn._graph.HostRead`), and the built-in optimizers compute their step
+  (``shardfn._graph._NoHostReads``), and the built-in optimizers compute their step
   scalars (learning rate, bias corrections) from the step count as tensors.
 """
 

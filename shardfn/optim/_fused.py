@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .._recording import recording
 
 __all__ = ["fused_groups", "zeros_like_views"]
 
@@ -79,7 +78,7 @@ def fused_groups(keys: Sequence[str], params: Mapping[str, torch.Tensor], grads:
     buffers])`` for a unit whose update may run on its buffers (see the note); ``rest`` are
     the other keys, in order. ``dtype``: the dtype the gradients must have (the state's)."""
     flat_units = getattr(params, "flat_units", None)
-    if flat_units is None or recording():  # a recorded step reaches the state through its leaves only
+    if flat_units is None:
         return [], list(keys)
     wanted = set(keys)
     groups, fused = [], set()
