@@ -14,7 +14,7 @@ run under ``torch.profiler``:
 
 Both configurations run in the same fresh process, interleaved step by step, ``--repeats``
 times; the ratio of each repeat and its spread are printed, and the JSON goes to ``--out``.
-The warm-up time (3 steps: the graph step records, then compiles) is printed for each
+The warm-up time (3 steps: the graph step runs eagerly, records, then compiles) is printed for each
 repeat: run with a new ``TORCHINDUCTOR_CACHE_DIR`` to see the first repeat with a cold
 inductor cache and the later ones with a warm one.
 

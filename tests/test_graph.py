@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardfn as sf
 from bounds import ADAMW, SGD_MOMENTUM
@@ -138,26 +139,40 @@ def test_a_replay_issues_the_eager_collectives_and_nothing_on_the_host(clusters,
 _BIG_UNITS = GPTConfig(vocab_size=29, seq_len=4, d_model=64, n_layers=6)
 
 
+class _GatherInputs(TorchDispatchMode):
+    """The storage each all-gather reads, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ptrs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket.__name__.startswith("all_gather_into_tensor"):
+            self.ptrs.append(args[0].untyped_storage().data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
 def _memory(strategy, graph, steps=5):
     """Per call: the live bytes at most beyond the state and the batch, the bytes of the
-    state after it and its storages, and the workspace the step reports; and one block's
-    parameter bytes."""
+    state after it and its storages, the workspace the step reports and the storages the
+    all-gathers send; and one block's parameter bytes."""
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, _ = sf.functionalize(GPT(_BIG_UNITS))
     sharded = sf.shard(params, mesh, sf.Plan(strategy, bucket_bytes=0))
     step = sf.jit_step(gpt_loss, mesh, optimizer=ADAMW(), graph=graph, **({} if graph else {"on_nonfinite": "raise_next"}))
     state = step.init(sharded)
-    out = {"peak": [], "persistent": [], "state": [], "workspace": []}
+    out = {"peak": [], "persistent": [], "state": [], "workspace": [], "gathers": []}
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
         b = {k: torch.randint(0, 29, (2, 4), generator=g) for k in ("x", "y")}
         b = split_batch(b, mesh.rank, mesh.size)
-        with sf.track_live_bytes(sharded, state, b) as mem:
+        with sf.track_live_bytes(sharded, state, b) as mem, _GatherInputs() as gathers:
             held = mem.current
             sharded, state, metrics = step(sharded, state, b)
             del metrics
         out["peak"].append(mem.peak - held)
+        out["gathers"].append(gathers.ptrs)
         with sf.track_live_bytes(sharded, state) as trees:
             out["persistent"].append(trees.current)
         out["state"].append([t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((sharded, state))])
@@ -186,6 +201,44 @@ def test_a_replay_holds_no_more_than_the_eager_step_and_says_how_much(clusters):
     # The state is as large as the eager step's: the program keeps no copy of it.
     assert graph["persistent"] == eager["persistent"]
     assert graph["state"][1:] == graph["state"][:1] * 4  # every replay updates the same tensors in place
+    # Every replay's all-gathers send the state's own shard buffers, the same ones each time
+    # (as the eager step does: no packing copy).
+    assert graph["gathers"][3:] == graph["gathers"][2:3] * 2 and set(graph["gathers"][2]) <= set(graph["state"][2])
+
+
+def _program_shape(strategy):
+    """Of the recorded program: for each all-gather, whether a matmul runs between it and
+    its wait (it was issued ahead, as prefetch issues it); and its inputs' storages."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(GPT(_BIG_UNITS))
+    sharded = sf.shard(params, mesh, sf.Plan(strategy, bucket_bytes=0))
+    step = sf.jit_step(gpt_loss, mesh, optimizer=ADAMW(), graph="eager")
+    state = step.init(sharded)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        b = {k: torch.randint(0, 29, (2, 4), generator=g) for k in ("x", "y")}
+        sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+    (program,) = step.programs.values()
+    nodes = list(program.gm.graph.nodes)
+    ahead = []
+    for i, n in enumerate(nodes):
+        if "all_gather" in str(n.target):
+            wait = next(j for j, m in enumerate(nodes) if "wait_tensor" in str(m.target) and m.args[0] is n)
+            ahead.append(any(str(m.target) in ("aten.mm.default", "aten.addmm.default") for m in nodes[i:wait]))
+    inputs = step._last[2]
+    return ahead, len(inputs), len({t.untyped_storage().data_ptr() for t in inputs}), len(sharded.layout.units)
+
+
+def test_the_program_prefetches_and_takes_the_flat_buffers(clusters):
+    ahead, inputs, storages, units = clusters[2].run(_program_shape, "FULL_SHARD")[0]
+    # The recording follows the forward order the first (eager) call learned: each block's
+    # all-gather is issued before the compute of the block before it, in the forward and in
+    # the backward's regathers. Only the first gathers of each pass wait at once: the root
+    # and the first block in the forward, the last block in the backward.
+    assert len(ahead) == 2 * units - 1 and ahead.count(False) == 3, ahead
+    # Its inputs are the flat buffers, one storage each: none aliases another.
+    assert inputs == storages
 
 
 def test_a_new_batch_shape_is_recorded_again(clusters):
