@@ -212,7 +212,7 @@ class GraphStep:
         self.programs: dict[Any, _Program] = {}
         self.warm = False  # whether the first call ran (eagerly, see _warm_up)
         self.recordings = 0
-        self._last: tuple[Any, Any, list[torch.Tensor], Any] | None = None  # (sharded, opt_state, leaves, spec)
+        self._last: tuple[Any, Any, list[torch.Tensor], Any] | None = None  # (sharded, opt_state, inputs, key)
         self._program: _Program | None = None  # the last one run
 
     def __getattr__(self, name: str) -> Any:  # init, grad, optimizer, ...: the eager step's
