@@ -291,27 +291,30 @@ class GraphStep:
         cannot hold is refused now, and the step learns its units' forward order, so that
         the recorded step prefetches as eager steps do (a first step has no order to follow)
         and an optimizer that makes its state in its first step (``from_torch``) has made it."""
-        self._refuse_offload(sharded)
         metrics = hyperparams(self.step.optimizer, opt_state)
-        try:
-            with _no_host_copies(), record(), _NoHostReads():
-                sharded, opt_state, out = self.step(sharded, opt_state, batch)
-        except Unrecordable as e:
-            raise ValueError(_REFUSED.format(rank=self.mesh.rank, why=e.why, where=_where(e.__traceback__),
-                                             fix=e.fix)) from None
+        with self._refusing(sharded), record(), _NoHostReads():
+            sharded, opt_state, out = self.step(sharded, opt_state, batch)
         return sharded, opt_state, {**metrics, **out}
 
-    def _refuse_offload(self, sharded: Any) -> None:
+    @contextlib.contextmanager
+    def _refusing(self, sharded: Any) -> Any:
+        """What a program cannot hold raises ``ValueError`` in the block, naming the cause,
+        where it is and the fix."""
         if sharded.layout.offloaded:
             raise ValueError(_REFUSED.format(
                 rank=self.mesh.rank, why="offloaded shards are copied between host and device by the step's Python",
                 where=f"{sharded.layout!r}", fix="shard without offload"))
+        try:
+            with _no_host_copies():
+                yield
+        except Unrecordable as e:
+            raise ValueError(_REFUSED.format(rank=self.mesh.rank, why=e.why, where=_where(e.__traceback__),
+                                             fix=e.fix)) from None
 
     def _record(self, sharded: Any, opt_state: Any, batch: Any, state: list[torch.Tensor],
                 inputs: list[Any]) -> tuple[_Program, Any]:
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        self._refuse_offload(sharded)
         out: dict[str, Any] = {}
         seen = CollectiveLog()
         # ZeRO-1's kept full parameters are a cache outside the inputs: the program gathers
@@ -337,12 +340,8 @@ class GraphStep:
             return [metrics["loss"].detach(), metrics["grad_norm"].detach(), *[a.detach() for a in leaves]]
 
         self.recordings += 1
-        try:
-            with _no_host_copies():
-                gm = make_fx(program, record_module_stack=False, record_stack_traces=True)(state, inputs)
-        except Unrecordable as e:
-            raise ValueError(_REFUSED.format(rank=self.mesh.rank, why=e.why, where=_where(e.__traceback__),
-                                             fix=e.fix)) from None
+        with self._refusing(sharded):
+            gm = make_fx(program, record_module_stack=False, record_stack_traces=True)(state, inputs)
         _strip(gm)
         _check_constants(gm, state, inputs)
         metrics = out["metrics"]

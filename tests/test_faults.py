@@ -80,11 +80,13 @@ def _worker(rank, world, port, scenario, queue):
     os._exit(0)
 
 
-def _run(scenario, world=2, timeout=120.0):
+def _run(scenario, world=2, timeout=120.0, worker=None):
+    """Each rank's result of ``worker(rank, world, port, scenario, queue)`` (default: this
+    module's), every process ended afterwards."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, scenario, queue)) for r in range(world)]
+    procs = [ctx.Process(target=worker or _worker, args=(r, world, port, scenario, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}

@@ -9,7 +9,6 @@ single-process training and against the eager step.
 import datetime
 import functools
 import math
-import multiprocessing as mp
 import os
 
 import pytest
@@ -19,9 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardfn as sf
 from bounds import ADAMW, SGD_MOMENTUM
-from shardfn.testing import check_equivalence, count_ops, free_port, split_batch
+from shardfn.testing import check_equivalence, count_ops, split_batch
 from shardfn.testing.models import GPT, GPTConfig
 from test_equivalence import gpt_batches, gpt_loss, gpt_model
+from test_faults import _run
 from test_ranks_differ import _outcome
 
 def _decay(lr, count):
@@ -283,17 +283,17 @@ def test_ranks_that_recorded_different_programs_all_raise(clusters):
 _PG_TIMEOUT = 8.0  # gloo's own timeout in the world below: what ends a replay nobody matches
 
 
-def _one_rank_records_again(rank, port, queue):
+def _one_rank_records_again(rank, world, port, scenario, queue):
     """Rank 1's batch changes shape at the third call: it records while rank 0 replays."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=_PG_TIMEOUT))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=_PG_TIMEOUT))
     mesh = sf.Mesh.from_group(step_timeout=2.0)
     torch.manual_seed(0)
     sharded = sf.shard(sf.functionalize(gpt_model())[0], mesh, "FULL_SHARD")
     step = sf.jit_step(gpt_loss, mesh, optimizer=SGD_MOMENTUM(), graph="eager")
     state = step.init(sharded)
-    batches = [split_batch(b, rank, 2) for b in gpt_batches(3)]
+    batches = [split_batch(b, rank, world) for b in gpt_batches(3)]
     if rank == 1:
         batches[2] = {k: v[:, :5] for k, v in batches[2].items()}
     for b in batches[:2]:
@@ -307,19 +307,7 @@ def _one_rank_records_again(rank, port, queue):
 
 
 def test_a_rank_that_records_while_another_replays_fails_both_clearly():
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_one_rank_records_again, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = _run("records again", worker=_one_rank_records_again)
     # The recording rank waits for a header within the step timeout; the replaying one, which
     # exchanges none, within the process group's timeout. Both raise, naming what happened,
     # and the process group is refused at once afterwards.

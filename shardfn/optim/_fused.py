@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-
 __all__ = ["fused_groups", "zeros_like_views"]
 
 
