@@ -1,0 +1,211 @@
+"""Counts of the package's structure, and its import graph.
+
+    python tools/structure.py counts          # the figures issue 41 tracks
+    python tools/structure.py graph           # the import graph, as a Mermaid flowchart
+    python tools/structure.py trip            # the modules one step's code runs in
+
+The counts read the source (``ast``), never run it; ``trip`` runs one FULL_SHARD step of a
+small model in a world of one and records which of the package's modules it calls into.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "shardfn"
+sys.path.insert(0, str(ROOT.parent))
+
+# Attributes and enum members that re-derive a strategy's consequences.
+STRATEGY_ATTRS = {"strategy", "sharded", "hybrid", "reshard_after_forward"}
+PLAN_MODULES = {"_plan.py", "_layout.py"}
+TREE_FIELDS = {"_data", "_verdict", "_replicas"}
+TREE_MUTATORS = {"_set_buffers", "_donate_replicas"}
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text()) for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _signature_names(tree: ast.Module) -> set[int]:
+    """ids of nodes that only name a parameter or a keyword (not reads)."""
+    return {id(n) for n in ast.walk(tree) if isinstance(n, (ast.arg, ast.keyword))}
+
+
+def strategy_reads(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
+    """Reads of a strategy-derived flag outside plan and layout: ``x.strategy``,
+    ``x.sharded``, ``x.hybrid``, ``x.reshard_after_forward``, ``Strategy.MEMBER``, and
+    comparisons of ``world`` or ``replicas`` with 1."""
+    out = []
+    for path, tree in modules.items():
+        if path in PLAN_MODULES:
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
+                if n.attr in STRATEGY_ATTRS and not (isinstance(n.value, ast.Name) and n.value.id == "self"):
+                    out.append((path, n.lineno, ast.unparse(n)))
+                elif isinstance(n.value, ast.Name) and n.value.id == "Strategy" and n.attr.isupper():
+                    out.append((path, n.lineno, ast.unparse(n)))
+            elif isinstance(n, ast.Compare) and any(isinstance(c, ast.Constant) and c.value == 1 for c in n.comparators):
+                left = n.left.attr if isinstance(n.left, ast.Attribute) else getattr(n.left, "id", "")
+                if left in ("world", "replicas"):
+                    out.append((path, n.lineno, ast.unparse(n)))
+    return out
+
+
+def tree_writers(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
+    """Places outside ``_sharded.py`` that change a ShardedParams: a store to one of its
+    fields on anything but ``self``, or a call of its private mutators."""
+    out = []
+    for path, tree in modules.items():
+        if path == "_sharded.py":
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr in TREE_FIELDS \
+                    and not (isinstance(n.value, ast.Name) and n.value.id == "self") and path != "_psum.py":
+                out.append((path, n.lineno, ast.unparse(n)))
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in TREE_MUTATORS:
+                out.append((path, n.lineno, ast.unparse(n.func)))
+    return out
+
+
+def slots(modules: dict[str, ast.Module], module: str, cls: str) -> int:
+    """A class's instance fields: its ``__slots__``, else the ``self.x`` its methods assign."""
+    for n in ast.walk(modules[module]):
+        if isinstance(n, ast.ClassDef) and n.name == cls:
+            for stmt in n.body:
+                if isinstance(stmt, ast.Assign) and any(getattr(t, "id", "") == "__slots__" for t in stmt.targets):
+                    return len(ast.literal_eval(stmt.value))
+            return len({a.attr for a in ast.walk(n) if isinstance(a, ast.Attribute) and isinstance(a.ctx, ast.Store)
+                        and isinstance(a.value, ast.Name) and a.value.id == "self"})
+    raise LookupError(f"{module}: no class {cls}")
+
+
+def context_vars(modules: dict[str, ast.Module]) -> list[tuple[str, int]]:
+    return [(path, n.lineno) for path, tree in modules.items() for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) == "ContextVar"]
+
+
+_NOTE = re.compile(r"^\s*(#\s*)?\[Note: ([^\]]+)\]\s*$|^\s*(#\s*)?\[Note: ([^\]]+)\](?!\s*(in|above|below|,|\)))")
+
+
+def notes() -> list[tuple[int, str, str]]:
+    """Every Note's length in lines, its name and module. A Note in comments runs while the
+    lines are comments; one in a docstring to the next Note or the docstring's end."""
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            m = re.match(r"^\s*(#\s*)?\[Note: ([^\]]+)\]", line)
+            if not m:
+                continue
+            if m.group(1):  # a comment block
+                j = i + 1
+                while j < len(lines) and lines[j].lstrip().startswith("#") and "[Note:" not in lines[j].split("#", 1)[1][:8]:
+                    j += 1
+            else:
+                j = i + 1
+                while j < len(lines) and not re.match(r"^\s*\[Note: ", lines[j]) and '"""' not in lines[j]:
+                    j += 1
+            out.append((j - i, m.group(2), str(path.relative_to(ROOT))))
+    return sorted(out, reverse=True)
+
+
+def code_lines(text: str) -> int:
+    """Lines of a module that hold code: not blank, not a comment, not in a docstring."""
+    tree = ast.parse(text)
+    prose: set[int] = set()
+    for n in ast.walk(tree):
+        body = getattr(n, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            prose |= set(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for i, line in enumerate(text.splitlines(), 1)
+               if line.strip() and not line.strip().startswith("#") and i not in prose)
+
+
+def counts() -> None:
+    modules = _modules()
+    writers, reads = tree_writers(modules), strategy_reads(modules)
+    print(f"ShardedParams writers outside _sharded.py: {len(writers)}")
+    for w in writers:
+        print(f"    {w[0]}:{w[1]}  {w[2]}")
+    print(f"strategy-derived flags read outside {', '.join(sorted(PLAN_MODULES))}: {len(reads)}")
+    per: dict[str, int] = {}
+    for path, _, _ in reads:
+        per[path] = per.get(path, 0) + 1
+    print("    " + ", ".join(f"{p} {k}" for p, k in sorted(per.items(), key=lambda kv: -kv[1])))
+    print(f"slots: Unit {slots(modules, '_gather.py', 'Unit')}, Runtime {slots(modules, '_runtime.py', 'Runtime')}")
+    print(f"ContextVars: {len(context_vars(modules))}  ({', '.join(f'{p}:{n}' for p, n in context_vars(modules))})")
+    longest = notes()[:3]
+    print("longest Notes: " + "; ".join(f"[Note: {name}] {k} lines ({p})" for k, name, p in longest))
+    sizes = sorted(((code_lines((ROOT / p).read_text()), len((ROOT / p).read_text().splitlines()), p)
+                    for p in modules), reverse=True)[:5]
+    print("largest modules (code lines / all lines): " + ", ".join(f"{p} {c}/{a}" for c, a, p in sizes))
+
+
+def graph() -> None:
+    sys.path.insert(0, str(ROOT.parent / "tests"))
+    from test_structure import cycles, imports
+
+    edges = imports()
+    looped = {m for c in cycles(edges) for m in c}
+    short = {m: m.removeprefix("shardfn.").replace(".", "/") or "shardfn" for m in edges}
+    print("flowchart LR")
+    for m in sorted(edges):
+        print(f"    {short[m].replace('/', '_')}[\"{short[m]}\"]" + (":::cycle" if m in looped else ""))
+    for m in sorted(edges):
+        for t in sorted(edges[m]):
+            print(f"    {short[m].replace('/', '_')} --> {short[t].replace('/', '_')}")
+    print("    classDef cycle stroke:#c00,stroke-width:3px")
+    print(f"%% {len(edges)} modules, {sum(len(v) for v in edges.values())} imports, "
+          f"{len(cycles(edges))} cycles", file=sys.stderr)
+
+
+def trip() -> None:
+    """The modules whose functions one step calls, after the step is built and has run once."""
+    import os
+
+    import torch
+    import torch.nn as nn
+
+    import shardfn
+    from shardfn import optim
+
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(k, v)
+    mesh = shardfn.Mesh.from_env(device="cpu")
+    try:
+        torch.manual_seed(0)
+        params, apply = shardfn.functionalize(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
+        sharded = shardfn.shard(params, mesh, "FULL_SHARD", units=["0", "2"])
+
+        def loss_fn(apply, params, batch):
+            return apply(params, batch).square().mean()
+
+        step = shardfn.jit_step(loss_fn, mesh, optimizer=optim.adamw(1e-3))
+        opt_state = optim.adamw(1e-3).init(sharded)
+        batch = torch.randn(4, 8)
+        sharded, opt_state, _ = step(sharded, opt_state, batch)
+        entered: set[str] = set()
+        prefix = str(ROOT)
+
+        def profile(frame, event, arg):
+            if event == "call" and frame.f_code.co_filename.startswith(prefix):
+                entered.add(str(pathlib.Path(frame.f_code.co_filename).relative_to(ROOT)))
+
+        sys.setprofile(profile)
+        try:
+            step(sharded, opt_state, batch)
+        finally:
+            sys.setprofile(None)
+        print(f"modules one FULL_SHARD step enters: {len(entered)}")
+        print("    " + ", ".join(sorted(entered)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    {"counts": counts, "graph": graph, "trip": trip}[sys.argv[1] if len(sys.argv) > 1 else "counts"]()
