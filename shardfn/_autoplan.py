@@ -200,8 +200,7 @@ def autoplan(
     loss_fn = as_loss(loss_fn, "autoplan", stacklevel=5)[0] if loss_fn is not None else None
     hybrid = not isinstance(mesh, int)
     if strategies is None:
-        strategies = (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2) if hybrid else (
-            Strategy.FULL_SHARD, Strategy.SHARD_GRAD_OP, Strategy.SHARD_OPTIMIZER, Strategy.NO_SHARD)
+        strategies = Strategy.candidates(hybrid)
     strategies = [Strategy.parse(s) for s in strategies]
     candidates = []
     for strategy, remat, offload, k in itertools.product(strategies, (False, True), (False, True), micro_batches):

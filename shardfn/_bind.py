@@ -37,7 +37,7 @@ from . import _guard as G
 from ._call import units_for
 from ._events import Purpose
 from ._guard import Where, guarded
-from ._runtime import Runtime, current
+from ._runtime import AfterForward, Runtime, current
 from ._sharded import ShardedParams
 
 __all__ = ["bind"]
@@ -85,7 +85,7 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
         raise RuntimeError("bind(apply, sharded) inside a step or a sharded call: bind is for inference outside a "
                            "step; inside loss_fn call apply(params, ...).")
     layout = sharded.layout
-    rt = Runtime(sharded.mesh, in_step=False, reshard_after_forward=not keep_gathered)
+    rt = Runtime(sharded.mesh, in_step=False, after_forward=AfterForward.KEEP if keep_gathered else AfterForward.FREE)
     units = units_for(apply, sharded, rt)
     with torch.no_grad():
         state = {n: sharded[n] for n in layout.buffers}

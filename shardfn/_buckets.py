@@ -56,7 +56,6 @@ from ._events import Purpose
 from ._guard import unit_id
 from ._offload import pack_shards
 from ._packing import shard_buffer
-from ._plan import Strategy
 
 __all__ = ["FIRST_BUCKET_BYTES", "GatherBucket", "ReduceBucket", "gather_buckets", "reduce_buckets", "skipped_detail"]
 
@@ -67,8 +66,8 @@ def reduce_buckets(layout: Any) -> tuple[tuple[int, ...], ...]:
     """The units whose gradient reductions travel together, as tuples of unit indices in
     layout order; every unit that reduces is in exactly one (see [Note: buckets])."""
     reducing = [u for u in layout.units if u.grad_numel]
-    no_shard = layout.world == 1 and layout.replicas > 1
-    sharded = layout.world > 1 and layout.replicas == 1 and not layout.offloaded
+    no_shard = layout.reduction.all_reduces and not layout.reduction.scatters
+    sharded = layout.reduction.scatters and not layout.reduction.all_reduces and not layout.offloaded
     if not ((no_shard or sharded) and layout.plan.bucket_bytes):
         return tuple((u.index,) for u in reducing)
     def solo(u: Any) -> bool:  # a unit that reduces in a bucket of its own
@@ -91,8 +90,8 @@ def reduce_buckets(layout: Any) -> tuple[tuple[int, ...], ...]:
 def gather_buckets(layout: Any) -> tuple[tuple[int, ...], ...]:
     """The units whose all-gathers travel together, as tuples of unit indices in layout
     order; every unit is in exactly one (see [Note: buckets])."""
-    on = (layout.world > 1 and layout.replicas == 1 and layout.plan.bucket_bytes and not layout.offloaded
-          and layout.strategy is not Strategy.SHARD_OPTIMIZER)
+    on = (layout.gathers and not layout.reduction.all_reduces and layout.plan.bucket_bytes  # (not hybrid)
+          and not layout.offloaded and not layout.keeps_replica)
     out: list[list[int]] = []
     size, key = 0, None
     for u in layout.units:

@@ -47,7 +47,6 @@ from ._compile import compilable
 from ._events import Purpose
 from ._gather import Unit, saved_handles
 from ._layout import Layout
-from ._plan import Strategy
 from ._precision import cast_floating
 from ._remat import remat_forward
 from ._replica import replica_of
@@ -76,7 +75,7 @@ def _pre_hook(apply: Any, path: str):
                 unit.start_use(Purpose.GATHER)
         # Handles only where the unit's memory can be dropped: a sharded strategy (NO_SHARD's
         # full parameters are the shards themselves). The first unit holds the hooks.
-        hooks = saved_handles(units) if units[0].layout.strategy.sharded else None
+        hooks = saved_handles(units) if units[0].layout.sharded else None
         for i, unit in enumerate(units):
             unit.enter(hooks if i == 0 else None)
 
@@ -156,7 +155,7 @@ def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:
         for unit in units.values():  # every rank gathers them here, in layout order, run or not
             if unit.unit.optional:
                 unit.pin()
-            if layout.strategy is Strategy.SHARD_OPTIMIZER:  # [Note: replicated parameters]
+            if layout.keeps_replica:  # [Note: replicated parameters]
                 unit.replica = replica_of(sharded, unit.unit.index, unit.shards)
         attach_buckets(units, reduce=store)
         return units

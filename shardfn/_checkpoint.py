@@ -166,7 +166,7 @@ class _SafeReader(dcp.FileSystemReader):
 
 def _placements(sharded: ShardedParams) -> list:
     layout, mesh = sharded.layout, sharded.mesh
-    if not layout.strategy.sharded:
+    if not layout.sharded:
         return [Replicate()] * mesh.ndim
     return [Shard(0) if axis == "shard" else Replicate() for axis in mesh.axis_names]
 

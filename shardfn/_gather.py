@@ -95,7 +95,7 @@ from ._packing import shard_buffer, unpack_unit
 from ._plan import RematMode
 from ._recording import recording, relative_view
 from ._reduce import UnitGrads
-from ._runtime import Runtime, invariant
+from ._runtime import AfterForward, Runtime, invariant
 
 __all__ = ["GatherUnit", "State", "Unit", "Use", "saved_handles"]
 
@@ -169,7 +169,7 @@ class Unit:
         self.handles = 0  # saved-tensor handles of all uses not yet read
         self.reading: Use | None = None  # the use whose handles backward is reading
         self.calls = 0  # forward gathers in this micro-batch (remat units prefetch a regather only if > 0)
-        self.pinned = runtime.keep_gathered
+        self.pinned = runtime.after_forward is AfterForward.KEEP
         self.bucket: Any = None  # the shardfn._buckets.GatherBucket it gathers with, if any ([Note: buckets])
 
     @property
@@ -190,8 +190,7 @@ class Unit:
         """Whether the unit lets go of its gathered parameters after its forward."""
         if self.pinned:
             return False
-        rule = self.runtime.reshard_after_forward
-        return bool(self.unit.reshard) if rule is None else rule
+        return self.runtime.after_forward is AfterForward.FREE or bool(self.unit.reshard)
 
     @property
     def entered(self) -> bool:
@@ -285,7 +284,7 @@ class Unit:
     def prefetch(self, forward: bool) -> None:
         """SHARDED -> IN_FLIGHT: starts this unit's all-gather (its bucket's) now;
         :meth:`_gather` waits for it."""
-        if self.layout.world > 1 and self.state is State.SHARDED and self.replica is None:
+        if self.layout.gathers and self.state is State.SHARDED and self.replica is None:
             purpose = Purpose.GATHER if forward else Purpose.REGATHER
             if self.bucket is not None:
                 self.bucket.issue(purpose)
@@ -322,10 +321,10 @@ class Unit:
         with torch.no_grad():
             if self.replica is not None:  # [Note: replicated parameters]: gathered after the last update
                 full = self.replica
-            elif world == 1 and self.layout.offloaded:  # no all-gather: each leaf copied to the device
+            elif not lay.gathers and lay.offloaded:  # no all-gather: each leaf copied to the device
                 full = [to_device(s.detach().view(leaf.shape), self.device, self.unit.param_dtype,
                                   self.runtime.observers, self.unit.name) for s, leaf in zip(self.shards, leaves)]
-            elif world == 1:  # NO_SHARD, or a world of one: the shard is the parameter
+            elif not lay.gathers:  # NO_SHARD, or a world of one: the shard is the parameter
                 base = shard_buffer(self.shards, self.unit.numel, self.shards[0].dtype,
                                     self.layout.offsets(self.unit, 0)) if self.unit.flat and self.shards else None
                 if base is not None:  # a flat unit: one cast of its buffer (if any), the parameters views of it

@@ -38,7 +38,7 @@ from ._compile import backend_of
 from ._deprecated import as_loss, old_options
 from ._functionalize import apply_of
 from ._psum import Gradients, sum_of_squares
-from ._runtime import Accumulate, Runtime, active
+from ._runtime import Accumulate, AfterForward, Runtime, active
 from ._schedule import Deviated, Run, Schedule
 from ._sharded import ShardedParams
 
@@ -142,7 +142,7 @@ class Grad:
         rt = Runtime(
             self.mesh, in_step=True, overlap=self.overlap, prefetch=self.prefetch, order=self.order,
             accumulate=self.accumulate, owner=sharded, buffers=buffers, compile=self.compile,
-            keep_gathered=self.keep_gathered,
+            after_forward=AfterForward.KEEP if self.keep_gathered else AfterForward.PLAN,
         )
         run = Run(self.schedule, self.mesh) if self.mesh.size > 1 else None
         rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None

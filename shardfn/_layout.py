@@ -38,6 +38,7 @@ leaves; every packing below places each piece at its offset and zeros the rest.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import hashlib
 import math
@@ -52,7 +53,26 @@ from ._packing import local_shard
 from ._plan import Placement, Plan, RematMode, Strategy, Whole
 from ._tree import TreeInfo
 
-__all__ = ["BufferLayout", "LeafLayout", "Layout", "UnitLayout", "unit_owner"]
+__all__ = ["BufferLayout", "LeafLayout", "Layout", "Reduction", "UnitLayout", "unit_owner"]
+
+
+class Reduction(enum.Enum):
+    """How every unit's gradients are reduced, and over which groups (``Layout.reduction``)."""
+
+    NONE = "none"  # a world of one without replicas: a rank's gradients are the gradients
+    ALL_REDUCE = "all-reduce"  # NO_SHARD: over the replicas
+    REDUCE_SCATTER = "reduce-scatter"  # FULL_SHARD, SHARD_GRAD_OP, SHARD_OPTIMIZER: over the shard axis
+    REDUCE_SCATTER_ALL_REDUCE = "reduce-scatter, all-reduce"  # hybrid: over shard, then replicate
+
+    @property
+    def scatters(self) -> bool:
+        """A reduce-scatter over the shard axis: each rank keeps its shard's gradient."""
+        return self in (Reduction.REDUCE_SCATTER, Reduction.REDUCE_SCATTER_ALL_REDUCE)
+
+    @property
+    def all_reduces(self) -> bool:
+        """An all-reduce over the replicas of each shard."""
+        return self in (Reduction.ALL_REDUCE, Reduction.REDUCE_SCATTER_ALL_REDUCE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +189,37 @@ class Layout:
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # leaf or buffer -> its names
     state_dict_keys: tuple[tuple[str, str], ...] = ()  # (model.state_dict() key, leaf or buffer name)
 
+    # [Note: facts of a layout]
+    # The strategy is read here and in the plan and its resolution (shardfn._resolve), and
+    # nowhere else: the runtime reads what it implies as these facts (and each unit's
+    # UnitLayout.reshard), so one decision has one place, as Megatron-FSDP and veScale
+    # resolve a strategy into per-buffer facts. tests/test_structure.py holds the rule.
     @property
     def strategy(self) -> Strategy:
         return self.plan.strategy
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the ranks of the shard axis hold different shards (all but NO_SHARD)."""
+        return self.plan.strategy.sharded
+
+    @property
+    def gathers(self) -> bool:
+        """Whether a unit's full parameters take an all-gather: shards on more than one rank."""
+        return self.world > 1
+
+    @property
+    def reduction(self) -> Reduction:
+        """How the gradients are reduced: over the shard axis, the replicas, both, or not at all."""
+        if self.world > 1:
+            return Reduction.REDUCE_SCATTER_ALL_REDUCE if self.replicas > 1 else Reduction.REDUCE_SCATTER
+        return Reduction.ALL_REDUCE if self.replicas > 1 else Reduction.NONE
+
+    @property
+    def keeps_replica(self) -> bool:
+        """Whether the full parameters stay gathered between steps (SHARD_OPTIMIZER: [Note:
+        replicated parameters]): a step gathers the updated shards after the update."""
+        return self.plan.strategy is Strategy.SHARD_OPTIMIZER
 
     @property
     def offloaded(self) -> bool:
@@ -180,7 +228,7 @@ class Layout:
 
     def shard_rank(self, mesh: Any) -> int:
         """Which dim-0 chunk of every parameter this rank of ``mesh`` holds (0 under NO_SHARD)."""
-        return mesh.axis_rank("shard") if self.strategy.sharded else 0
+        return mesh.axis_rank("shard") if self.sharded else 0
 
     def local_rows(self, name: str, rank: int) -> int:
         """Placement.ROWS: real (non-padding) rows of parameter ``name`` held by shard rank ``rank``."""

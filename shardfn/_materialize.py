@@ -147,16 +147,16 @@ def scattered_state(params: Mapping[str, torch.Tensor], layout: Layout, mesh, sr
         )
     src_row = src_rank // mesh.axis_size("shard") if mesh.ndim == 2 else 0
     in_src_row = mesh.ndim == 1 or mesh.axis_rank("replicate") == src_row
-    shard_src = src_rank % mesh.axis_size("shard") if layout.strategy.sharded else src_rank
+    shard_src = src_rank % mesh.axis_size("shard") if layout.sharded else src_rank
     out = {}
     for unit in layout.units:
         flat = torch.empty(unit.numel, dtype=unit.dtype, device=device)
-        if not layout.strategy.sharded:  # NO_SHARD: everyone gets everything
+        if not layout.sharded:  # NO_SHARD: everyone gets everything
             if i_am_src:
                 flat.copy_(torch.cat([params[n].reshape(-1).to(device) for n in unit.leaves]))
             C.broadcast(flat, src_rank, mesh.channel("shard"), Purpose.LOAD, unit.name)
         else:
-            if in_src_row and world > 1:
+            if in_src_row and layout.gathers:
                 buf = None
                 if i_am_src:
                     buf = (torch.zeros if unit.flat else torch.empty)(world, unit.numel, dtype=unit.dtype, device=device)

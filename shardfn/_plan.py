@@ -78,6 +78,13 @@ class Strategy(enum.Enum):
     def parse(cls, value: "Strategy | str") -> "Strategy":
         return parse_enum(cls, value, "strategy (or pass a shardfn.Plan)")
 
+    @classmethod
+    def candidates(cls, hybrid: bool) -> "tuple[Strategy, ...]":
+        """The strategies that run on a 2-D mesh (``hybrid``) or a 1-D one, as the planner tries them."""
+        if hybrid:
+            return (cls.HYBRID_SHARD, cls.HYBRID_SHARD_ZERO2)
+        return (cls.FULL_SHARD, cls.SHARD_GRAD_OP, cls.SHARD_OPTIMIZER, cls.NO_SHARD)
+
 
 class RematMode(enum.Enum):
     """How a rematerialised unit recomputes (see :class:`Remat`)."""

@@ -68,13 +68,13 @@ def on_shards(sharded: Any) -> Iterator[None]:
     if layout is None:
         raise TypeError(f"on_shards(sharded): expected the ShardedParams from shardfn.shard(), got "
                         f"{type(sharded).__name__}.")
-    token = _SCOPE.set((sharded.mesh, layout.strategy.sharded))
+    token = _SCOPE.set((sharded.mesh, layout.sharded))
     try:
         with guarded(sharded.mesh):  # an error on one rank reaches the others at their next psum
             yield
     finally:
         _SCOPE.reset(token)
-    if layout.strategy.sharded:  # the ranks made the same psums, or all of them raise here
+    if layout.sharded:  # the ranks made the same psums, or all of them raise here
         G.agree_exit(sharded.mesh.channel("shard"), "shardfn.on_shards(...)")
 
 

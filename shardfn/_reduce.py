@@ -65,6 +65,7 @@ import torch
 
 from . import _collectives as C
 from ._events import Purpose, marker
+from ._layout import Reduction
 from ._offload import to_host
 from ._packing import pack_unit
 from ._runtime import RunningUnit
@@ -95,8 +96,7 @@ class UnitGrads:
     @property
     def _plain(self) -> bool:
         """A world of one without replicas: nothing to reduce (see [Note: copies] 4.)."""
-        lay = self.unit.layout
-        return lay.world == 1 and lay.replicas == 1
+        return self.unit.layout.reduction is Reduction.NONE
 
     def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         """One node's backward: this use's gradients of the full parameters.
@@ -217,16 +217,16 @@ class UnitGrads:
         unit = self.unit
         lay, u, rt = unit.layout, unit.unit, unit.runtime
         op = rt.reduce_op
-        single = (lay.world == 1) != (lay.replicas == 1)
+        single = lay.reduction.scatters != lay.reduction.all_reduces  # one collective
         asynchronous = asynchronous and single and self.store
         work = None
-        if lay.world == 1:
+        if not lay.reduction.scatters:
             out = buf.view(-1)
         else:
             out = torch.empty(u.grad_numel, dtype=u.reduce_dtype, device=buf.device)
             work = C.reduce_scatter(out, buf.view(-1), unit.channel, Purpose.REDUCE, u.name, op=op,
                                     async_op=asynchronous, to=rt.observers)
-        if lay.replicas > 1:  # NO_SHARD, and the hybrid strategies' replicate axis
+        if lay.reduction.all_reduces:  # NO_SHARD, and the hybrid strategies' replicate axis
             work = C.all_reduce(out, self.replicate, Purpose.REDUCE, u.name, op=op, async_op=asynchronous,
                                 to=rt.observers)
         if asynchronous and work is not None:

@@ -69,7 +69,7 @@ def refresh(sharded: Any, to: Any, donated: bool) -> Any:
     never changed once made; a donated one (``jit_step(donate=True)``) hands its old replica
     over, so that the old and the new replica of one unit are alive at once, no more."""
     layout, mesh = sharded.layout, sharded.mesh
-    if layout.world == 1:
+    if not layout.gathers:
         return sharded
     group, rank = mesh.channel("shard"), layout.shard_rank(mesh)
     replicas = sharded._donate_replicas() if donated else dict(sharded.replicas or {})

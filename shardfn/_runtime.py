@@ -95,6 +95,14 @@ class RunningUnit(Protocol):
     def end(self) -> None: ...
 
 
+class AfterForward(enum.Enum):
+    """What a runtime does with a unit's gathered parameters after the unit's forward."""
+
+    PLAN = "plan"  # what the layout resolved for the unit (UnitLayout.reshard)
+    KEEP = "keep"  # keep every unit gathered until the runtime ends (keep_gathered=True; Unit.pinned)
+    FREE = "free"  # let go after each forward, whatever the plan (bind: no backward follows)
+
+
 class Runtime:
     """What one step (or one call of ``apply`` outside a step) owns; see [Note: the runtime]."""
 
@@ -109,18 +117,14 @@ class Runtime:
         accumulate: Accumulate = Accumulate.REDUCE_EACH,
         owner: Any = None,
         buffers: Any = None,
-        reshard_after_forward: bool | None = None,
+        after_forward: AfterForward = AfterForward.PLAN,
         compile: str | None = None,
-        keep_gathered: bool = False,
     ):
         self.mesh = mesh
         self.in_step = in_step
-        # Whether a unit lets go of its gathered parameters after its forward: the
-        # strategy's rule when None; shardfn.bind sets it (no backward follows there).
-        self.reshard_after_forward = reshard_after_forward
+        self.after_forward = after_forward  # what a unit does with its parameters after its forward
         self.overlap = overlap
         self.prefetch = int(prefetch)  # units gathered ahead of the running one (see [Note: prefetch])
-        self.keep_gathered = keep_gathered  # every unit stays gathered until the step ends (Unit.pinned)
         self.compile = compile  # a torch.compile backend: see [Note: what compile=True compiles]
         self.order = list(order or [])  # (tree index, unit index) in the previous step's forward order
         self.seen: list[tuple[int, int]] = []  # ... and in this one
@@ -140,7 +144,7 @@ class Runtime:
     @property
     def sharded(self) -> bool:
         """Whether ranks along the ``shard`` axis hold different shards of the step's tree."""
-        return self.owner is not None and self.owner.layout.strategy.sharded
+        return self.owner is not None and self.owner.layout.sharded
 
     # -- the rule of [Note: averaging gradients] ---------------------------------------
 

@@ -423,7 +423,7 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
         names = [n for n in unit.leaves if n in values]
         if not names:
             continue
-        if layout.world == 1:  # the shard is the whole tensor: nothing to gather
+        if not layout.gathers:  # the shard is the whole tensor: nothing to gather
             if unpack:
                 yield unit, {n: values[n].detach().reshape(layout.leaves[n].shape).clone() for n in names}
             continue

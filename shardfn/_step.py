@@ -16,7 +16,6 @@ from ._grad import Grad, check_options
 from ._guard import Where, guarded
 from ._mesh import Mesh
 from ._offload import mark_host_trees, place_on_host, wait_for_device
-from ._plan import Strategy
 from ._recording import recording
 from ._replica import refresh
 from ._precision import DynamicLossScale, LossScaleState
@@ -108,7 +107,7 @@ class Step:
             else:
                 with torch.profiler.record_function("shardfn::optimizer"):
                     new, inner = self._update(self, sharded, grads, inner, buffers)
-            if sharded.layout.strategy is Strategy.SHARD_OPTIMIZER:  # [Note: replicated parameters]
+            if sharded.layout.keeps_replica:  # [Note: replicated parameters]
                 new = refresh(new, current().observers, donated=self.donate)
             if self.on_nonfinite == "raise_next" and not is_fake(metrics["loss"]):
                 new._verdict = Verdict(metrics["loss"], metrics["grad_norm"])

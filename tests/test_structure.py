@@ -1,6 +1,7 @@
 """The package's structure: no import cycles, small modules (STYLE.md)."""
 
 import ast
+import importlib.util
 import pathlib
 
 import shardfn
@@ -92,3 +93,28 @@ def test_the_cycle_finder_sees_a_cycle():
 def test_no_module_over_500_lines():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
     assert {p: n for p, n in sizes.items() if n > 500} == {}
+
+
+def _tool():
+    """tools/structure.py, which measures what these tests bound (and prints the counts)."""
+    spec = importlib.util.spec_from_file_location("shardfn_structure_tool", ROOT.parent / "tools" / "structure.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_plan_and_layout_read_the_strategy():
+    """[Note: facts of a layout]: the runtime reads the layout's resolved facts, never what the
+    strategy implies (its flags, its members, world or replicas compared with 1)."""
+    tool = _tool()
+    assert tool.strategy_reads(tool._modules()) == []
+
+
+def test_the_strategy_reader_sees_a_read():
+    tool = _tool()
+    found = tool.strategy_reads({
+        "_a.py": ast.parse("x = layout.strategy.sharded\ny = s is Strategy.NO_SHARD\nz = lay.world == 1\n"
+                           "w = plan.reshard_after_forward\nprint(layout.strategy.value)\n"),
+        "_layout.py": ast.parse("x = self.plan.strategy.sharded\n"),
+    })
+    assert sorted(line for _, line, _ in found) == [1, 2, 3, 4]

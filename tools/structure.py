@@ -18,35 +18,33 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "shardfn"
 sys.path.insert(0, str(ROOT.parent))
 
-# Attributes and enum members that re-derive a strategy's consequences.
-STRATEGY_ATTRS = {"strategy", "sharded", "hybrid", "reshard_after_forward"}
-PLAN_MODULES = {"_plan.py", "_layout.py"}
+# Modules that may read the strategy: the plan, its resolution against a mesh, the layout.
+PLAN_MODULES = {"_plan.py", "_resolve.py", "_layout.py"}
 TREE_FIELDS = {"_data", "_verdict", "_replicas"}
-TREE_MUTATORS = {"_set_buffers", "_donate_replicas"}
+TREE_MUTATORS = {"_set_buffers", "_donate_replicas", "_values_replaced"}
 
 
 def _modules() -> dict[str, ast.Module]:
     return {str(p.relative_to(ROOT)): ast.parse(p.read_text()) for p in sorted(ROOT.rglob("*.py"))}
 
 
-def _signature_names(tree: ast.Module) -> set[int]:
-    """ids of nodes that only name a parameter or a keyword (not reads)."""
-    return {id(n) for n in ast.walk(tree) if isinstance(n, (ast.arg, ast.keyword))}
-
-
 def strategy_reads(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
-    """Reads of a strategy-derived flag outside plan and layout: ``x.strategy``,
-    ``x.sharded``, ``x.hybrid``, ``x.reshard_after_forward``, ``Strategy.MEMBER``, and
-    comparisons of ``world`` or ``replicas`` with 1."""
+    """Places outside plan, resolve and layout that re-derive what a strategy implies: a
+    strategy's flag (``x.strategy.sharded``; ``x.strategy.value``, its name, is display),
+    a member (``Strategy.NO_SHARD``: a comparison, or the planner naming candidates), a
+    plan's ``reshard_after_forward``, and ``world`` or ``replicas`` compared with 1."""
     out = []
     for path, tree in modules.items():
         if path in PLAN_MODULES:
             continue
         for n in ast.walk(tree):
             if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
-                if n.attr in STRATEGY_ATTRS and not (isinstance(n.value, ast.Name) and n.value.id == "self"):
+                inner = n.value
+                if isinstance(inner, ast.Attribute) and inner.attr == "strategy" and n.attr != "value":
                     out.append((path, n.lineno, ast.unparse(n)))
-                elif isinstance(n.value, ast.Name) and n.value.id == "Strategy" and n.attr.isupper():
+                elif isinstance(inner, ast.Name) and inner.id == "Strategy" and n.attr.isupper():
+                    out.append((path, n.lineno, ast.unparse(n)))
+                elif n.attr == "reshard_after_forward" and not (isinstance(inner, ast.Name) and inner.id == "self"):
                     out.append((path, n.lineno, ast.unparse(n)))
             elif isinstance(n, ast.Compare) and any(isinstance(c, ast.Constant) and c.value == 1 for c in n.comparators):
                 left = n.left.attr if isinstance(n.left, ast.Attribute) else getattr(n.left, "id", "")

@@ -40,7 +40,7 @@ def full_shape(params: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]
 
 def _cut(params: Mapping[str, torch.Tensor], name: str) -> bool:
     layout = getattr(params, "layout", None)
-    if layout is None or name not in layout.leaves or layout.world == 1:
+    if layout is None or name not in layout.leaves or not layout.gathers:
         return False
     leaf = layout.leaves[name]
     return not (leaf.flat and layout.units[leaf.unit].whole)
@@ -72,7 +72,7 @@ def local_elements(t: torch.Tensor, params: Mapping[str, Any], name: str) -> tup
     first (its padding rows are left out); an unsharded one is all of them."""
     layout = getattr(params, "layout", None)
     flat = t.reshape(-1)
-    if layout is None or name not in layout.leaves or layout.world == 1:
+    if layout is None or name not in layout.leaves or not layout.gathers:
         return flat, 0
     leaf = layout.leaves[name]
     rank = layout.shard_rank(params.mesh)

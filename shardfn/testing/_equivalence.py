@@ -136,7 +136,7 @@ def sharded_training(
             off, _ = leaf.piece(rank, span)
             shards[n] = (sharded[n].detach(), max(0, rank * span + off - leaf.start), -1)
         else:
-            shards[n] = (sharded[n].detach(), rank * leaf.chunk if layout.world > 1 else 0, layout.local_rows(n, rank))
+            shards[n] = (sharded[n].detach(), rank * leaf.chunk if layout.gathers else 0, layout.local_rows(n, rank))
     return {"losses": losses, "state": full_state(sharded), "shards": shards, "buffers": list(layout.buffers)}
 
 
