@@ -415,7 +415,7 @@ def _load(path: str, sharded: ShardedParams, opt_state: Any) -> tuple[ShardedPar
     extra = dict(meta["extra"])
     if extra_tensors:
         extra.update(_load_extra_tensors(path, list(extra_tensors), sharded))
-    sharded._verdict = None  # its values are the checkpoint's now (shardfn._verdict)
+    sharded._values_replaced()  # its values are the checkpoint's now (shardfn._verdict)
     return sharded, opt_state, extra
 
 

@@ -251,12 +251,12 @@ class GraphStep:
             self.programs[key] = program
         else:
             aux = self._replay(program, state, inputs)
+        sharded = sharded._with_verdict(Verdict(aux[0], aux[1]))  # the same tensors, updated in place
         self._last = (sharded, opt_state, state, shape)
         self._program = program
         metrics.update(loss=aux[0], grad_norm=aux[1], tokens=self._tokens(batch), comm_bytes=dict(program.comm_bytes))
         if program.aux_spec is not None:
             metrics["aux"] = pytree.tree_unflatten(list(aux[2:]), program.aux_spec)
-        sharded._verdict = Verdict(aux[0], aux[1])
         return sharded, opt_state, metrics
 
     def _tokens(self, batch: Any) -> int:
@@ -319,7 +319,7 @@ class GraphStep:
         seen = CollectiveLog()
         # ZeRO-1's kept full parameters are a cache outside the inputs: the program gathers
         # them from the shards in its forward instead ([Note: replicated parameters])
-        sharded._replicas = None
+        sharded._donate_replicas()
 
         def program(state_in: list[torch.Tensor], batch_in: list[Any]) -> list[torch.Tensor]:
             # The inputs are the state's own buffers (make_fx in real mode traces the objects

@@ -82,6 +82,16 @@ class ShardedParams(TensorTree):
         ``changes`` sets (``reshard``: the layout and mesh) ([Note: what a tree carries])."""
         return _remade(data, _fields(self), **changes)
 
+    def _with_verdict(self, verdict: Any) -> "ShardedParams":
+        """This tree's values as a new tree that carries ``verdict``, the verdict of the step
+        that made them (shardfn._verdict); its other fields as they are."""
+        return self._remade(self._data, _verdict=verdict, _replicas=self._replicas)
+
+    def _values_replaced(self) -> None:
+        """Its values were overwritten in place (a checkpoint loaded into it): the verdict on
+        the old ones goes (a replica goes by itself: shardfn._replica checks versions)."""
+        self._verdict = None
+
     def _donate_replicas(self) -> dict[int, Any]:
         """Hands this donated tree's replica over, leaving it none (see shardfn._replica.refresh)."""
         kept, self._replicas = self._replicas or {}, None

@@ -110,7 +110,7 @@ class Step:
             if sharded.layout.keeps_replica:  # [Note: replicated parameters]
                 new = refresh(new, current().observers, donated=self.donate)
             if self.on_nonfinite == "raise_next" and not is_fake(metrics["loss"]):
-                new._verdict = Verdict(metrics["loss"], metrics["grad_norm"])
+                new = new._with_verdict(Verdict(metrics["loss"], metrics["grad_norm"]))
         opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner
         return new, opt_state, metrics
 

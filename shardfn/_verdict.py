@@ -90,12 +90,11 @@ def check_alike(verdict: Verdict | None, other: Verdict | None, rank: int, call:
 
 def check_verdict(sharded: Any, call: str) -> None:
     """Raises ``FloatingPointError`` if the step that made ``sharded`` had a non-finite loss
-    or gradient norm (see the note); forgets a finite verdict once read."""
+    or gradient norm (see the note); a verdict reads the device once, then keeps its values."""
     verdict = sharded._verdict
     if verdict is None:
         return
     loss, norm = verdict.loss_and_norm()
     if math.isfinite(loss) and math.isfinite(norm):
-        sharded._verdict = None
         return
     raise FloatingPointError(_NOT_FINITE.format(rank=sharded.mesh.rank, call=call, loss=loss, norm=norm))
