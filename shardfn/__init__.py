@@ -43,6 +43,8 @@ from ._units import by_prefix as by_prefix
 from ._precision import DynamicLossScale as DynamicLossScale
 from ._precision import LossScaleState as LossScaleState
 from ._precision import Precision as Precision
+from ._options import Aux as Aux
+from ._options import OnNonfinite as OnNonfinite
 from ._psum import on_shards as on_shards
 from ._reshard import reshard as reshard
 from ._runtime import Accumulate as Accumulate
@@ -57,6 +59,7 @@ __all__ = [
     "Accumulate",
     "Apply",
     "AutoPlan",
+    "Aux",
     "Candidate",
     "CollectiveLog",
     "CommError",
@@ -70,6 +73,7 @@ __all__ = [
     "Mesh",
     "MicroBatches",
     "Offload",
+    "OnNonfinite",
     "Params",
     "PeerError",
     "Placement",

@@ -37,6 +37,7 @@ from ._mesh import Mesh
 from ._compile import backend_of
 from ._deprecated import as_loss, old_options
 from ._functionalize import apply_of
+from ._options import Aux, StepOptions, check_options
 from ._psum import Gradients, sum_of_squares
 from ._runtime import Accumulate, AfterForward, Runtime, active
 from ._schedule import Deviated, Run, Schedule
@@ -74,25 +75,12 @@ class GradOut(NamedTuple):
 class Grad:
     """``grad_fn(sharded, batch) -> (loss, grads, metrics)``; see :func:`jit_grad`."""
 
-    def __init__(self, loss: tuple[Callable[..., Any], bool], mesh: Mesh, *, micro_batches: int = 1,
-                 accumulate: Accumulate = Accumulate.REDUCE_EACH, sync_buffers: bool = True, overlap: bool = True,
-                 prefetch: bool | int = True, has_aux: bool = False, mean_aux: bool = False, what: str = "grad_fn",
-                 compile: str | None = None, keep_gathered: bool = False, read_metrics: bool = True):
+    def __init__(self, loss: tuple[Callable[..., Any], bool], mesh: Mesh, options: StepOptions):
         # loss_fn(apply, params, batch), and whether it reads apply ([Note: one loss convention])
         self.loss_fn, self.needs_apply = loss
         self.mesh = mesh
-        self.micro_batches = micro_batches
-        self.accumulate = accumulate
-        self.sync_buffers = sync_buffers
-        self.overlap = overlap
-        self.prefetch = prefetch
-        self.keep_gathered = keep_gathered
-        self.compile = compile
-        self.has_aux = has_aux
-        self.mean_aux = mean_aux
-        self.what = what  # how errors name the caller: "step" or "grad_fn"
-        # False: the loss and norm stay on the device, nothing is read ([Note: a step that does not wait])
-        self.read_metrics = read_metrics
+        self.options = options  # [Note: step options]
+        self.has_aux = options.aux is not Aux.NONE
         # Not state of the model: the units' forward order (a prefetch hint, recorded on
         # each call for the next) and the layout of the first call (to catch other shards).
         self.order: list[tuple[int, int]] = []
@@ -102,7 +90,7 @@ class Grad:
     def __call__(self, sharded: ShardedParams, batch: Any) -> tuple[torch.Tensor, Gradients, dict[str, Any]]:
         with guarded(self.mesh, Where.STEP):  # a rank whose arguments are refused tells the others
             self.check(sharded)
-        buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=True, track=self.sync_buffers)
+        buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=True, track=self.options.sync_buffers)
         with self.run(sharded, batch, buffers) as out:
             pass
         replaced = buffers.replaced(sharded)
@@ -112,37 +100,38 @@ class Grad:
 
     def check(self, sharded: Any) -> None:
         if self.mesh.size > 1:
-            self.mesh.guard.check_alive(f"{self.what}(sharded, ...)")
+            self.mesh.guard.check_alive(f"{self.options.what}(sharded, ...)")
         if not isinstance(sharded, ShardedParams):
             raise TypeError(
-                f"{self.what}(sharded, ...): expected the ShardedParams from shardfn.shard(), got "
+                f"{self.options.what}(sharded, ...): expected the ShardedParams from shardfn.shard(), got "
                 f"{type(sharded).__name__}."
             )
         if sharded.mesh != self.mesh:
             raise ValueError(
-                f"{self.what}(sharded, ...): the shards live on {sharded.mesh!r} but this {self.what} was built for "
+                f"{self.options.what}(sharded, ...): the shards live on {sharded.mesh!r} but this {self.options.what} was built for "
                 f"{self.mesh!r}. Shard with the same mesh you pass to jit_step / jit_grad."
             )
         if self.needs_apply and apply_of(sharded) is None:
             raise TypeError(
-                f"{self.what}(sharded, ...): loss_fn(apply, params, batch) needs the apply of the model these shards "
+                f"{self.options.what}(sharded, ...): loss_fn(apply, params, batch) needs the apply of the model these shards "
                 "were made from, and they were made from a plain mapping, which names no model. Shard the params "
                 "of shardfn.functionalize(model) (they carry the model)."
             )
         if self.layout is None:
             self.layout = sharded.layout
         elif sharded.layout is not self.layout and sharded.layout != self.layout:
-            raise ValueError(_OTHER_LAYOUT.format(what=self.what, first=self.layout, got=sharded.layout))
+            raise ValueError(_OTHER_LAYOUT.format(what=self.options.what, first=self.layout, got=sharded.layout))
 
     @contextmanager
     def run(self, sharded: ShardedParams, batch: Any, buffers: StepBuffers, scale: float = 1.0) -> Iterator[GradOut]:
         """Computes the gradients and metrics with ``buffers`` as the working buffers, and
         yields them while the runtime is still active (a step runs its optimizer there)."""
         layout = sharded.layout
+        opts = self.options
         rt = Runtime(
-            self.mesh, in_step=True, overlap=self.overlap, prefetch=self.prefetch, order=self.order,
-            accumulate=self.accumulate, owner=sharded, buffers=buffers, compile=self.compile,
-            after_forward=AfterForward.KEEP if self.keep_gathered else AfterForward.PLAN,
+            self.mesh, in_step=True, overlap=opts.overlap, prefetch=opts.prefetch, order=self.order,
+            accumulate=opts.accumulate, owner=sharded, buffers=buffers, compile=opts.compile,
+            after_forward=AfterForward.KEEP if opts.keep_gathered else AfterForward.PLAN,
         )
         run = Run(self.schedule, self.mesh) if self.mesh.size > 1 else None
         rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None
@@ -177,13 +166,13 @@ class Grad:
                     torch._foreach_mul_(list(grads.values()), reduced["rescale"])
                 norm = reduced["norm"]
                 metrics: dict[str, Any] = {"loss": reduced["loss"], "grad_norm": norm}
-                if self.read_metrics:
+                if self.options.read_metrics:
                     metrics["loss"], metrics["grad_norm"] = _scalars(reduced["loss"], norm)
                     if not all(math.isfinite(v) for v in (metrics["loss"], metrics["grad_norm"]) if v is not None):
                         metrics["nonfinite"] = self._nonfinite_ranks(loss, grads)
                 if self.has_aux:
                     metrics["aux"] = reduced["aux"]
-                if self.sync_buffers:
+                if self.options.sync_buffers:
                     buffers.sync(reduced["changed"], self.mesh)
                 done = True  # from here on the caller updates the state
                 yield GradOut(reduced["loss"], Gradients(grads, norm), metrics)
@@ -205,7 +194,7 @@ class Grad:
         micro-batch."""
         trainable = [n for n, leaf in sharded.layout.leaves.items() if leaf.requires_grad]
         leaves = [sharded[n] for n in trainable]
-        batches = split(batch, self.micro_batches)
+        batches = split(batch, self.options.micro_batches)
         sizes = agree_on_micro_batches(batch, self.mesh) if isinstance(batch, MicroBatches) else None
         k = len(batches)
         grads: dict[str, torch.Tensor] = {}
@@ -216,7 +205,8 @@ class Grad:
         apply = apply_of(sharded)
         for i, mb in enumerate(batches):
             rt.start_micro_batch(last=i == k - 1)
-            loss, count, aux = objective(self.loss_fn(apply, sharded, mb), self.has_aux, bool(leaves), self.read_metrics)
+            loss, count, aux = objective(self.loss_fn(apply, sharded, mb), self.has_aux, bool(leaves),
+                                           self.options.read_metrics)
             if counts and (count is None) != (counts[0] is None):
                 raise TypeError("loss_fn(apply, params, batch): returned shardfn.Mean for some micro-batches and a plain "
                                 "loss for others; return one kind in a step.")
@@ -268,7 +258,7 @@ class Grad:
         """
         device = self.mesh.device
         head = [loss.detach().float(), sq.float()] + ([count] if count is not None else [])
-        aux_flat, unflatten = _flat_aux(auxes) if self.has_aux and self.mean_aux else (torch.zeros(0), None)
+        aux_flat, unflatten = _flat_aux(auxes) if self.options.aux is Aux.MEAN else (torch.zeros(0), None)
         v = torch.cat([torch.stack([t.to(device) for t in head]), flags, aux_flat.to(device)])
         if self.mesh.size > 1:
             C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM, detail=rows)
@@ -279,8 +269,8 @@ class Grad:
             out["loss"] = v[0] / self.mesh.size
         else:
             total = v[2]
-            if self.read_metrics and not is_fake(total) and float(total) == 0:
-                raise ValueError(_NO_ELEMENTS.format(rank=self.mesh.rank, what=self.what))
+            if self.options.read_metrics and not is_fake(total) and float(total) == 0:
+                raise ValueError(_NO_ELEMENTS.format(rank=self.mesh.rank, what=self.options.what))
             rescale = self.mesh.size * k / total
             out["loss"], out["rescale"] = v[0] / total, rescale
             norm = norm * rescale
@@ -347,27 +337,6 @@ def _flat_aux(auxes: list[Any]) -> tuple[torch.Tensor, Any]:
     return flat_tensor, unflatten
 
 
-AUX = (None, "rank", "mean")  # what loss_fn returns and metrics["aux"] holds: see jit_step(aux=...)
-
-
-def check_options(loss_fn: Any, mesh: Any, micro_batches: int, accumulate: Accumulate | str, aux: str | None,
-                  what: str, prefetch: Any = True) -> Accumulate:
-    """The arguments jit_step and jit_grad share, checked; returns ``accumulate`` parsed."""
-    if not (isinstance(prefetch, int) and prefetch >= 0):  # a bool is an int: True is 1
-        raise ValueError(f"{what}(prefetch={prefetch!r}): how many units to gather ahead of the running one: "
-                         "0 (or False), 1 (or True), 2, ...")
-    if not callable(loss_fn):
-        raise TypeError(f"{what}: loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"{what}: mesh must be a shardfn.Mesh, got {type(mesh).__name__}")
-    if not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"{what}: micro_batches must be a positive int, got {micro_batches!r}")
-    if aux not in AUX:
-        raise ValueError(f"{what}(aux={aux!r}): None (loss_fn returns the loss), \"rank\" (it returns (loss, aux); "
-                         "metrics['aux'] is this rank's) or \"mean\" (the same, averaged over micro-batches and ranks).")
-    return Accumulate.parse(accumulate)
-
-
 @old_options
 def jit_grad(
     loss_fn: Callable[..., Any],
@@ -378,7 +347,7 @@ def jit_grad(
     sync_buffers: bool = True,
     overlap: bool = True,
     prefetch: bool | int = True,
-    aux: str | None = None,
+    aux: Aux | str | None = None,
     keep_gathered: bool = False,
     compile: bool | str = False,
 ) -> Grad:
@@ -411,7 +380,6 @@ def jit_grad(
         >>> shardfn.optim.apply_updates_(sharded, updates)
     """
     accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, aux, "jit_grad", prefetch)
-    return Grad(as_loss(loss_fn, "jit_grad", stacklevel=5), mesh, micro_batches=micro_batches, accumulate=accumulate,
-                sync_buffers=sync_buffers, overlap=overlap, prefetch=prefetch, has_aux=aux is not None,
-                mean_aux=aux == "mean",
-                keep_gathered=bool(keep_gathered), compile=backend_of(compile, "jit_grad"))
+    options = StepOptions("grad_fn", micro_batches, accumulate, bool(sync_buffers), bool(overlap), int(prefetch),
+                          Aux.parse(aux), bool(keep_gathered), backend_of(compile, "jit_grad"))
+    return Grad(as_loss(loss_fn, "jit_grad", stacklevel=5), mesh, options)

@@ -12,9 +12,10 @@ from torch._subclasses.fake_tensor import is_fake
 from ._buffers import StepBuffers
 from ._compile import backend_of
 from ._deprecated import as_loss, old_options
-from ._grad import Grad, check_options
+from ._grad import Grad
 from ._guard import Where, guarded
 from ._mesh import Mesh
+from ._options import Aux, OnNonfinite, StepOptions, check_options
 from ._offload import mark_host_trees, place_on_host, wait_for_device
 from ._recording import recording
 from ._replica import refresh
@@ -48,14 +49,13 @@ class Step:
     (see [Note: gradients as a tree]); the step adds the optimizer update, run inside the
     same runtime."""
 
-    def __init__(self, grad: Grad, optimizer: GradientTransformation, donate: bool,
-                 loss_scale: DynamicLossScale | None, on_nonfinite: str = "raise"):
+    def __init__(self, grad: Grad, optimizer: GradientTransformation, loss_scale: DynamicLossScale | None):
         self.grad = grad
-        self.on_nonfinite = on_nonfinite  # "raise", "skip" or "raise_next" (see jit_step)
+        self.options = grad.options  # [Note: step options]
         self.mesh = grad.mesh
         self.optimizer = optimizer
-        self.donate = donate
         self.loss_scale = loss_scale
+        donate = self.options.donate
         # The update path, chosen once (see the three methods below); the function, not a
         # bound method, which would hold the step in a reference cycle.
         in_place = donate and getattr(optimizer, "update_", None) is not None
@@ -75,7 +75,8 @@ class Step:
             self._check(sharded, opt_state)
         inner = opt_state.opt_state if self.loss_scale is not None else opt_state
         scale = float(opt_state.scale) if self.loss_scale is not None else 1.0
-        buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=self.donate, track=self.grad.sync_buffers)
+        buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=self.options.donate,
+                               track=self.options.sync_buffers)
         with self.grad.run(sharded, batch, buffers, scale) as (_, grads, metrics):
             if not recording():  # a graph step reads them on the host, for each replay
                 metrics.update(hyperparams(self.optimizer, inner))
@@ -86,21 +87,21 @@ class Step:
                 skip = not is_fake(norm) and not bool(torch.isfinite(norm))
                 metrics.update(loss_scale=scale, skipped=skip)
                 opt_state = LossScaleState(inner, *self.loss_scale.next(opt_state, not skip))
-            elif self.on_nonfinite == "raise_next":  # [Note: a step that does not wait]
+            elif self.options.on_nonfinite is OnNonfinite.RAISE_NEXT:  # [Note: a step that does not wait]
                 try:
                     check_verdict(sharded, "step")
                 except FloatingPointError:
                     buffers.restore()
                     raise
             elif "nonfinite" in metrics:  # the same on every rank (see Grad._nonfinite_ranks)
-                if self.on_nonfinite == "raise":
+                if self.options.on_nonfinite is OnNonfinite.RAISE:
                     buffers.restore()
                     bad = metrics["nonfinite"]
                     raise FloatingPointError(_NONFINITE.format(
                         rank=self.mesh.rank, loss=metrics["loss"], norm=metrics["grad_norm"], loss_ranks=bad["loss"],
                         grads=bad["grads"]))
                 skip = True
-            if self.on_nonfinite == "skip":
+            if self.options.on_nonfinite is OnNonfinite.SKIP:
                 metrics["skipped"] = skip
             if skip:
                 new = _with_buffers(sharded, buffers)
@@ -108,8 +109,8 @@ class Step:
                 with torch.profiler.record_function("shardfn::optimizer"):
                     new, inner = self._update(self, sharded, grads, inner, buffers)
             if sharded.layout.keeps_replica:  # [Note: replicated parameters]
-                new = refresh(new, current().observers, donated=self.donate)
-            if self.on_nonfinite == "raise_next" and not is_fake(metrics["loss"]):
+                new = refresh(new, current().observers, donated=self.options.donate)
+            if not self.options.read_metrics and not is_fake(metrics["loss"]):
                 new = new._with_verdict(Verdict(metrics["loss"], metrics["grad_norm"]))
         opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner
         return new, opt_state, metrics
@@ -261,8 +262,8 @@ def jit_step(
     overlap: bool = True,
     prefetch: bool | int = True,
     keep_gathered: bool = False,
-    aux: str | None = None,
-    on_nonfinite: str | None = None,
+    aux: Aux | str | None = None,
+    on_nonfinite: OnNonfinite | str | None = None,
     compile: bool | str = False,
     graph: bool | str = False,
 ) -> Step:
@@ -327,9 +328,10 @@ def jit_step(
             micro-batch, when there are several). ``"mean"``: the same, but
             ``metrics["aux"]`` is the aux averaged over micro-batches and ranks (fp32
             tensors of the same tree), riding on the metrics all-reduce (4 bytes per
-            element more, no extra collective). Replaces ``has_aux`` / ``mean_aux``.
+            element more, no extra collective). Replaces ``has_aux`` / ``mean_aux``. A
+            :class:`shardfn.Aux` member is the same (``Aux.RANK``, ``Aux.MEAN``).
         on_nonfinite: what a step whose global loss or gradient norm is not finite (on any
-            rank) does. ``"raise"`` (the default without ``loss_scale``): raise
+            rank) does (a string or a :class:`shardfn.OnNonfinite` member). ``"raise"`` (the default without ``loss_scale``): raise
             ``FloatingPointError`` on every rank, naming the ranks whose loss was not
             finite, before anything changes. ``"skip"`` (the default, and the only choice,
             with ``loss_scale``): skip the update on every rank, leaving parameters and
@@ -372,8 +374,9 @@ def jit_step(
         >>> sharded, opt_state, metrics = step(sharded, opt_state, batch)
     """
     accumulate = check_options(loss_fn, mesh, micro_batches, accumulate, aux, "jit_step", prefetch)
-    if on_nonfinite not in (None, "raise", "skip", "raise_next"):
+    if on_nonfinite not in (None, "raise", "skip", "raise_next", *OnNonfinite):
         raise ValueError(f"jit_step(on_nonfinite={on_nonfinite!r}): \"raise\", \"skip\" or \"raise_next\".")
+    on_nonfinite = OnNonfinite.parse(on_nonfinite) if on_nonfinite is not None else None
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
         raise TypeError(
             f"jit_step: optimizer must have init and update functions (a GradientTransformation such as "
@@ -381,17 +384,17 @@ def jit_step(
         )
     if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
         raise TypeError(f"jit_step: loss_scale must be a shardfn.DynamicLossScale, got {loss_scale!r}")
-    if loss_scale is not None and on_nonfinite in ("raise", "raise_next"):
-        raise ValueError(f"jit_step(loss_scale=..., on_nonfinite={on_nonfinite!r}): a loss-scaled step skips the steps "
+    if loss_scale is not None and on_nonfinite in (OnNonfinite.RAISE, OnNonfinite.RAISE_NEXT):
+        raise ValueError(f"jit_step(loss_scale=..., on_nonfinite={on_nonfinite.value!r}): a loss-scaled step skips the steps "
                          "whose gradients overflow and lowers the scale; leave on_nonfinite out (it is \"skip\").")
     if graph:
         _check_graph(graph, mesh, donate, loss_scale, on_nonfinite, compile)
-        on_nonfinite = "raise_next"
-    grad = Grad(as_loss(loss_fn, "jit_step", stacklevel=5), mesh, micro_batches=micro_batches, accumulate=accumulate, sync_buffers=sync_buffers,
-                overlap=overlap, prefetch=prefetch, has_aux=aux is not None, mean_aux=aux == "mean", what="step",
-                compile=backend_of(compile, "jit_step"), keep_gathered=bool(keep_gathered),
-                read_metrics=on_nonfinite != "raise_next")
-    step = Step(grad, optimizer, donate, loss_scale, on_nonfinite or ("skip" if loss_scale is not None else "raise"))
+        on_nonfinite = OnNonfinite.RAISE_NEXT
+    options = StepOptions(
+        "step", micro_batches, accumulate, bool(sync_buffers), bool(overlap), int(prefetch), Aux.parse(aux),
+        bool(keep_gathered), backend_of(compile, "jit_step"),
+        on_nonfinite or (OnNonfinite.SKIP if loss_scale is not None else OnNonfinite.RAISE), bool(donate))
+    step = Step(Grad(as_loss(loss_fn, "jit_step", stacklevel=5), mesh, options), optimizer, loss_scale)
     if graph:
         from ._graph import GraphStep
 
@@ -408,8 +411,8 @@ def _check_graph(graph: Any, mesh: Mesh, donate: bool, loss_scale: Any, on_nonfi
         why = "donate=False returns new tensors; a recorded program updates the state in place: leave donate on"
     elif loss_scale is not None:
         why = "a loss scale decides on the host whether to skip each step"
-    elif on_nonfinite in ("raise", "skip"):
-        why = (f"on_nonfinite={on_nonfinite!r} reads the loss on the host before the update; a graph step reads "
+    elif on_nonfinite in (OnNonfinite.RAISE, OnNonfinite.SKIP):
+        why = (f"on_nonfinite={on_nonfinite.value!r} reads the loss on the host before the update; a graph step reads "
                "nothing and reports as on_nonfinite=\"raise_next\" does: leave on_nonfinite out")
     elif mesh.device.type != "cpu":
         why = (f"the mesh is on {mesh.device.type}: this release records and replays steps on CPU meshes only (CUDA "

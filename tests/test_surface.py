@@ -222,7 +222,7 @@ def test_old_spellings_work_for_one_release_with_a_warning(clusters):
 
 
 def test_enums_parse_their_names_and_values_in_any_case():
-    for enum in (sf.Strategy, sf.RematMode, sf.Placement, sf.Accumulate):
+    for enum in (sf.Strategy, sf.RematMode, sf.Placement, sf.Accumulate, sf.Aux, sf.OnNonfinite):
         for member in enum:
             for text in (member.name, member.name.lower(), str(member.value), str(member.value).upper()):
                 assert enum.parse(text) is member, (enum, text)
