@@ -57,7 +57,7 @@ from ._guard import unit_id
 from ._offload import pack_shards
 from ._packing import shard_buffer
 
-__all__ = ["FIRST_BUCKET_BYTES", "GatherBucket", "ReduceBucket", "gather_buckets", "reduce_buckets", "skipped_detail"]
+__all__ = ["FIRST_BUCKET_BYTES", "GatherBucket", "ReduceBucket", "buckets_of", "gather_buckets", "reduce_buckets", "skipped_detail"]
 
 FIRST_BUCKET_BYTES = 2**20
 
@@ -112,13 +112,18 @@ class GatherBucket:
     needs its parameters starts one all-gather for all; each member in flight with it
     copies its columns out when used (shardfn._gather.Unit)."""
 
-    __slots__ = ("units", "offsets", "numel", "name")
+    __slots__ = ("members", "units", "offsets", "numel", "name")
 
-    def __init__(self, units: list[Any]):
-        self.units = units
-        self.offsets = [sum(u.unit.numel for u in units[:i]) for i in range(len(units))]
-        self.numel = sum(u.unit.numel for u in units)
-        self.name = units[0].layout.bucket_name(tuple(u.unit.index for u in units))
+    def __init__(self, layout: Any, members: tuple[int, ...]):
+        sizes = [layout.units[i].numel for i in members]
+        self.members = members
+        self.units: list[Any] = [None] * len(members)  # the members at run time, as each is built (join)
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.numel = sum(sizes)
+        self.name = layout.bucket_name(members)
+
+    def join(self, unit: Any) -> None:
+        self.units[self.members.index(unit.unit.index)] = unit
 
     def issue(self, purpose: Purpose) -> None:
         """One all-gather of every member's shards into a ``[world, numel]`` output; every
@@ -193,16 +198,21 @@ class ReduceBucket:
     ``[world, gn]`` buffer under the sharded strategies); the last one ready issues the
     collective, and each unit's reduced gradient is its part of the result."""
 
-    __slots__ = ("units", "offsets", "numel", "name", "buffer", "ready", "rows")
+    __slots__ = ("members", "units", "offsets", "numel", "name", "buffer", "ready", "rows")
 
-    def __init__(self, units: list[Any]):
-        self.units = units
-        self.offsets = [sum(u.unit.grad_numel for u in units[:i]) for i in range(len(units))]
-        self.numel = sum(u.unit.grad_numel for u in units)
-        self.name = units[0].layout.bucket_name(tuple(u.unit.index for u in units))
-        self.rows = units[0].layout.world  # 1: NO_SHARD's all-reduce; else the reduce-scatter's world
+    def __init__(self, layout: Any, members: tuple[int, ...]):
+        sizes = [layout.units[i].grad_numel for i in members]
+        self.members = members
+        self.units: list[Any] = [None] * len(members)  # the members at run time, as each is built (join)
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.numel = sum(sizes)
+        self.name = layout.bucket_name(members)
+        self.rows = layout.world  # 1: NO_SHARD's all-reduce; else the reduce-scatter's world
         self.buffer: torch.Tensor | None = None  # NO_SHARD: allocated by the first unit to pack
         self.ready: list[Any] = []  # units whose gradients are all packed
+
+    def join(self, unit: Any) -> None:
+        self.units[self.members.index(unit.unit.index)] = unit
 
     def part(self, unit: Any) -> torch.Tensor | None:
         """NO_SHARD: where ``unit`` packs its gradients (its part of the bucket's buffer);
@@ -258,19 +268,19 @@ def skipped_detail(skipped: list[str]) -> int:
     return unit_id(skipped[0]) | len(skipped) << 32 if skipped else 0
 
 
-def attach_buckets(units: dict[int, Any], reduce: bool) -> None:
-    """Gives the units of a tree in a runtime their gather buckets, and, for a step's own
-    tree (``reduce``), their reduce buckets (those of more than one unit)."""
-    layout = next(iter(units.values())).layout if units else None
-    if layout is None:
-        return
+def buckets_of(layout: Any, reduce: bool) -> dict[int, tuple[GatherBucket | None, ReduceBucket | None]]:
+    """Unit index -> the gather bucket and reduce bucket it travels in (None: alone), new for
+    one runtime's units of a tree; reduce buckets only for a step's own tree (``reduce``).
+    Each unit joins its buckets when it is built (shardfn._gather.Unit)."""
+    out: dict[int, list[Any]] = {u.index: [None, None] for u in layout.units}
     for members in layout.gather_buckets:
         if len(members) > 1:
-            bucket = GatherBucket([units[i] for i in members])
-            for unit in bucket.units:
-                unit.bucket = bucket
+            bucket = GatherBucket(layout, members)
+            for i in members:
+                out[i][0] = bucket
     for members in layout.buckets if reduce else ():
         if len(members) > 1:
-            bucket = ReduceBucket([units[i] for i in members])
-            for unit in bucket.units:
-                unit.grads.bucket = bucket
+            bucket = ReduceBucket(layout, members)
+            for i in members:
+                out[i][1] = bucket
+    return {i: (g, r) for i, (g, r) in out.items()}

@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from . import _guard
-from ._buckets import attach_buckets
+from ._buckets import buckets_of
 from ._compile import compilable
 from ._events import Purpose
 from ._gather import Unit, saved_handles
@@ -147,17 +147,17 @@ def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:
     store = rt.in_step and sharded is rt.owner
 
     def build(index: int) -> dict[int, Unit]:
-        units = {
-            u.index: Unit(layout, u, (index, u.index), [sharded[n] for n in u.leaves], sharded.mesh, slots[u.index],
-                          rt, store)
-            for u in layout.units
-        }
+        buckets = buckets_of(layout, reduce=store)
+        units = {}
+        for u in layout.units:
+            shards = [sharded[n] for n in u.leaves]
+            # [Note: replicated parameters]; an optional unit is gathered when built (pin), as before any replica
+            replica = replica_of(sharded, u.index, shards) if layout.keeps_replica and not u.optional else None
+            units[u.index] = Unit(layout, u, (index, u.index), shards, sharded.mesh, slots[u.index], rt, store,
+                                  replica, *buckets[u.index])
         for unit in units.values():  # every rank gathers them here, in layout order, run or not
             if unit.unit.optional:
                 unit.pin()
-            if layout.keeps_replica:  # [Note: replicated parameters]
-                unit.replica = replica_of(sharded, unit.unit.index, unit.shards)
-        attach_buckets(units, reduce=store)
         return units
 
     by_path: dict[str, list[Unit]] = {}

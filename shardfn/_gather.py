@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import enum
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -97,7 +97,7 @@ from ._recording import recording, relative_view
 from ._reduce import UnitGrads
 from ._runtime import AfterForward, Runtime, invariant
 
-__all__ = ["GatherUnit", "State", "Unit", "Use", "saved_handles"]
+__all__ = ["GatherUnit", "Hold", "InFlight", "State", "Unit", "Use", "saved_handles"]
 
 
 class State(enum.Enum):
@@ -106,6 +106,35 @@ class State(enum.Enum):
     SHARDED = "sharded"  # only this rank's shards
     IN_FLIGHT = "in flight"  # an all-gather started ahead of the unit's use (prefetch)
     GATHERED = "gathered"  # the full parameters, held
+
+
+class Hold(enum.Enum):
+    """Why a gathered unit is kept, asked in this order (:meth:`Unit.held_by`; see [Note: the
+    life of a unit]). Residency (:class:`State`) and the phase (forward, or backward
+    running) are orthogonal, as in FSDP2; these name what ties one to the other."""
+
+    PINNED = "pinned"  # an optional unit, or every unit with keep_gathered: until the runtime ends
+    ENTERED = "entered"  # its module is running with the parameters in place
+    IN_USE = "in use"  # a use's forward is in progress
+    READ = "read"  # it reshards after forward: backward is reading one use's saved handles
+    FORWARD = "forward"  # it is kept after forward: backward has not begun
+    SAVED = "saved"  # kept after forward: backward has saved handles still to read
+    RECOMPUTE = "recompute"  # kept after forward and rematerialised: a recompute is still to run
+
+
+class InFlight(NamedTuple):
+    """An all-gather started for a unit (IN_FLIGHT): its own, whose ``out`` is the
+    ``[world, numel]`` output and ``keep`` the input, alive until it is done; or its
+    bucket's, ``work`` the member's shardfn._buckets.Share and ``out`` None."""
+
+    work: Any
+    out: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        """Waits; the unit's ``[world, numel]`` gathered shards (a bucket member: its columns)."""
+        self.work.wait()
+        return self.work.columns() if self.out is None else self.out
 
 
 class Use:
@@ -144,7 +173,8 @@ class Unit:
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, key: tuple[int, int], shards: list[torch.Tensor], mesh: Any,
-                 slots: list, runtime: Runtime, store: bool):
+                 slots: list, runtime: Runtime, store: bool, replica: list[torch.Tensor] | None = None,
+                 bucket: Any = None, reduce_bucket: Any = None):
         self.layout = layout
         self.unit = unit
         self.key = key  # (index of its tree in the runtime, unit index): the prefetch order's entries
@@ -154,12 +184,12 @@ class Unit:
         self.channel = mesh.channel("shard")  # all-gathers and reduce-scatters
         self.rank = layout.shard_rank(mesh)  # this rank's row of an all-gather's output
         self.runtime = runtime
-        self.grads = UnitGrads(self, store)
-        self.replica: list[torch.Tensor] | None = None  # SHARD_OPTIMIZER: the tree's kept full parameters
+        self.grads = UnitGrads(self, store, reduce_bucket)
+        self.replica = replica  # SHARD_OPTIMIZER: the tree's kept full parameters, if still those of the shards
         self.state = State.SHARDED
         self.full: list[torch.Tensor] | None = None  # GATHERED: the full parameters
         self.storages: dict[int, int] = {}  # GATHERED: id() of their storages -> leaf index (fake tensors have no data_ptr)
-        self.inflight: Any = None  # IN_FLIGHT: (work, input, output); input is a row of output
+        self.inflight: InFlight | None = None  # IN_FLIGHT: the all-gather started
         # this rank's 1/k of the gathered unit, kept from forward to backward when the unit
         # reshards to a sub-group of k ranks (UnitLayout.reshard = k; see _issue)
         self.secondary: torch.Tensor | None = None
@@ -170,7 +200,10 @@ class Unit:
         self.reading: Use | None = None  # the use whose handles backward is reading
         self.calls = 0  # forward gathers in this micro-batch (remat units prefetch a regather only if > 0)
         self.pinned = runtime.after_forward is AfterForward.KEEP
-        self.bucket: Any = None  # the shardfn._buckets.GatherBucket it gathers with, if any ([Note: buckets])
+        self.bucket = bucket  # the shardfn._buckets.GatherBucket it gathers with, if any ([Note: buckets])
+        for b in (bucket, reduce_bucket):
+            if b is not None:
+                b.join(self)
 
     @property
     def name(self) -> str:
@@ -202,17 +235,26 @@ class Unit:
 
     # -- the one rule of release ------------------------------------------------------------
 
-    def holds(self) -> bool:
-        """Whether anything still needs the gathered parameters (see [Note: the life of a unit])."""
-        if self.pinned or self.entry is not None or self.use is not None:
-            return True
-        if self.is_root:
-            return False
+    def held_by(self) -> Hold | None:
+        """What still needs the gathered parameters, if anything (see [Note: the life of a unit])."""
+        if self.pinned:
+            return Hold.PINNED
+        if self.entry is not None:
+            return Hold.ENTERED
+        if self.use is not None:
+            return Hold.IN_USE
+        if self.is_root:  # its parameters went to functional_call: the graph holds what backward needs
+            return None
         if self.reshards:
-            return self.reading is not None
+            return Hold.READ if self.reading is not None else None
         if not _in_backward():
-            return True
-        return self.handles > 0 or (self.unit.remat is not None and self.grads.nodes > 0)
+            return Hold.FORWARD
+        if self.handles > 0:
+            return Hold.SAVED
+        return Hold.RECOMPUTE if self.unit.remat is not None and self.grads.nodes > 0 else None
+
+    def holds(self) -> bool:
+        return self.held_by() is not None
 
     def settle(self) -> None:
         """Releases the gathered parameters unless something holds them; called after every
@@ -224,6 +266,9 @@ class Unit:
         self.state, self.full, self.storages = State.SHARDED, None, {}
         self._note(UnitEvent.FREE)
 
+    def start_micro_batch(self) -> None:
+        self.calls = 0
+
     def end(self) -> None:
         """The runtime ends: nothing in flight, nothing gathered, pinned or not."""
         self.cancel_prefetch()
@@ -233,8 +278,8 @@ class Unit:
 
     # -- gathering -----------------------------------------------------------------------
 
-    def _issue(self, purpose: Purpose, async_op: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """Starts the unit's all-gather: ``(work, input, output)``, output ``[world, numel]``.
+    def _issue(self, purpose: Purpose, async_op: bool) -> InFlight:
+        """Starts the unit's all-gather, whose output is ``[world, numel]``.
 
         One copy (see [Note: copies]): the shards are written, cast to ``param_dtype``
         on the way (the collective moves param-dtype elements, see _precision), straight
@@ -248,7 +293,7 @@ class Unit:
                 out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
                 work = C.all_gather(out.view(-1), self.secondary, group, purpose, self.unit.name, async_op=async_op,
                                     to=self.runtime.observers)
-            return work, self.secondary, out
+            return InFlight(work, out, self.secondary)
         with torch.no_grad(), copy_stream(self.device) if self.layout.offloaded else nullcontext():
             out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
             # offloaded shards live in host memory: copied to the device (counted) in any case
@@ -260,7 +305,7 @@ class Unit:
                 pack_shards(mine, self.shards, self.layout.offloaded, self.runtime.observers, self.unit.name, offsets)
             work = C.all_gather(out.view(-1), mine, self.channel, purpose, self.unit.name, async_op=async_op,
                                 to=self.runtime.observers)
-        return work, mine, out
+        return InFlight(work, out, mine)
 
     def prefetchable(self, forward: bool) -> bool:
         """Whether the runtime may start this unit's all-gather early (see [Note: prefetch]).
@@ -297,13 +342,13 @@ class Unit:
         """SHARDED -> IN_FLIGHT with its bucket's all-gather (``share``: its handle on it,
         shardfn._buckets); a member gathered already keeps what it has."""
         if self.state is State.SHARDED:
-            self.inflight, self.state = (share, None, None), State.IN_FLIGHT
+            self.inflight, self.state = InFlight(share), State.IN_FLIGHT
             self._note(UnitEvent.PREFETCH)
 
     def cancel_prefetch(self) -> None:
         """IN_FLIGHT -> SHARDED: waits for a prefetch that was never used (the order changed)."""
         if self.state is State.IN_FLIGHT:
-            self.inflight[0].wait()
+            self.inflight.work.wait()
             self.inflight, self.state = None, State.SHARDED
 
     def _prefetch_next(self, forward: bool) -> None:
@@ -336,12 +381,10 @@ class Unit:
                 if self.state is State.SHARDED and self.bucket is not None:
                     self.bucket.issue(purpose)  # the bucket's all-gather, waited for just below
                 if self.state is State.IN_FLIGHT:
-                    work, _, out = self.inflight
-                    work.wait()
+                    out = self.inflight.wait()  # a bucket's member: its part ([Note: buckets])
                     self.inflight = None
-                    out = work.columns() if out is None else out  # a bucket's member: its part ([Note: buckets])
                 else:
-                    _, _, out = self._issue(purpose, async_op=False)
+                    out = self._issue(purpose, async_op=False).out
                 if self.layout.offloaded:
                     join_stream(out)
                 k = self.unit.subgroup

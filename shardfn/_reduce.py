@@ -78,7 +78,7 @@ class UnitGrads:
 
     __slots__ = ("unit", "store", "nodes", "graphed", "acc", "replicate", "bucket")
 
-    def __init__(self, unit: RunningUnit, store: bool):
+    def __init__(self, unit: RunningUnit, store: bool, bucket: Any = None):
         self.unit = unit
         # Gradients are averaged over the other ranks holding the same shard: the
         # "replicate" axis of a 2-D mesh, or the whole 1-D mesh under NO_SHARD.
@@ -87,7 +87,7 @@ class UnitGrads:
         self.nodes = 0  # GatherUnit nodes built in forward whose backward has not run
         self.graphed = False  # a node was built since the last reduction
         self.acc: Any = None  # the unsharded gradient buffer (a world of one: a list of per-leaf gradients)
-        self.bucket: Any = None  # the shardfn._buckets.ReduceBucket it reduces in ([Note: buckets]), in a step
+        self.bucket = bucket  # the shardfn._buckets.ReduceBucket it reduces in ([Note: buckets]), in a step
 
     def count_node(self) -> None:
         self.nodes += 1

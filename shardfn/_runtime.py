@@ -78,7 +78,6 @@ class RunningUnit(Protocol):
     channel: Any  # the shardfn._guard.Channel of its all-gathers and reduce-scatters
     rank: int  # this rank's row of an all-gather's output
     grads: Any  # its shardfn._reduce.UnitGrads
-    calls: int
 
     @property
     def name(self) -> str: ...
@@ -91,6 +90,8 @@ class RunningUnit(Protocol):
     def prefetch(self, forward: bool) -> None: ...
 
     def cancel_prefetch(self) -> None: ...
+
+    def start_micro_batch(self) -> None: ...
 
     def end(self) -> None: ...
 
@@ -232,7 +233,7 @@ class Runtime:
     def start_micro_batch(self, last: bool) -> None:
         self.last_micro_batch = last
         for unit in self.units():
-            unit.calls = 0
+            unit.start_micro_batch()
 
     def end_backward(self, grads: dict[str, torch.Tensor]) -> None:
         """After a micro-batch's backward: every reduction done, the owner's gradients added
