@@ -16,7 +16,6 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "shardfn"
-sys.path.insert(0, str(ROOT.parent))
 
 # Modules that may read the strategy: the plan, its resolution against a mesh, the layout.
 PLAN_MODULES = {"_plan.py", "_resolve.py", "_layout.py"}
@@ -249,4 +248,5 @@ def trip() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT.parent))  # this checkout's shardfn, for `trip`
     {"counts": counts, "graph": graph, "trip": trip}[sys.argv[1] if len(sys.argv) > 1 else "counts"]()
