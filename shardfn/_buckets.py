@@ -1,48 +1,29 @@
 """Buckets: neighbouring units share one collective.
 
 [Note: buckets]
-Every collective costs a latency and the host work of issuing and waiting for it,
-whatever its size, and small units pay them unit by unit. So neighbouring units travel
-together, up to ``Plan(bucket_bytes=...)`` bytes of the collective's buffer (0: every unit
-alone). The 4 MiB default keeps nearly all the gain on small units and leaves units that
-already amortise their latency alone, where a bucket would only add copies and peak
-memory (measured in docs/strategies.md, "Choosing the size"). Which units share a bucket
-is part of the layout, the same on every rank; a bucket is named after its first and last
-units (``blocks.0..blocks.5``), and collectives and ``explain`` use that name.
+Every collective costs a latency and the host work of issuing and waiting for it, whatever
+its size, and small units pay them unit by unit. So neighbouring units share one
+collective, up to ``Plan(bucket_bytes=...)`` bytes of its buffer (0: every unit alone). A
+bucket is not free: it adds copies, starts its first reduction later and, under
+FULL_SHARD, is gathered and held where one unit was; the default keeps nearly all the gain
+of small units and leaves alone units that already amortise their latency.
 
-Gradients (:func:`reduce_buckets`), taken from the last unit back (backward's order), the
-first bucket up to 1 MiB (DDP's first bucket) so that communication starts early, one
-reduce dtype per bucket, optional units alone (and, sharded, whole ones):
+Which units share a bucket is part of the layout, the same on every rank, and a bucket is
+named after its first and last units (``blocks.0..blocks.5``) in collectives and
+``explain``. Gradients (:func:`reduce_buckets`) fill from the last unit back, backward's
+order, with a small first bucket (``FIRST_BUCKET_BYTES``, as DDP's) so that communication
+starts early; parameters (:func:`gather_buckets`) in layout order. A bucket has one dtype
+and one reshard rule; a unit that cannot share a collective with its neighbours (an
+optional one, an offloaded one, hybrid's two-step reduction, ...) travels alone.
 
-* NO_SHARD: one all-reduce per bucket (DDP's buckets). Each unit packs straight into its
-  part of the bucket's buffer and its reduced gradient is its part of the result: no copy
-  more than alone. Buckets do not wait for each other (their buffers are the gradients).
-* FULL_SHARD, SHARD_GRAD_OP (not offloaded): one reduce-scatter per bucket of a ``[world, sum of gn]``
-  buffer. A unit's gradients are a column block of it, not contiguous, so each unit packs
-  into its own ``[world, gn]`` buffer as alone, and one cat per bucket lays them side by
-  side (one copy of the bucket's unsharded gradients more than alone); this rank's reduced
-  gradient of each unit is its part of the result. A bucket waits for the reduction before
-  it, as a unit does, so one bucket's unsharded gradients are in flight at a time.
-* The hybrid strategies reduce each unit alone (two collectives in a row).
+A unit that some ranks skip raises the same DivergenceError on every rank, bucketed or
+alone, unless it is declared optional: one rule, whatever the bucket sizes. Alone, its
+collectives differ; in a bucket they would not, so a bucket's reduction carries in its
+header's detail which members this rank did not run (:func:`skipped_detail`).
 
-Parameters (:func:`gather_buckets`), under FULL_SHARD and SHARD_GRAD_OP, in layout order:
-the first member of a bucket that needs its parameters, or is prefetched, starts one
-all-gather for the bucket; every member that is sharded goes in flight with it, and each
-copies its columns of the output out when it is used (one copy of its gathered
-parameters, W*n, which a flat unit's own all-gather does not need, and the pack of its
-shards into the input, n); for the bucket these are two ops, one for the input (a foreach
-copy of the members' shard buffers) and one for the output (a split into the members'
-buffers, when the first member waits). The root unit and optional, rematerialised, whole, sub-group
-resharded and offloaded units gather alone; SHARD_OPTIMIZER gathers no parameters in a
-step. One param dtype and one reshard rule per bucket. The members of a bucket are
-gathered together, so FULL_SHARD holds a bucket where it held a unit: choose
-``bucket_bytes`` by the memory one bucket of gathered parameters may take.
-
-A unit that some ranks skip (not run in the step) raises the same DivergenceError on every
-rank, bucketed or alone, unless it is declared optional (``Plan(optional=...)``, alone in its
-bucket): one rule, whatever the bucket sizes. Alone, its collectives differ; in a bucket they
-would not, so a bucket's reduction carries in its header's detail which members this rank
-did not run (:func:`skipped_detail`), and ranks that skipped different ones disagree there.
+Strategy by strategy (what each reduces and gathers in a bucket, the copies a bucket adds,
+which units travel alone) and the measurements behind the default: docs/strategies.md,
+"Buckets: small units share a collective".
 """
 
 from __future__ import annotations

@@ -3,34 +3,24 @@
 [Note: how a sharded call works]
 ``apply(sharded, *args)`` runs ``functional_call`` on the meta module tree that
 ``functionalize`` kept, with the buffers of ``sharded`` (see [Note: the state tree]). The
-root unit (parameters outside every unit) is gathered up front and passed in the
-parameter dict. Every other unit's module carries a forward pre-hook and a forward hook
-(registered once, inert outside a sharded call):
+root unit (parameters outside every unit) is gathered up front; every other unit just in
+time, by hooks on its module (registered once, inert outside a sharded call): a forward
+pre-hook applies the unit's :class:`shardfn._gather.GatherUnit`, whose forward all-gathers
+and whose backward hands the gradients to the unit's reduction (shardfn._reduce [Note: one
+reduction per unit]), and places the full parameters in the module; a forward hook puts
+the meta parameters back.
 
-* pre-hook: the unit's :class:`shardfn._gather.GatherUnit` all-gathers its flat shard
-  buffer and returns the full parameters, which are placed in the module for the
-  duration of its forward. Its backward hands the unit's gradients to its reduction
-  (shardfn._reduce [Note: one reduction per unit]).
-* while the unit runs, a ``saved_tensors_hooks`` pair is active
-  (:func:`shardfn._gather.saved_handles`). Any tensor autograd
-  saves that lives in a gathered parameter's storage (the weight itself, ``weight.t()``,
-  ...) is packed as a small handle (unit, use, leaf, size, stride, offset) instead of a
-  reference; other saved tensors (activations) pass through untouched.
-* forward hook: the module gets its meta parameters back. Under FULL_SHARD the unit
-  drops its gathered tensors: with no references left in the graph their memory is
-  freed at once. Under SHARD_GRAD_OP the unit keeps them until its backward.
-* in backward, the first unpack of a handle gathers the unit again (a plain all-gather,
-  no recompute of the forward) and rebuilds the view; the last unpack drops the unit's
-  reference (the consuming node holds the view until it is done).
+A unit's gathered parameters can then be dropped after its forward with no recompute:
+while the unit runs, ``saved_tensors_hooks`` (:func:`shardfn._gather.saved_handles`) pack
+every saved tensor that lives in a gathered parameter's storage as a small handle (unit,
+use, leaf, size, stride, offset) instead of a reference, so the graph holds no gathered
+memory, and the first unpack of a handle in backward gathers the unit again. When a unit
+lets go of its gathered parameters is one rule, in shardfn._gather ([Note: the life of a
+unit]); the hooks here and the handles only report the events it reads. Every call of
+``apply`` in one step shares the step's units (see [Note: the runtime]).
 
-When a unit lets go of its gathered parameters is one rule, in shardfn._gather ([Note: the
-life of a unit]); the hooks here and the handles only report the events it reads.
-
-So without prefetch FULL_SHARD holds at most the running unit's parameters (plus the
-root's) in forward and in backward, gathering each non-root unit twice per step, with no
-recompute; with prefetch (the default in a step, see [Note: prefetch]) it holds the
-running unit and the next one. Every call of ``apply`` in one step shares the step's
-units (see [Note: the runtime]).
+Step by step, and what FULL_SHARD and SHARD_GRAD_OP hold with and without prefetch:
+docs/how-it-works.md, "A sharded call".
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ Each call emits a :class:`shardfn._events.CollectiveCall` (kind, process group, 
 dtype, purpose, unit) to the observers (see [Note: events]), where the bytes are the size
 of the *full* buffer the collective moves: the output of an all-gather, the input of a
 reduce-scatter, the tensor of an all-reduce. These are the "textbook" volumes
-(FULL_SHARD moves 2x the parameter bytes in all-gathers and 1x in reduce-scatters per
-step), independent of the backend's algorithm.
+(FULL_SHARD moves twice the parameter bytes in all-gathers and once in reduce-scatters
+per step), independent of the backend's algorithm.
 """
 
 from __future__ import annotations
@@ -106,11 +106,11 @@ def issue_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGro
 def _reduce_scatter_gloo(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, op: ReduceOp) -> tuple[Any, Any]:
     """[Note: reduce-scatter on gloo] gloo's reduce-scatter copies its input, all-reduces the
     copy (every rank sends and receives twice the bytes a reduce-scatter needs) and copies
-    its chunk out: 13.8 ms for a 12.8 MB fp32 unit at world 2 here, more than an all-reduce
-    of it (10.3 ms). Instead each rank sends every peer the chunk that peer owns and
-    receives its own chunk from each peer (paired sends and receives: (n - 1) / n of the
-    input each way, the reduce-scatter's textbook traffic), then adds them up: 7.5 ms
-    (world 4: 16 ms against 41). One peer's chunk is received straight into the output, so
+    its chunk out, which makes it slower than an all-reduce of the same buffer. Instead each
+    rank sends every peer the chunk that peer owns and receives its own chunk from each peer
+    (paired sends and receives: (n - 1) / n of the input each way, the reduce-scatter's
+    textbook traffic), then adds them up, faster than gloo does (docs/benchmarks.md,
+    "Reduce-scatter on gloo"). One peer's chunk is received straight into the output, so
     the receive buffers hold n - 2 chunks (none at world 2), where gloo held a full copy.
 
     [Note: the order of the sum] Every chunk is summed in rank order, ``((g0 + g1) + g2) +

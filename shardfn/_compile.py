@@ -16,7 +16,7 @@
   not recompile.
 
 The root's own computation (embeddings, head, loss) runs eagerly. The first step compiles
-(tens of seconds on a small CPU); later steps must not recompile. Compiled and eager
+(docs/compile.md says how long); later steps must not recompile. Compiled and eager
 agree to float reassociation (inductor fuses elementwise chains and may reorder a
 reduction): see docs/compile.md for the bound the tests use.
 """

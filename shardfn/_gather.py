@@ -8,40 +8,33 @@ Every call of ``apply`` in a step uses the same :class:`Unit`. Each application 
 otherwise) is a :class:`Use`: the full parameters autograd sees for that forward.
 
 [Note: copies]
-What one step copies per unit on one rank, and why each copy remains. n = unit.numel
-(elements of a rank's shard buffer), W = world, g = the unit's all-gathers per step
-(2 for a non-root unit under FULL_SHARD, else 1), gn = unit.grad_numel; p, r, m = bytes
-per element of the param, reduce and master dtypes. Bytes are bytes written.
-tests/test_copies.py counts every copy op of a step with a TorchDispatchMode and asserts
-exactly these, derived from the layout.
+What one step copies per unit on one rank, and why each copy remains: the layout decides
+every copy, so tests/test_copies.py counts every copy op of a step (a TorchDispatchMode)
+and asserts exactly these, derived from the layout. n = unit.numel (elements of a rank's
+shard buffer), W = world, g = the unit's all-gathers per step (2 for a non-root unit under
+FULL_SHARD, else 1), gn = unit.grad_numel; p, r, m = bytes per element of the param,
+reduce and master dtypes. Bytes are bytes written.
 
-gather, each of the g all-gathers (here: Unit._issue, Unit._gather):
-  1. pack, 1 copy, n*p: the shards, cast to param dtype on the way, go straight into this
-     rank's row of the all-gather output (torch.cat(out=)); the all-gather runs in place
-     (NCCL and gloo take an input that is the rank's chunk of the output). Remains: the
-     shards are separate tensors (one per parameter, owned by the optimizer) and one
-     collective takes one buffer. Removed: the separate input buffer and, under mixed
-     precision, a second copy (cat in the master dtype, then .to(param dtype)).
-  2. unpack, 1 copy, W*n*p: one split_with_sizes_copy moves each leaf's columns into a
-     [W, shard_numel] tensor of its own, whose first rows are the full parameter (a view;
-     the padding rows, fewer than W per leaf, ride along). Inherent to a flat all-gather
-     of dim-0 shards: a leaf's rows are spread over the W rows of the output, so its full
-     tensor must be assembled (FSDP2 copies out the same way). Only a flat-parameter
-     layout (FSDP1: shard the concatenation) avoids it, at the price of shards that are
-     no longer per-parameter dim-0 chunks. Removed: one or two copy_ per leaf.
-  NO_SHARD has no all-gather: the shard is the parameter, no copy; only when the param
-  dtype differs, a cast (n*p in all), which is mixed precision itself: one per leaf for
-  rows, one per unit for a flat unit (its shard buffer; the parameters are views of it).
-
-reduce, once per unit and step (or micro-batch): see shardfn._reduce, copies 3 and 4.
+gather, each of the g all-gathers (Unit._issue, Unit._gather):
+  Placement.FLAT: none; the shard buffer is the all-gather's input and the parameters are
+     views of its output ([Note: placements]); only a cast to the param dtype, n*p.
+  Placement.ROWS: 1. pack, n*p: the shards, cast on the way, straight into this rank's row
+     of the output (the all-gather runs in place): one collective takes one buffer.
+     2. unpack, W*n*p: one split_with_sizes_copy assembles each leaf from its columns of
+     the W rows, inherent to a flat all-gather of dim-0 shards (FSDP2 copies out the same way).
+  NO_SHARD has no all-gather: a cast only when the param dtype differs (n*p in all).
+reduce, once per unit and step (or micro-batch): copies 3 and 4, in shardfn._reduce.
 
 A unit in a bucket ([Note: buckets]) adds a pack of its shards into the bucket's input
-(n*p) and the copy of its columns out of the bucket's output (W*n*p). Not ours: gloo's all-gather unflattens from an internal buffer; NCCL does not. The model's
-own copies are those of a plain functional_call. The step copies a few scalars (metrics).
+(n*p) and the copy of its columns out of the bucket's output (W*n*p). Not ours: gloo's
+all-gather unflattens from an internal buffer; the model's own copies are those of a
+plain functional_call. Why each copy remains, and what was removed: docs/how-it-works.md,
+"Copies".
 
 [Note: the life of a unit]
 A unit is in one of three states, and its gathered parameters are dropped by one rule,
-:meth:`Unit.settle`, asked after every event that can end a need for them::
+:meth:`Unit.settle`, asked after every event that can end a need for them, so that no
+other place decides when gathered memory is freed::
 
                  prefetch                  wait
     SHARDED ----------------> IN_FLIGHT ----------> GATHERED
@@ -54,28 +47,10 @@ A unit is in one of three states, and its gathered parameters are dropped by one
        +------------ release: settle() finds ---------+
                      nothing holding it, or the runtime ends (end)
 
-What holds a GATHERED unit (:meth:`Unit.holds`), in order:
-
-* pinned: an optional unit, or every unit of a step with ``keep_gathered=True``, until
-  the runtime ends;
-* entered: its module is running with the parameters in place;
-* a use in progress: between :meth:`Unit.start_use` and :meth:`Unit.end_use`. A use is
-  one forward of the module; a unit kept after forward outside remat reuses one use for
-  every call of its module in a sharded call (SHARD_GRAD_OP's tied or looped module);
-* nothing else for the root unit: its parameters go to ``functional_call`` directly and
-  the graph holds what backward needs;
-* a unit that reshards after forward (FULL_SHARD): the use whose saved handles backward
-  is reading (``reading``). Between its forward and its backward nothing holds it; the
-  first handle read regathers it, the last one of that use lets it go;
-* a unit kept after forward (SHARD_GRAD_OP): everything until backward begins; then a
-  saved handle not yet read, or, for a rematerialised unit, a graph node whose recompute
-  has not run.
-
-Events: a module's forward ends (:meth:`Unit.exit`), a sharded call ends (``_call``), a
-saved handle is read (:meth:`Unit.read`), a use's backward ran (:class:`GatherUnit`); the
-runtime's end (:meth:`Unit.end`, from :meth:`shardfn._runtime.Runtime.finish`) releases
-whatever is left, pinned or not. Gathering starts the all-gathers of the units that run
-next (:meth:`Unit._prefetch_next`, [Note: prefetch]), in forward and in backward alike.
+What holds a GATHERED unit is :meth:`Unit.holds`: a pin, its module running, a use in
+progress, or what its backward has yet to read (saved handles, a recompute). The events
+settle() hears, what holds a unit strategy by strategy, and how prefetch enters the
+picture: docs/how-it-works.md, "The life of a unit".
 """
 
 from __future__ import annotations

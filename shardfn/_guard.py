@@ -2,37 +2,24 @@
 
 [Note: the schedule guard]
 Collectives are matched by call order alone: when two ranks issue different ones, gloo
-either aborts the process (the sizes differ: "collective mismatch") or exchanges the
-wrong buffers without a word (the sizes agree: rank 0's shard of expert 0 meets rank 1's
-shard of expert 1), and NCCL hangs or does the same. So before shardfn issues any
-collective on a process group of more than one rank, the ranks exchange a *header*
-(:data:`HEADER` int64 words, the same size whatever the collective) on the group's
-control group (the group itself on CPU; a gloo group beside each NCCL group on CUDA):
-
-    [what (kind, purpose, dtype), unit (a hash of its name), bytes, detail, where, status, position]
-
-``where`` says whether the rank is in a step, in ``apply`` outside a step, or elsewhere
-(``shard()``, a checkpoint); ``detail`` is what else must agree (the rows of the batch
-for the step's metrics all-reduce). Only when every rank's header is the same does the
-collective run; otherwise no rank issues it and every rank raises the same
+either aborts the process (the sizes differ) or exchanges the wrong buffers without a word
+(the sizes agree), and NCCL hangs or does the same. So before shardfn issues any collective
+on a process group of more than one rank, the ranks exchange a *header* (:data:`HEADER`
+int64 words, the same size whatever the collective: what, unit, bytes, detail, where,
+status, position) on the group's control group. Only when every rank's header is the same
+does the collective run; otherwise no rank issues it and every rank raises the same
 :class:`DivergenceError`, built from the same headers, naming what each rank was about to
-do. Since each header is waited for before its collective, nothing a step changes (the
-optimizer update comes after its last collective) has changed when this raises.
+do. Each header is waited for before its collective, so nothing a step changes has changed
+when this raises.
 
-A rank whose step raises (the user's ``loss_fn``, a batch that does not split) tells the
-others through the same channel (:func:`fail`): it stores its error's text in the
-process group's store and sends a header with ``status = FAILED``; a peer waiting in a
-header exchange receives it at once and raises :class:`PeerError` naming the rank and
-the original exception, and passes it on along its own other groups (on a 2-D mesh). Every
-group thus sees exactly one failed exchange per incident, the ranks stay matched, and
-training can go on with the next batch.
-
-Every wait is bounded by the mesh's ``step_timeout`` (``Mesh.from_env(step_timeout=...)``).
-A peer that does not arrive in time (stopped, dead, or busy outside shardfn) or whose
-connection closes raises :class:`CommError` on the ranks that waited, naming the ranks
-that did not answer a roll call in the store. The group then holds a collective that
-will never finish, so the process group is unusable: later collectives raise the same
-error at once; restart the job and resume from the last checkpoint.
+A rank whose step raises tells the others through the same channel (:func:`fail`: a header
+with ``status = FAILED``), so that they raise :class:`PeerError` at once instead of waiting,
+the ranks stay matched and training can go on. Every wait is bounded by the mesh's
+``step_timeout``: a peer that does not come raises :class:`CommError`, and the process group,
+which then holds a collective that will never finish, is unusable. The header's words, the
+control groups, how an error travels on a 2-D mesh, the roll call and what a timeout leaves:
+docs/ranks-that-differ.md, "How: a header before every collective" and "Timeouts, and what
+a timeout leaves behind".
 
 [Note: the guard's state] The guard keeps no module state: a :class:`Guard` belongs to its
 mesh (``mesh.guard``) and holds one :class:`Channel` per axis group (and sub-group) of

@@ -4,29 +4,20 @@
 With ``shard(..., offload=Offload(params=True, optimizer=True))`` this rank's parameter
 shards are placed in host memory (pinned, when the compute device is CUDA), and so are
 their gradients and the optimizer state built from them; the buffers stay on the compute
-device. A step then moves, per unit:
+device. A step moves what the device needs when it needs it, in copies a step makes
+anyway: each gather's pack of the shards ([Note: copies]) becomes the host-to-device copy,
+and the reduced gradient shard's cast back to the master dtype (copy 4, which then always
+happens) the device-to-host copy. The optimizer then runs on the host, on host tensors.
 
-* to the device, each time the unit is gathered (twice per step under FULL_SHARD): each
-  shard is copied into its columns of this rank's row of the all-gather output, cast to
-  the param dtype on the way (one copy per leaf, ``n * p`` bytes: the pack copy of
-  [Note: copies] becomes the host-to-device copy). On CUDA the copies and the all-gather
-  run on a side stream (``non_blocking=True`` from pinned memory), so a prefetched unit's
-  transfer overlaps the running unit's compute; the compute stream waits for it where the
-  unit is used.
-* to the host, once per reduction: the reduced gradient shard, cast back to the master
-  dtype on the way (one copy per unit, ``gn * m`` bytes: copy 4 of [Note: copies], which
-  now always happens). On CUDA into pinned memory, non-blocking; the step waits for the
-  device once after each backward, before anything on the host reads a gradient, and
-  once before the optimizer writes the shards (no transfer may still be reading them).
-
-The optimizer then runs on the host, on host tensors (its foreach kernels). Every copy is
-reported to the observers as a :class:`shardfn._events.Transfer` (direction, bytes, unit,
-copies), so ``record_collectives()`` and ``metrics["transfer_bytes"]`` count them.
-
-On a CPU-only machine the compute device is the CPU too, and the same code runs: the
-copies are made (between two CPU tensors) and counted, and the memory accounting of
-shardfn._memory tells host tensors from device ones by marking them (see
-[Note: live bytes]), so tests and ``explain`` see what a GPU would hold.
+On CUDA the copies run on a side stream from pinned memory, so a prefetched unit's
+transfer overlaps the running unit's compute; the compute stream waits for it where the
+unit is used, and the step waits for the device before anything on the host reads a
+gradient or the optimizer writes a shard that a transfer may still be reading. Every copy
+is reported to the observers as a :class:`shardfn._events.Transfer`: counted, not assumed.
+On a CPU-only machine the same code runs between two CPU tensors, and shardfn._memory
+tells host tensors from device ones by marks (see [Note: live bytes]), so tests and
+``explain`` see what a GPU would hold. The copies per unit with their bytes, and measured
+memory: docs/memory.md, "CPU offload".
 """
 
 from __future__ import annotations

@@ -240,7 +240,7 @@ def _as_remat(remat: Any) -> Remat | None:
     return Remat(units=remat)
 
 
-DEFAULT_BUCKET_BYTES = 4 * 2**20  # measured: see [Note: buckets]
+DEFAULT_BUCKET_BYTES = 4 * 2**20  # measured: docs/strategies.md, "Buckets" ([Note: buckets] says why)
 
 
 @dataclasses.dataclass(frozen=True)

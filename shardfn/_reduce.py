@@ -2,31 +2,26 @@
 
 [Note: one reduction per unit]
 A unit may be used several times in one step: its module called twice in one forward,
-``apply`` called twice in one ``loss_fn`` (two views of a batch, a siamese or consistency
-loss), or once per micro-batch. Each use that builds a graph is a node of
-:class:`shardfn._gather.GatherUnit`; inside a step, a node's backward adds that use's
-gradients of the full parameters into the unit's unsharded buffer (one pack, copy 3 of
-[Note: copies]) and returns nothing to autograd. After the backward of the unit's last
-use (the count of nodes built in forward reaches zero) the buffer is reduced once: one
-reduce-scatter (all-reduce under NO_SHARD; both under the hybrid strategies), and the
-runtime collects the reduced shard gradients after the backward. With
-``accumulate=LOCAL`` the buffer lives on over the micro-batches and is reduced on the
-last. So every use's contribution is in the one reduction, and nothing reads a gradient
-before its collective is done. The price of a unit used k times is its unsharded gradient
-buffer, held from the backward of its first use to that of its last.
+``apply`` called twice in one ``loss_fn``, or once per micro-batch. Inside a step each
+use's :class:`shardfn._gather.GatherUnit` node adds its gradients into the unit's unsharded
+buffer (copy 3 of [Note: copies]) and returns nothing to autograd; after the backward of
+the unit's last use (the count of nodes built in forward reaches zero) the buffer is
+reduced once. So every use's contribution is in the one reduction, and nothing reads a
+gradient before its collective is done. The price is the unsharded buffer, held from the
+backward of the first use to that of the last (with ``accumulate=LOCAL``, over the
+micro-batches).
 
-A node whose backward never runs (its output did not reach the loss) leaves the count
-above zero: after the backward the runtime reduces such a unit anyway, with zero
-gradients, so every rank issues the same reductions in the same order.
-
-An optional unit (``Plan(optional=...)``: a module some ranks may skip) is reduced only
-then, after the backward, on every rank in unit order, with zeros where this rank did not
-run it: a reduction during backward would come at a point that depends on the rank's data.
-Its gradient buffer lives until then.
+Every rank must issue the same reductions in the same order, so a reduction that might
+not come, or would come at a point that depends on the rank's data, is made after the
+backward instead, on every rank in unit order: a node whose backward never ran (its output
+did not reach the loss) leaves its unit to be reduced then with zero gradients, and an
+optional unit (``Plan(optional=...)``) is reduced only then, with zeros where this rank did
+not run it.
 
 Outside a step (``apply`` under the user's own autograd) each node reduces its own use's
 gradients at once, averaging, and hands them to autograd: the sum of the reduced uses is
-the reduction of their sum.
+the reduction of their sum. Case by case: docs/how-it-works.md, "Several calls of
+``apply``: one reduction per unit".
 
 [Note: overlapped reductions]
 Inside a step a unit's reduction is issued asynchronously when it is one collective (not

@@ -4,40 +4,26 @@
 The schedule guard (shardfn._guard) waits for a header exchange before every collective:
 a round trip per unit and direction. Inside a step that is mostly wasted, because a step
 usually issues exactly the collectives of the step before. So each step function keeps
-the *schedule* of its last verified step: for every collective until the metrics
-all-reduce, its group, header (kind, purpose, unit, bytes, dtype, detail) and size. Once
-two consecutive steps, both checked header by header, had the same schedule, the next
-steps run *pipelined*:
+the *schedule* of its last verified step (for every collective until the metrics
+all-reduce: its group, header and size), and once two consecutive steps, both checked
+header by header, had the same schedule, the next steps run *pipelined*: one header
+exchange opens the step with a hash of the schedule, and then a collective that equals the
+next one of the schedule runs at once, without a header. Every rank compares against the
+same schedule, so ranks that all match it issue matching collectives.
 
-* The step opens with one header exchange carrying a hash of the schedule (every rank
-  must be about to run the same one; it also carries an error a rank raised after the
-  last step's metrics, see below).
-* Until the metrics all-reduce, a collective that equals the next one of the schedule
-  runs at once, without a header: every rank compares against the same schedule, so
-  ranks that all match it issue matching collectives.
-* A rank whose next collective differs (another unit, a different size, one more or one
-  fewer) *deviates*. It issues none of its own: it plays out the rest of the schedule with
-  scratch buffers of the right sizes, so the other ranks' collectives complete, and then
-  reports the deviation (its own header and position, status DIVERGED) in the header of
-  the metrics all-reduce, which is always exchanged and waited for. A rank whose step
-  raises does the same and sends FAILED there (shardfn._guard.fail).
-* At the metrics header every rank sees every report. If any rank deviated, every rank
-  raises the same :class:`DivergenceError`, naming the first position where a rank left
-  the schedule and what each rank did there. Nothing was updated: the optimizer runs after
-  the metrics all-reduce, and the buffers the forward changed are restored.
-* If every rank deviated the same way at the same position (all ranks skipped the same
-  layer: LayerDrop drawn from a shared seed), the schedule changed on every rank alike:
-  nothing is wrong, but the data after that point was scratch. The step runs again,
-  checked header by header, from the same state (buffers and torch's generators restored),
-  and the schedule is learned anew; the steps needed before pipelining double after each
-  such re-run (up to 64), so a schedule that keeps changing stays checked. ``loss_fn`` must
-  give the same result when run twice, as remat already asks.
+A rank that leaves the schedule, or whose step raises, issues none of its own collectives:
+it plays out the rest of the schedule with scratch buffers, so the other ranks'
+collectives complete, and reports in the header of the metrics all-reduce, which is always
+exchanged and waited for before anything is updated. There every rank sees every report
+and raises the same error. If every rank left the schedule alike (a layer skipped on all
+ranks), nothing is wrong but the data after that point was scratch: the step runs again,
+checked, from the same state, and pipelining waits longer after each such re-run, so a
+schedule that keeps changing stays checked.
 
-Collectives after the metrics all-reduce (buffer averaging, an optimizer's psum) stay
-checked: they are few and their inputs are already the same on every rank. So a pipelined
-step costs two waited header exchanges (the opening one and the metrics one) per mesh axis,
-whatever the number of units, each of a fixed size whatever the number of ranks ([Note: a
-fixed-size agreement] in shardfn._guard).
+Collectives after the metrics all-reduce stay checked: they are few and their inputs are
+already the same on every rank. So a pipelined step costs two waited header exchanges per
+mesh axis, whatever the number of units ([Note: a fixed-size agreement] in shardfn._guard).
+Case by case: docs/ranks-that-differ.md, "Steady steps: one check per step, not per collective".
 """
 
 from __future__ import annotations

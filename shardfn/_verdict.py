@@ -1,37 +1,30 @@
 """A step's verdict on its own loss and gradient norm, read later: ``on_nonfinite="raise_next"``.
 
 [Note: a step that does not wait]
-On a GPU the host runs ahead of the device: it queues a step's kernels and goes on to the
-next step while they run. Reading a value of the device (``.item()``, ``.tolist()``,
-``bool(t)``) stops it until the device has caught up, and the device then idles while the
-host queues what follows. A step that checks its loss and gradient norm before its in-place
-update (``on_nonfinite="raise"``, the default, and ``"skip"``) must read them there: one
-such read per step.
+On a GPU the host runs ahead of the device: it queues a step's kernels and goes on while
+they run. Reading a value of the device (``.item()``, ``.tolist()``, ``bool(t)``) stops the
+host until the device has caught up, and the device then idles while the host queues what
+follows. A step that checks its loss and gradient norm before its in-place update
+(``on_nonfinite="raise"``, the default, and ``"skip"``) must read them there: one read per step.
 
 With ``on_nonfinite="raise_next"`` the step reads nothing. ``metrics["loss"]`` and
-``["grad_norm"]`` stay 0-d tensors on the device until the user reads them, the update runs
-whatever they are, and the two values leave for the host by a copy that does not wait
-(pinned memory and an event on CUDA): a :class:`Verdict`, which the step attaches to the
-shards it returns. The shards carry it until something reads it: the next step (after its
-own backward, when the device is long past those values), ``checkpoint.save`` and
-``save_pretrained``. If the values were not finite, each of them raises
-``FloatingPointError`` on every rank (the values came out of an all-reduce, so every rank
-holds the same verdict) before it changes or writes anything, and keeps raising for those
-shards: they hold the bad step's update. ``checkpoint.load`` into them replaces that
-update and the verdict with it; every other tree made from the shards (``reshard``,
-``ShardedParams.replace``, pytree utilities: ``tree_map`` of a copy, a cast, a move) carries
-the verdict on ([Note: what a tree carries] in shardfn._sharded). ``tree_map`` over several
-trees makes a tree that carries the first one's verdict: one that another tree carries
-instead is read there (a wait for the device), and raises if the values were not finite.
+``["grad_norm"]`` stay 0-d device tensors, the update runs whatever they are, and the two
+values leave for the host by a copy that does not wait (pinned memory and an event on
+CUDA): a :class:`Verdict`, attached to the shards the step returns. What uses those shards
+next (the next step, after its own backward; ``checkpoint.save``; ``save_pretrained``)
+reads it, and if a value was not finite raises ``FloatingPointError`` on every rank (the
+values came out of an all-reduce, so every rank holds the same verdict) before it changes
+or writes anything, and keeps raising for those shards until ``checkpoint.load`` replaces
+them. Every tree made from them carries the verdict on ([Note: what a tree carries] in
+shardfn._sharded).
 
-Nor is a ``Mean`` loss's count read: a count of zero makes the values non-finite, a
-negative one is made NaN on the device, and the verdict reports either. What still reads
-the device in such a step: with ``sync_buffers``, a model with floating-point buffers
-(BatchNorm's running statistics) reads which of them its forward changed (without such
-buffers, or with ``sync_buffers=False``, nothing is read); and an optimizer that reads
-values itself: ``adafactor`` reads each parameter's norm and update norm for its step
-sizes, as ``torch.optim.Adafactor`` does (``.item()``). ``adamw``, ``sgd``, ``muon`` and
-``clip_by_global_norm`` read nothing (their step counts are host tensors).
+What else reads the device in such a step follows one rule: a value computed on the device
+is read only where it must become a Python number to decide what the host does next. So a
+``Mean`` loss's count is checked on the device (the verdict reports a bad one), step counts
+live on the host, and what remains reads because a decision needs it: which floating-point
+buffers the forward changed (``sync_buffers``), and an optimizer whose step sizes are
+Python numbers computed from device values. Which trees and optimizers do what:
+docs/training.md, "Metrics".
 """
 
 from __future__ import annotations

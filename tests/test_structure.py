@@ -1,4 +1,8 @@
-"""The package's structure: no import cycles, small modules (STYLE.md)."""
+"""The package's structure: no import cycles, small modules, short Notes without figures (STYLE.md).
+
+How Notes and code lines are measured is tools/structure.py's (``notes``, ``note_blocks``,
+``code_lines``, ``FIGURE``), the same measure its ``counts`` prints.
+"""
 
 import ast
 import importlib.util
@@ -7,6 +11,9 @@ import pathlib
 import shardfn
 
 ROOT = pathlib.Path(shardfn.__file__).parent
+
+MAX_CODE_LINES = 400  # per module: code only, not blank lines, comments or docstrings
+MAX_NOTE_LINES = 25  # a Note says the rule and why; the detail lives in docs/
 
 
 def _module(path: pathlib.Path) -> str:
@@ -90,11 +97,6 @@ def test_the_cycle_finder_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_module_over_500_lines():
-    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
-    assert {p: n for p, n in sizes.items() if n > 500} == {}
-
-
 def _tool():
     """tools/structure.py, which measures what these tests bound (and prints the counts)."""
     spec = importlib.util.spec_from_file_location("shardfn_structure_tool", ROOT.parent / "tools" / "structure.py")
@@ -118,3 +120,67 @@ def test_the_strategy_reader_sees_a_read():
         "_layout.py": ast.parse("x = self.plan.strategy.sharded\n"),
     })
     assert sorted(line for _, line, _ in found) == [1, 2, 3, 4]
+
+
+def large_modules(root: pathlib.Path) -> dict[str, int]:
+    """Modules over the limit, with their code lines."""
+    tool = _tool()
+    sizes = {str(p.relative_to(root)): tool.code_lines(p.read_text()) for p in root.rglob("*.py")}
+    return {p: n for p, n in sizes.items() if n > MAX_CODE_LINES}
+
+
+def long_notes(root: pathlib.Path) -> dict[str, int]:
+    """Notes over the limit, with their lines."""
+    return {f"{path} [Note: {name}]": n for n, name, path in _tool().notes(root) if n > MAX_NOTE_LINES}
+
+
+def notes_with_figures(root: pathlib.Path) -> list[str]:
+    """Lines of Notes that hold a measured figure (a number and a unit: ``13.8 ms``, ``4 MiB``,
+    ``1.5x``): figures go stale; they belong in docs/ or benchmarks/results."""
+    tool = _tool()
+    return [f"{p.relative_to(root)}:{first + k} [Note: {name}]: {line.strip()}"
+            for p in sorted(root.rglob("*.py")) for name, first, body in tool.note_blocks(p.read_text())
+            for k, line in enumerate(body) if tool.FIGURE.search(line)]
+
+
+def test_no_module_over_400_code_lines():
+    assert large_modules(ROOT) == {}
+
+
+def test_no_note_over_25_lines():
+    found = {(name, path) for _, name, path in _tool().notes(ROOT)}
+    assert {("buckets", "_buckets.py"), ("the life of a unit", "_gather.py")} <= found  # the measure sees Notes
+    assert long_notes(ROOT) == {}
+
+
+def test_no_note_holds_a_measured_figure():
+    assert notes_with_figures(ROOT) == []
+
+
+def test_the_measures_see_a_long_note_a_figure_and_a_large_module(tmp_path):
+    tool = _tool()
+    pkg = tmp_path / "shardfn"
+    pkg.mkdir()
+    long_note = "\n".join(f"line {i} of why." for i in range(MAX_NOTE_LINES))
+    (pkg / "_a.py").write_text(
+        f'"""A module.\n\n[Note: long]\n{long_note}\n\n[Note: timed]\nMeasured: 13.8 ms, 4 MiB, 1.5x.\n"""\n\n'
+        "# [Note: short] Two lines of comment, then code;\n# see [Note: long]\nx = 1\n")
+    (pkg / "_b.py").write_text(
+        '"""A module that cites\n[Note: long]) at the start of a line: a reference, not a Note."""\n\n'
+        + "".join(f"x{i} = {i}  # code\n\n# a comment\n" for i in range(MAX_CODE_LINES + 1)))
+    (pkg / "_c.py").write_text(
+        '"""Prose only.\n\nMore prose."""\n\n\ndef f():\n    """Prose."""\n    return 1  # code\n')
+    assert sorted(tool.notes(pkg)) == [(2, "short", "_a.py"), (2, "timed", "_a.py"),
+                                      (MAX_NOTE_LINES + 1, "long", "_a.py")]
+    assert long_notes(pkg) == {"_a.py [Note: long]": MAX_NOTE_LINES + 1}
+    assert notes_with_figures(pkg) == ["_a.py:31 [Note: timed]: Measured: 13.8 ms, 4 MiB, 1.5x."]
+    assert large_modules(pkg) == {"_b.py": MAX_CODE_LINES + 1}
+    assert tool.code_lines((pkg / "_c.py").read_text()) == 2
+
+
+def test_the_figure_pattern():
+    figure_in = _tool().FIGURE.search
+    for figure in ("13.8 ms", "7.5ms", "4 MiB", "1.5x", "48 s", "12.8 MB", "2 GiB", "512KiB", "5GB"):
+        assert figure_in(f"took {figure} here"), figure
+    for text in ("n*p bytes", "W = world", "2 for a non-root unit", "two units", "x = 1", "3e-4", "blocks.0..blocks.5"):
+        assert not figure_in(text), text

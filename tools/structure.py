@@ -16,7 +16,6 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "shardfn"
-sys.path.insert(0, str(ROOT.parent))
 
 # Modules that may read the strategy: the plan, its resolution against a mesh, the layout.
 PLAN_MODULES = {"_plan.py", "_resolve.py", "_layout.py"}
@@ -86,29 +85,69 @@ def context_vars(modules: dict[str, ast.Module]) -> list[tuple[str, int]]:
             if isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) == "ContextVar"]
 
 
-_NOTE = re.compile(r"^\s*(#\s*)?\[Note: ([^\]]+)\]\s*$|^\s*(#\s*)?\[Note: ([^\]]+)\](?!\s*(in|above|below|,|\)))")
+_QUOTES = ('"""', "'''")
+_HEADER = re.compile(r"""^\s*(#\s*|[rRbBuU]?(?:\"\"\"|'''))?\[Note: ([^\]]+)\](?![:).])""")
+FIGURE = re.compile(r"\d(\.\d+)?\s?(ms|s|MiB|GiB|KiB|MB|GB|x)\b")  # a measured figure: 13.8 ms, 4 MiB, 1.5x
 
 
-def notes() -> list[tuple[int, str, str]]:
-    """Every Note's length in lines, its name and module. A Note in comments runs while the
-    lines are comments; one in a docstring to the next Note or the docstring's end."""
+def _words(line: str) -> str:
+    """A line's prose: without a comment's ``#``, a docstring's quotes and the spaces."""
+    line = re.sub(r"^\s*#", "", line)
+    for q in _QUOTES:
+        line = line.replace(q, "")
+    return line.strip()
+
+
+def _is_comment(line: str) -> bool:
+    return line.lstrip().startswith("#")
+
+
+def note_blocks(text: str) -> list[tuple[str, int, list[str]]]:
+    """Every Note of a module's source: its name, first line (1-based) and lines.
+
+    A Note starts a paragraph with ``[Note: name]``, in a docstring or in a comment
+    (``# [Note: name]``): the line before it is blank, or it opens the docstring, or it is
+    the first line of the comment. ``[Note: name]`` inside a paragraph, or followed by
+    ``:``, ``)`` or ``.``, is a reference to one. A Note in comments runs while the lines
+    are comments; one in a docstring to the next Note or to the docstring's end (the closing
+    line counted when it holds text). Blank lines at a Note's end are not counted.
+    """
+    lines = text.splitlines()
+    starts: dict[int, tuple[str, bool]] = {}  # line index -> (name, in a comment)
+    for i, line in enumerate(lines):
+        m = _HEADER.match(line)
+        if not m:
+            continue
+        comment = _is_comment(line)
+        prev = lines[i - 1] if i else ""
+        opens_docstring = bool(m.group(1)) and not comment
+        if comment and not (_is_comment(prev) and _words(prev)):
+            starts[i] = (m.group(2), True)
+        elif not comment and (opens_docstring or not _words(prev)):
+            starts[i] = (m.group(2), False)
     out = []
-    for path in sorted(ROOT.rglob("*.py")):
-        lines = path.read_text().splitlines()
-        for i, line in enumerate(lines):
-            m = re.match(r"^\s*(#\s*)?\[Note: ([^\]]+)\]", line)
-            if not m:
-                continue
-            if m.group(1):  # a comment block
-                j = i + 1
-                while j < len(lines) and lines[j].lstrip().startswith("#") and "[Note:" not in lines[j].split("#", 1)[1][:8]:
-                    j += 1
-            else:
-                j = i + 1
-                while j < len(lines) and not re.match(r"^\s*\[Note: ", lines[j]) and '"""' not in lines[j]:
-                    j += 1
-            out.append((j - i, m.group(2), str(path.relative_to(ROOT))))
-    return sorted(out, reverse=True)
+    for i, (name, comment) in starts.items():
+        j = i + 1
+        if comment:
+            while j < len(lines) and _is_comment(lines[j]) and j not in starts:
+                j += 1
+        elif not any(q in lines[i][lines[i].index("[Note:"):] for q in _QUOTES):  # else it ends on its line
+            while j < len(lines) and j not in starts and not any(q in lines[j] for q in _QUOTES):
+                j += 1
+            if j < len(lines) and j not in starts and _words(lines[j]):
+                j += 1  # the closing line holds text
+        while j > i + 1 and not _words(lines[j - 1]):
+            j -= 1
+        out.append((name, i + 1, lines[i:j]))
+    return out
+
+
+def notes(root: pathlib.Path = ROOT) -> list[tuple[int, str, str]]:
+    """Every Note of the package: its length in lines, name and module, longest first
+    (:func:`note_blocks` says where a Note starts and ends)."""
+    return sorted(((len(body), name, str(path.relative_to(root)))
+                   for path in sorted(root.rglob("*.py")) for name, _, body in note_blocks(path.read_text())),
+                  reverse=True)
 
 
 def code_lines(text: str) -> int:
@@ -139,6 +178,9 @@ def counts() -> None:
     print(f"ContextVars: {len(context_vars(modules))}  ({', '.join(f'{p}:{n}' for p, n in context_vars(modules))})")
     longest = notes()[:3]
     print("longest Notes: " + "; ".join(f"[Note: {name}] {k} lines ({p})" for k, name, p in longest))
+    figures = [f"[Note: {name}] ({p.relative_to(ROOT)}:{first + k})" for p in sorted(ROOT.rglob("*.py"))
+               for name, first, body in note_blocks(p.read_text()) for k, line in enumerate(body) if FIGURE.search(line)]
+    print(f"measured figures in Notes: {len(figures)}" + "".join(f"\n    {f}" for f in figures))
     sizes = sorted(((code_lines((ROOT / p).read_text()), len((ROOT / p).read_text().splitlines()), p)
                     for p in modules), reverse=True)[:5]
     print("largest modules (code lines / all lines): " + ", ".join(f"{p} {c}/{a}" for c, a, p in sizes))
@@ -206,4 +248,5 @@ def trip() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT.parent))  # this checkout's shardfn, for `trip`
     {"counts": counts, "graph": graph, "trip": trip}[sys.argv[1] if len(sys.argv) > 1 else "counts"]()
