@@ -47,8 +47,9 @@ other place decides when gathered memory is freed::
        +------------ release: settle() finds ---------+
                      nothing holding it, or the runtime ends (end)
 
-What holds a GATHERED unit is :meth:`Unit.holds`: a pin, its module running, a use in
-progress, or what its backward has yet to read (saved handles, a recompute). The events
+What holds a GATHERED unit is named, a :class:`Hold` (:meth:`Unit.held_by`): a pin, its
+module running, a use in progress, or what its backward has yet to read (saved handles, a
+recompute). Residency (:class:`State`) and the phase are kept apart, as FSDP2 keeps them. The events
 settle() hears, what holds a unit strategy by strategy, and how prefetch enters the
 picture: docs/how-it-works.md, "The life of a unit".
 """
