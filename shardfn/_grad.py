@@ -39,7 +39,7 @@ from ._deprecated import as_loss, old_options
 from ._functionalize import apply_of
 from ._psum import Gradients, sum_of_squares
 from ._runtime import Accumulate, Runtime, active
-from ._schedule import Deviated, Run, Schedule
+from ._pipelined import Deviated, Run, Schedule
 from ._sharded import ShardedParams
 
 __all__ = ["Grad", "GradOut", "jit_grad"]
