@@ -37,7 +37,8 @@ from ._mesh import Mesh
 from ._compile import backend_of
 from ._deprecated import as_loss, old_options
 from ._functionalize import apply_of
-from ._psum import Gradients, sum_of_squares
+from ._gradients import Gradients
+from ._psum import sum_of_squares
 from ._runtime import Accumulate, Runtime, active
 from ._pipelined import Deviated, Run, Schedule
 from ._sharded import ShardedParams
