@@ -35,8 +35,7 @@ import torch
 from . import _collectives as C
 from ._events import Purpose
 from ._guard import unit_id
-from ._offload import pack_shards
-from ._packing import shard_buffer
+from ._packing import pack_shards, shard_buffer
 
 __all__ = ["FIRST_BUCKET_BYTES", "GatherBucket", "ReduceBucket", "buckets_of", "gather_buckets", "reduce_buckets", "skipped_detail"]
 

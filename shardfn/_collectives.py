@@ -30,7 +30,8 @@ from ._recording import recording
 
 __all__ = [
     "AVG", "MAX", "MIN", "SUM", "all_gather", "all_gather_mesh", "all_reduce", "all_reduce_mesh", "barrier",
-    "barrier_mesh", "broadcast", "broadcast_mesh", "issue_reduce_scatter", "reduce_scatter", "scatter",
+    "barrier_mesh", "broadcast", "broadcast_mesh", "issue_all_gather", "issue_all_reduce", "issue_reduce_scatter",
+    "reduce_scatter", "scatter",
 ]
 
 AVG, SUM, MAX, MIN = ReduceOp.AVG, ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN
@@ -69,7 +70,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose: Pur
             work = _Functional(out, _F.all_gather_into_tensor_out(inp.reshape(-1), ch.size, ch.group.group_name,
                                                                   out=out.view(-1)))
         else:
-            work = all_gather_single(out, inp, group=ch.group, async_op=True)
+            work = issue_all_gather(out, inp, ch.group)
     return _done(work, ch, async_op, Collective.ALL_GATHER, purpose, unit)
 
 
@@ -101,6 +102,19 @@ def issue_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGro
     if op in (SUM, AVG) and group.size() > 1 and inp.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
         return _reduce_scatter_gloo(out, inp, group, op)
     return reduce_scatter_single(out, inp, op=op, group=group, async_op=True), None
+
+
+def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Any:
+    """Starts an all-gather, unrecorded: its work handle. Every eager all-gather shardfn
+    issues starts here, the pipelined guard's playing out included (as every reduce-scatter
+    at :func:`issue_reduce_scatter`), so that only this module calls torch.distributed."""
+    return all_gather_single(out, inp, group=group, async_op=True)
+
+
+def issue_all_reduce(t: torch.Tensor, group: ProcessGroup, op: ReduceOp) -> Any:
+    """Starts an in-place all-reduce, unrecorded: its work handle. Every eager all-reduce
+    shardfn issues starts here (see :func:`issue_all_gather`)."""
+    return dist.all_reduce(t, op=op, group=group, async_op=True)
 
 
 def _reduce_scatter_gloo(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, op: ReduceOp) -> tuple[Any, Any]:
@@ -208,7 +222,7 @@ def all_reduce(t: torch.Tensor, ch: G.Channel, purpose: Purpose, unit: str = "",
         if recording():
             work = _Functional(t, _F.all_reduce(t, _OPS[op], ch.group.group_name))
         else:
-            work = dist.all_reduce(t, op=op, group=ch.group, async_op=True)
+            work = issue_all_reduce(t, ch.group, op)
     return _done(work, ch, async_op, Collective.ALL_REDUCE, purpose, unit)
 
 

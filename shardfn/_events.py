@@ -63,7 +63,7 @@ class Purpose(str, enum.Enum):
     RESHARD = "reshard"  # reshard(): a unit's full values, to be cut the new way
     CHECKPOINT = "checkpoint"  # checkpoint.save / load waiting for every rank
     TEST = "test"  # issued by a test
-    STEP = "step"  # the header that opens a step (shardfn._schedule); no data
+    STEP = "step"  # the header that opens a step (shardfn._pipelined); no data
     USER = "user"  # Mesh.barrier / broadcast / reduce / all_gather, called by the training loop
     REPLICA = "replica"  # SHARD_OPTIMIZER: a unit's updated shards, gathered after the update
     EXIT = "exit"  # a context that issues collectives (bind) ends: every rank agrees it made the same calls; no data

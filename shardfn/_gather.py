@@ -66,8 +66,8 @@ import torch.nn as nn
 from . import _collectives as C
 from ._events import Purpose, ResidencyEvent, UnitEvent, emit, marker
 from ._layout import Layout, UnitLayout
-from ._offload import copy_stream, join_stream, pack_shards, to_device
-from ._packing import shard_buffer, unpack_unit
+from ._offload import copy_stream, join_stream, to_device
+from ._packing import pack_shards, shard_buffer, unpack_unit
 from ._plan import RematMode
 from ._recording import recording, relative_view
 from ._reduce import UnitGrads

@@ -37,10 +37,11 @@ from ._mesh import Mesh
 from ._compile import backend_of
 from ._deprecated import as_loss, old_options
 from ._functionalize import apply_of
+from ._gradients import Gradients
 from ._options import Aux, StepOptions, check_options
-from ._psum import Gradients, sum_of_squares
+from ._pipelined import Deviated, Run, Schedule
+from ._psum import sum_of_squares
 from ._runtime import Accumulate, AfterForward, Runtime, active
-from ._schedule import Deviated, Run, Schedule
 from ._sharded import ShardedParams
 
 __all__ = ["Grad", "GradOut", "jit_grad"]

@@ -35,7 +35,7 @@ by the ``with`` blocks that own them.
 
 Cost: one small all-reduce (112 bytes, whatever the world: [Note: a fixed-size agreement])
 per collective, waited before the collective starts — except inside a step whose collectives repeat the previous steps',
-where the check is pipelined (see [Note: the pipelined guard] in shardfn._schedule).
+where the check is pipelined (see [Note: the pipelined guard] in shardfn._pipelined).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ _ROLL_CALL_S = 3.0
 
 _WHERE: contextvars.ContextVar[int] = contextvars.ContextVar("shardfn_where", default=Where.OTHER)
 _REGION: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_guarded", default=False)
-# The step in progress, if it checks its schedule (a shardfn._schedule.Run).
+# The step in progress, if it checks its schedule (a shardfn._pipelined.Run).
 RUN: contextvars.ContextVar[Any] = contextvars.ContextVar("shardfn_run", default=None)
 
 

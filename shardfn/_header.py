@@ -21,7 +21,7 @@ HEADER = 7
 WHAT, UNIT, NBYTES, DETAIL, WHERE, STATUS, POSITION = range(HEADER)
 OK = 0  # a status >= FAILED is FAILED + the failing rank's incident number
 FAILED = 1
-DIVERGED = -1  # a rank whose step left the schedule of the previous steps (shardfn._schedule)
+DIVERGED = -1  # a rank whose step left the schedule of the previous steps (shardfn._pipelined)
 
 _KINDS = list(Collective)
 _PURPOSES = list(Purpose)

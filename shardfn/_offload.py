@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 from ._events import Transfer, emit
 from ._memory import mark_host
 
-__all__ = ["Offload", "pack_shards", "to_device_into", "to_host", "wait_for_device", "with_gaps"]
+__all__ = ["Offload", "to_device_into", "to_host", "wait_for_device"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,42 +96,6 @@ def to_device_into(out: torch.Tensor, shards: Sequence[torch.Tensor], to: Any, u
         out[offset : offset + n].copy_(s.detach().reshape(-1), non_blocking=True)
         offset += n
     emit(Transfer("to_device", offset * out.element_size(), unit, len(shards)), to)
-
-
-def with_gaps(parts: Sequence[tuple[int, torch.Tensor]], total: int, like: torch.Tensor) -> list[torch.Tensor]:
-    """1-D tensors at their offsets in a run of ``total`` elements, zeros between and after
-    them: the list to ``torch.cat`` (see [Note: placements])."""
-    out, at = [], 0
-    for off, t in sorted(((o, t) for o, t in parts if t.numel()), key=lambda p: p[0]):
-        if off > at:
-            out.append(like.new_zeros(off - at))
-        out.append(t)
-        at = off + t.numel()
-    if total > at:
-        out.append(like.new_zeros(total - at))
-    return out
-
-
-def pack_shards(out: torch.Tensor, shards: Sequence[torch.Tensor], offloaded: bool, to: Any, unit: str,
-                offsets: Sequence[int] | None = None) -> None:
-    """This rank's row of a unit's all-gather output (``out``, flat): its shards one after
-    the other, cast to ``out``'s dtype; from host memory when ``offloaded`` (one counted copy
-    per shard), else one ``torch.cat`` (see [Note: copies]). ``offsets``: a flat unit's, each
-    shard at its offset, zeros between and after them ([Note: placements])."""
-    parts = [s.detach().reshape(-1) for s in shards]
-    if offsets is None:
-        if offloaded:
-            to_device_into(out, shards, to, unit)
-        else:
-            torch.cat(parts, out=out)
-        return
-    if offloaded:
-        out.zero_()
-        for off, p in zip(offsets, parts):
-            out[off : off + p.numel()].copy_(p, non_blocking=True)
-        emit(Transfer("to_device", sum(p.numel() for p in parts) * out.element_size(), unit, len(parts)), to)
-    else:
-        torch.cat(with_gaps(list(zip(offsets, parts)), out.numel(), out), out=out)
 
 
 def to_host(t: torch.Tensor, dtype: torch.dtype, to: Any, unit: str) -> torch.Tensor:

@@ -13,11 +13,14 @@ from typing import Any
 
 import torch
 
-from ._offload import with_gaps
+from ._events import Transfer, emit
+from ._offload import to_device_into
 
 LeafLayout = Any  # shardfn._layout.LeafLayout (imported there from here: no cycle)
 
-__all__ = ["local_shard", "pack_leaf", "pack_unit", "shard_buffer", "unpack_leaf", "unpack_unit"]
+__all__ = [
+    "local_shard", "pack_leaf", "pack_shards", "pack_unit", "shard_buffer", "unpack_leaf", "unpack_unit", "with_gaps",
+]
 
 
 def unpack_leaf(gathered: torch.Tensor, leaf: LeafLayout, world: int) -> torch.Tensor:
@@ -108,6 +111,42 @@ def pack_leaf(buffer: torch.Tensor, full: torch.Tensor, leaf: LeafLayout, world:
         cols[q, :rem].copy_(src[q * leaf.chunk :])
         cols[q, rem:].zero_()
         cols[q + 1 :].zero_()
+
+
+def with_gaps(parts: Sequence[tuple[int, torch.Tensor]], total: int, like: torch.Tensor) -> list[torch.Tensor]:
+    """1-D tensors at their offsets in a run of ``total`` elements, zeros between and after
+    them: the list to ``torch.cat`` (see [Note: placements])."""
+    out, at = [], 0
+    for off, t in sorted(((o, t) for o, t in parts if t.numel()), key=lambda p: p[0]):
+        if off > at:
+            out.append(like.new_zeros(off - at))
+        out.append(t)
+        at = off + t.numel()
+    if total > at:
+        out.append(like.new_zeros(total - at))
+    return out
+
+
+def pack_shards(out: torch.Tensor, shards: Sequence[torch.Tensor], offloaded: bool, to: Any, unit: str,
+                offsets: Sequence[int] | None = None) -> None:
+    """This rank's row of a unit's all-gather output (``out``, flat): its shards one after
+    the other, cast to ``out``'s dtype; from host memory when ``offloaded`` (one counted copy
+    per shard), else one ``torch.cat`` (see [Note: copies]). ``offsets``: a flat unit's, each
+    shard at its offset, zeros between and after them ([Note: placements])."""
+    parts = [s.detach().reshape(-1) for s in shards]
+    if offsets is None:
+        if offloaded:
+            to_device_into(out, shards, to, unit)
+        else:
+            torch.cat(parts, out=out)
+        return
+    if offloaded:
+        out.zero_()
+        for off, p in zip(offsets, parts):
+            out[off : off + p.numel()].copy_(p, non_blocking=True)
+        emit(Transfer("to_device", sum(p.numel() for p in parts) * out.element_size(), unit, len(parts)), to)
+    else:
+        torch.cat(with_gaps(list(zip(offsets, parts)), out.numel(), out), out=out)
 
 
 def local_shard(full: torch.Tensor, leaf: LeafLayout, rank: int, device: torch.device, span: int = 0) -> torch.Tensor:

@@ -30,11 +30,11 @@ import torch.distributed as dist
 from . import _collectives as C
 from . import _guard as G
 from ._events import Purpose
+from ._gradients import Gradients
 from ._guard import guarded
 from ._runtime import current
-from ._tree import TensorTree
 
-__all__ = ["Gradients", "global_norm", "on_shards", "psum", "sum_of_squares"]
+__all__ = ["global_norm", "on_shards", "psum", "sum_of_squares"]
 
 _NO_SCOPE = (
     "[rank {rank}] shardfn.optim.psum(t): outside a step, on {world} processes (so are global_norm and "
@@ -76,26 +76,6 @@ def on_shards(sharded: Any) -> Iterator[None]:
         _SCOPE.reset(token)
     if layout.sharded:  # the ranks made the same psums, or all of them raise here
         G.agree_exit(sharded.mesh.channel("shard"), "shardfn.on_shards(...)")
-
-
-class Gradients(TensorTree):
-    """The gradients a step hands its optimizer: name -> shard gradient, with their norm.
-
-    ``global_norm`` is the L2 norm of the whole gradient over every rank's shards, which
-    the step computes anyway (``metrics["grad_norm"]``, in its one metrics all-reduce).
-    :func:`global_norm` of this tree reads it, so ``clip_by_global_norm`` needs no
-    collective of its own. A transformation returns a new mapping, which carries no norm:
-    its own norm is computed when asked.
-    """
-
-    __slots__ = ("global_norm",)
-
-    def __init__(self, data: Mapping[str, torch.Tensor], global_norm: torch.Tensor):
-        self._data = dict(data)
-        self.global_norm = global_norm
-
-    def __repr__(self) -> str:
-        return f"Gradients({len(self)} leaves, global_norm={float(self.global_norm):.6g})"
 
 
 def psum(t: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,7 @@ import torch
 
 from . import _collectives as C
 from ._events import Purpose
-from ._packing import unpack_unit
-from ._offload import pack_shards
+from ._packing import pack_shards, unpack_unit
 
 __all__ = ["kept_for", "refresh", "replica_of"]
 

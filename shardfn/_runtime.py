@@ -269,7 +269,7 @@ class Runtime:
             unit.cancel_prefetch()
 
     def restart(self) -> None:
-        """Back to the start of the step (a step that runs again, see shardfn._schedule)."""
+        """Back to the start of the step (a step that runs again, see shardfn._pipelined)."""
         self.finish()
         self._trees.clear()
         self.reduced.clear()
@@ -295,7 +295,7 @@ def current() -> Runtime | None:
 @contextmanager
 def active(rt: Runtime, run: Any = None) -> Iterator[Runtime]:
     """Makes ``rt`` the step in progress for the block; an error in it reaches every rank
-    (see [Note: the schedule guard]). ``run``: the step's shardfn._schedule.Run."""
+    (see [Note: the schedule guard]). ``run``: the step's shardfn._pipelined.Run."""
     token = _CURRENT.set(rt)
     run_token = _guard.RUN.set(run)
     try:

@@ -19,10 +19,10 @@ from ._events import Purpose
 from ._guard import guarded
 from ._resolve import layout_for, make_subgroups
 from ._layout import Layout
-from ._packing import shard_buffer, unpack_leaf
+from ._packing import shard_buffer, unpack_leaf, with_gaps
 from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
-from ._offload import Offload, place_on_host, to_device_into, with_gaps
+from ._offload import Offload, place_on_host, to_device_into
 from ._plan import Placement, Plan, Strategy, make_plan
 from ._precision import Precision
 from ._pretrained import read_weights

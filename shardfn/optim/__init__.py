@@ -10,7 +10,7 @@ Example:
     {'learning_rate': 0.0003}
 """
 
-from .._psum import Gradients as Gradients
+from .._gradients import Gradients as Gradients
 from .._psum import global_norm as global_norm
 from .._psum import psum as psum
 from ._adamw import AdamWState as AdamWState

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import operator
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import torch
 
@@ -114,14 +117,8 @@ def adamw(
             # One foreach kernel per operation over all leaves (fewer, larger launches than
             # a Python loop per leaf); new tensors, so the state passed in is untouched.
             gs = [grads[k].to(state.mu[k].dtype) for k in keys]
-            mus = torch._foreach_lerp([state.mu[k] for k in keys], gs, 1 - b1)
-            nus = torch._foreach_mul([state.nu[k] for k in keys], b2)
-            torch._foreach_addcmul_(nus, gs, gs, value=1 - b2)
-            denoms = torch._foreach_sqrt(nus)
-            torch._foreach_div_(denoms, bias_correction2_sqrt)
-            torch._foreach_add_(denoms, eps)
-            ups = list(torch._foreach_div(mus, denoms))
-            torch._foreach_mul_(ups, -step_size)
+            mus, nus, ups = _adamw_step(_NEW, None, [state.mu[k] for k in keys], [state.nu[k] for k in keys], gs,
+                                        1 - b1, b2, bias_correction2_sqrt, eps, -step_size)
             for i, k in enumerate(keys):
                 if k in decayed:  # decay + (-step_size) * mu / denom, as torch's addcdiv
                     ups[i] = ups[i].add_(params[k].to(mus[i].dtype) * -(lr * weight_decay))
@@ -168,6 +165,67 @@ def adamw(
     return GradientTransformation(init, update, adamw_hyperparams, update_)
 
 
+# [Note: one AdamW formula]
+# A step of AdamW, with t = count + 1, as torch.optim.AdamW computes it (after the decay
+# p <- p * (1 - lr * wd), which update adds to its result instead, as -lr * wd * p):
+#     mu <- lerp(mu, g, 1 - b1)
+#     nu <- nu * b2 + g * g * (1 - b2)
+#     p  <- p + -lr / (1 - b1**t) * mu / (sqrt(nu) / sqrt(1 - b2**t) + eps)
+# _adamw_step writes it once, in ops that each path supplies, so that each path keeps the
+# kernels, and so the rounding, it is tested with: _IN_PLACE, torch's foreach kernels in
+# place (update_, [Note: in-place adamw]); _NEW, the same kernels on new tensors (update:
+# the state passed in is untouched); _TRACED, one leaf as torch.compile and a recorded
+# step trace it, a chain of elementwise ops for inductor to fuse (_adamw_traced).
+
+
+def _adamw_step(ops: SimpleNamespace, ps: Any, mus: Any, nus: Any, gs: Any, one_minus_b1: Any, b2: Any,
+                bias_correction2_sqrt: Any, eps: Any, neg_step_size: Any) -> tuple[Any, Any, Any]:
+    """``(mus, nus, ps)`` after one step of the moments and params ([Note: one AdamW formula]):
+    lists of tensors, or one leaf's tensors with ``_TRACED``. With ``_NEW``, ``ps`` is None
+    and the step itself comes back in its place."""
+    mus = ops.lerp(mus, gs, one_minus_b1)
+    nus = ops.addcmul(ops.mul(nus, b2), gs, gs, 1 - b2)
+    denoms = ops.add(ops.div(ops.sqrt(nus, gs), bias_correction2_sqrt), eps)
+    return mus, nus, ops.addcdiv(ps, mus, denoms, neg_step_size)
+
+
+def _writes(kernel: Callable[..., None]) -> Callable[..., list[torch.Tensor]]:
+    """A foreach kernel that writes its first list in place, returning that list."""
+
+    def op(a: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
+        kernel(a, *args)
+        return a
+
+    return op
+
+
+def _sqrt_into_grads(nus: list[torch.Tensor], gs: list[torch.Tensor]) -> list[torch.Tensor]:
+    # the gradients are not read again: their storage becomes the denominators
+    torch._foreach_copy_(gs, nus)  # two foreach ops, not one sqrt per tensor
+    torch._foreach_sqrt_(gs)
+    return gs
+
+
+def _new_step(ps: None, mus: list[torch.Tensor], denoms: list[torch.Tensor], neg_step_size: float,
+              ) -> list[torch.Tensor]:
+    steps = list(torch._foreach_div(mus, denoms))
+    torch._foreach_mul_(steps, neg_step_size)
+    return steps
+
+
+_IN_PLACE = SimpleNamespace(
+    lerp=_writes(torch._foreach_lerp_), mul=_writes(torch._foreach_mul_), addcmul=_writes(torch._foreach_addcmul_),
+    sqrt=_sqrt_into_grads, div=_writes(torch._foreach_div_), add=_writes(torch._foreach_add_),
+    addcdiv=_writes(torch._foreach_addcdiv_),
+)
+_NEW = SimpleNamespace(**{**vars(_IN_PLACE), "lerp": torch._foreach_lerp, "mul": torch._foreach_mul,
+                          "sqrt": lambda nus, gs: torch._foreach_sqrt(nus), "addcdiv": _new_step})
+_TRACED = SimpleNamespace(
+    lerp=torch.Tensor.lerp_, mul=torch.Tensor.mul_, addcmul=lambda nu, g, g2, v: nu.add_(g * g2 * v),
+    sqrt=lambda nu, g: nu.sqrt(), div=operator.truediv, add=operator.add,
+    addcdiv=lambda p, mu, denom, v: p.add_(mu / denom * v),
+)
+
 
 def _adamw_kernel(ps: list[torch.Tensor], to_decay: list[torch.Tensor], mus: list[torch.Tensor],
                   nus: list[torch.Tensor], gs: list[torch.Tensor], decay: float, one_minus_b1: float, b2: float,
@@ -176,15 +234,7 @@ def _adamw_kernel(ps: list[torch.Tensor], to_decay: list[torch.Tensor], mus: lis
     [Note: in-place adamw]); ``gs`` are donated and become the denominators."""
     if to_decay:
         torch._foreach_mul_(to_decay, decay)
-    torch._foreach_lerp_(mus, gs, one_minus_b1)
-    torch._foreach_mul_(nus, b2)
-    torch._foreach_addcmul_(nus, gs, gs, value=1 - b2)
-    denoms = gs  # the gradients are not read again: their storage becomes the denominators
-    torch._foreach_copy_(denoms, nus)  # two foreach ops, not one sqrt per tensor
-    torch._foreach_sqrt_(denoms)
-    torch._foreach_div_(denoms, bias_correction2_sqrt)
-    torch._foreach_add_(denoms, eps)
-    torch._foreach_addcdiv_(ps, mus, denoms, value=neg_step_size)
+    _adamw_step(_IN_PLACE, ps, mus, nus, gs, one_minus_b1, b2, bias_correction2_sqrt, eps, neg_step_size)
 
 
 def _adamw_traced(ps: list[torch.Tensor], to_decay: list[torch.Tensor], mus: list[torch.Tensor],
@@ -197,9 +247,7 @@ def _adamw_traced(ps: list[torch.Tensor], to_decay: list[torch.Tensor], mus: lis
     for p in to_decay:
         p.mul_(decay)
     for p, mu, nu, g in zip(ps, mus, nus, gs):
-        mu.lerp_(g, one_minus_b1)
-        nu.mul_(b2).add_(g * g * (1 - b2))
-        p.add_(mu / (nu.sqrt() / bias_correction2_sqrt + eps) * neg_step_size)
+        _adamw_step(_TRACED, p, mu, nu, g, one_minus_b1, b2, bias_correction2_sqrt, eps, neg_step_size)
 
 
 _adamw_kernel = compilable(_adamw_kernel, traced=_adamw_traced)

@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import _guard as G
-from ._collectives import issue_reduce_scatter
-from ._compat import all_gather_single
+from ._collectives import issue_all_gather, issue_all_reduce, issue_reduce_scatter
 from ._events import Collective, Purpose
 
 __all__ = ["Deviated", "Run", "Schedule"]
@@ -174,11 +173,11 @@ class Run:
                 scratch[key] = torch.zeros(e.numel + e.numel // n, dtype=e.dtype, device=e.device)
             full, part = scratch[key][: e.numel], scratch[key][e.numel : e.numel + e.numel // n]
             if e.kind is Collective.ALL_GATHER:
-                work = all_gather_single(full, part, group=e.channel.group, async_op=True)
+                work = issue_all_gather(full, part, e.channel.group)
             elif e.kind is Collective.REDUCE_SCATTER:
                 work, _ = issue_reduce_scatter(part, full, e.channel.group, e.op)
             else:
-                work = dist.all_reduce(full, op=e.op, group=e.channel.group, async_op=True)
+                work = issue_all_reduce(full, e.channel.group, e.op)
             G.wait(work, e.channel, f"{e.kind.value} (playing out the schedule after a deviation)")
 
     def before_fail(self) -> None:
