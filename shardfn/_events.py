@@ -97,7 +97,10 @@ class CollectiveCall:
 
     @property
     def tag(self) -> str:
-        """``"purpose:unit"``, for display (profiler ranges use it); never parsed."""
+        """Deprecated: ``"purpose:unit"``. Read ``purpose`` and ``unit``."""
+        from ._deprecated import deprecated
+
+        deprecated("CollectiveCall.tag", "call.purpose and call.unit (fields, not a string)")
         return label(self.purpose, self.unit)
 
 

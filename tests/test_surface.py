@@ -202,20 +202,24 @@ def old_spellings():
         step = sf.jit_step(lambda p, b: _loss(apply, p, b), mesh, optimizer=sf.optim.sgd(0.1), has_aux=False,
                            skip_nonfinite=True)
         batch = {k: torch.zeros(2, CFG.seq_len, dtype=torch.long) for k in "xy"}
-        _, _, metrics = step(sharded, step.init(sharded), batch)
+        with sf.record_collectives() as log:
+            _, _, metrics = step(sharded, step.init(sharded), batch)
+        call = log.select("metrics")[0]
+        tag = call.tag
         seen = [(str(w.message), w.filename) for w in caught if issubclass(w.category, DeprecationWarning)]
-    return sharded.layout.strategy.value, metrics["skipped"], seen
+    return sharded.layout.strategy.value, metrics["skipped"], seen, tag
 
 
 def test_old_spellings_work_for_one_release_with_a_warning(clusters):
-    strategy, skipped, seen = clusters[2].run(old_spellings)[0]
-    assert strategy == "SHARD_GRAD_OP" and skipped is False
+    strategy, skipped, seen, tag = clusters[2].run(old_spellings)[0]
+    assert strategy == "SHARD_GRAD_OP" and skipped is False and tag == "metrics"
     assert all(filename == __file__ for _, filename in seen), seen  # each names the line that used the old spelling
     seen = [message for message, _ in seen]
     for old, new in [("shard(strategy=...)", "shard(plan=...)"), ("jit_step: a loss_fn(params, batch)",
                                                                  "loss_fn(apply, params, batch)"),
                      ("jit_step(has_aux=..., mean_aux=...)", 'aux="rank"'),
-                     ("jit_step(skip_nonfinite=...)", 'on_nonfinite="skip"')]:
+                     ("jit_step(skip_nonfinite=...)", 'on_nonfinite="skip"'),
+                     ("CollectiveCall.tag", "call.purpose and call.unit")]:
         assert any(old in m and new in m for m in seen), (old, seen)
     with pytest.raises(TypeError, match="pass plan= only"):
         sf.shard({}, None, plan="FULL_SHARD", strategy="FULL_SHARD")
