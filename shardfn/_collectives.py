@@ -41,7 +41,7 @@ def _record(kind: Collective, ch: G.Channel, t: torch.Tensor, purpose: Purpose, 
             detail: int = 0, op: ReduceOp | None = None) -> None:
     """Agrees on the collective with the other ranks (see [Note: the schedule guard]; in a
     step, [Note: the pipelined guard]), then reports it."""
-    run = G.RUN.get()
+    run = G.current_run()
     if run is not None:
         run.collective(ch, kind, purpose, unit, t, op, detail)
     else:

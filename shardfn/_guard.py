@@ -61,16 +61,39 @@ from ._recording import untraced
 
 __all__ = [
     "Channel", "CommError", "DivergenceError", "Guard", "PeerError", "Where", "agree", "agree_exit", "agree_words",
-    "exchange", "fail", "guarded", "wait", "words",
+    "current_run", "exchange", "fail", "guarded", "running", "wait", "words",
 ]
 
 DEFAULT_STEP_TIMEOUT = 60.0
 _ROLL_CALL_S = 3.0
 
-_WHERE: contextvars.ContextVar[int] = contextvars.ContextVar("shardfn_where", default=Where.OTHER)
-_REGION: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_guarded", default=False)
-# The step in progress, if it checks its schedule (a shardfn._pipelined.Run).
-RUN: contextvars.ContextVar[Any] = contextvars.ContextVar("shardfn_run", default=None)
+
+
+class _Scope(NamedTuple):
+    """Where the running code is, as the guard sees it: one value, set by :func:`guarded`
+    and :func:`running` as their blocks nest."""
+
+    guarded: bool = False  # inside a guarded region (the outermost reports errors to peers)
+    where: int = Where.OTHER  # what the region is: its collectives' headers say so
+    run: Any = None  # the step in progress, if it checks its schedule (a shardfn._pipelined.Run)
+
+
+_SCOPE: contextvars.ContextVar[_Scope] = contextvars.ContextVar("shardfn_guard", default=_Scope())
+
+
+def current_run() -> Any:
+    """The step in progress that checks its schedule (a shardfn._pipelined.Run), or None."""
+    return _SCOPE.get().run
+
+
+@contextmanager
+def running(run: Any) -> Iterator[None]:
+    """Makes ``run`` the step in progress for the block (None: none)."""
+    token = _SCOPE.set(_SCOPE.get()._replace(run=run))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
 
 
 class Guard:
@@ -133,7 +156,7 @@ def words(kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: in
     """The first five words of a header (what, unit, bytes, detail, where)."""
     code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
     return [code * 4096 + _KINDS.index(kind) * 64 + _PURPOSES.index(purpose), unit_id(unit), nbytes, detail,
-            _WHERE.get()]
+            _SCOPE.get().where]
 
 
 def check_alive(what: str) -> None:
@@ -171,7 +194,7 @@ def agree_words(ch: Channel, mine: list[int], what: str, position: int = 0) -> l
     unless every rank's is the same; returns them all."""
     headers = exchange(ch, [*mine, OK, position], what)
     if any(h[:STATUS] != headers[0][:STATUS] or h[STATUS] != OK for h in headers):
-        run = RUN.get()
+        run = current_run()
         if run is not None and any(h[STATUS] == DIVERGED for h in headers):
             raise told(DivergenceError(run.explain(ch, headers)), ch)
         raise told(DivergenceError(_diverged(ch, headers)), ch)
@@ -354,7 +377,7 @@ def fail(mesh: Any, exc: BaseException) -> Told | None:
     guard = mesh.guard
     if guard.broken is not None or not dist.is_initialized() or isinstance(exc, CommError):
         return None
-    run = RUN.get()
+    run = current_run()
     if run is not None:  # a pipelined step first plays its collectives out, as the peers run them
         try:
             run.before_fail()
@@ -413,9 +436,9 @@ def _raised_here(mesh: Any, exc: BaseException, seen: Told | None) -> str:
 def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
     """A region whose errors every peer learns (see :func:`fail`); ``where`` marks its
     collectives' headers. Nested regions leave it to the outermost."""
-    outer = not _REGION.get()
-    token = _REGION.set(True)
-    wtoken = _WHERE.set(where) if where is not None else None
+    scope = _SCOPE.get()
+    outer = not scope.guarded
+    token = _SCOPE.set(scope._replace(guarded=True, where=scope.where if where is None else where))
     try:
         yield
     except Exception as e:
@@ -425,9 +448,7 @@ def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
                 e.add_note(_raised_here(mesh, e, seen))
         raise
     finally:
-        if wtoken is not None:
-            _WHERE.reset(wtoken)
-        _REGION.reset(token)
+        _SCOPE.reset(token)
 
 
 # -- the divergence message ------------------------------------------------------------

@@ -297,11 +297,10 @@ def active(rt: Runtime, run: Any = None) -> Iterator[Runtime]:
     """Makes ``rt`` the step in progress for the block; an error in it reaches every rank
     (see [Note: the schedule guard]). ``run``: the step's shardfn._pipelined.Run."""
     token = _CURRENT.set(rt)
-    run_token = _guard.RUN.set(run)
     try:
-        with _guard.guarded(rt.mesh, _guard.Where.STEP if rt.in_step else _guard.Where.APPLY), observe(rt.log):
+        with _guard.running(run), _guard.guarded(rt.mesh, _guard.Where.STEP if rt.in_step else _guard.Where.APPLY), \
+                observe(rt.log):
             yield rt
     finally:
-        _guard.RUN.reset(run_token)
         _CURRENT.reset(token)
 
