@@ -47,7 +47,7 @@ from ._options import Aux as Aux
 from ._options import OnNonfinite as OnNonfinite
 from ._psum import on_shards as on_shards
 from ._reshard import reshard as reshard
-from ._runtime import Accumulate as Accumulate
+from ._options import Accumulate as Accumulate
 from ._sharded import ShardedParams as ShardedParams
 from ._sharded import gather as gather
 from ._sharded import shard as shard

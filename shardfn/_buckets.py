@@ -223,7 +223,7 @@ class ReduceBucket:
                     self.part(unit).zero_()
             out = buf = self.buffer
             work = C.all_reduce(buf, first.grads.replicate, Purpose.REDUCE, self.name, op=rt.reduce_op,
-                                async_op=rt.overlap, to=rt.observers, detail=detail)
+                                async_op=rt.options.overlap, to=rt.observers, detail=detail)
         else:
             rt.wait_pending()  # one bucket's unsharded gradients in flight at a time
             parts = [u.grads.acc.view(self.rows, -1) if u in ready else
@@ -233,8 +233,8 @@ class ReduceBucket:
             del parts
             out = torch.empty(self.numel, dtype=first.unit.reduce_dtype, device=buf.device)
             work = C.reduce_scatter(out, buf.view(-1), first.channel, Purpose.REDUCE, self.name, op=rt.reduce_op,
-                                    async_op=rt.overlap, to=rt.observers, detail=detail)
-        if rt.overlap:
+                                    async_op=rt.options.overlap, to=rt.observers, detail=detail)
+        if rt.options.overlap:
             rt.add_pending(work, (buf, out), bucket=self.rows == 1)
         for unit, off in zip(self.units, self.offsets):
             rt.reduced.append((unit, out[off : off + unit.unit.grad_numel]))

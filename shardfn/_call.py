@@ -93,7 +93,7 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
     if sharded.mesh.size > 1:
         sharded.mesh.guard.check_alive("apply(sharded, ...)")
     with _guard.guarded(sharded.mesh, _guard.Where.APPLY):
-        return _call(apply, sharded, Runtime(sharded.mesh, in_step=False), args, kwargs)
+        return _call(apply, sharded, Runtime(sharded.mesh), args, kwargs)
 
 
 def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> Any:

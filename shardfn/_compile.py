@@ -52,7 +52,7 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
             return traced(*(torch.tensor(a, dtype=torch.float64) if isinstance(a, float) else a for a in args),
                           **kwargs)
         rt = current()
-        backend = rt.compile if rt is not None else None
+        backend = rt.options.compile if rt is not None else None
         if not backend:
             return fn(*args, **kwargs)
         if backend not in compiled:

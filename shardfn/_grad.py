@@ -38,10 +38,10 @@ from ._compile import backend_of
 from ._deprecated import as_loss, old_options
 from ._functionalize import apply_of
 from ._gradients import Gradients
-from ._options import Aux, StepOptions, check_options
+from ._options import Accumulate, Aux, StepOptions, check_options
 from ._pipelined import Deviated, Run, Schedule
 from ._psum import sum_of_squares
-from ._runtime import Accumulate, AfterForward, Runtime, active
+from ._runtime import Runtime, active
 from ._sharded import ShardedParams
 
 __all__ = ["Grad", "GradOut", "jit_grad"]
@@ -128,12 +128,7 @@ class Grad:
         """Computes the gradients and metrics with ``buffers`` as the working buffers, and
         yields them while the runtime is still active (a step runs its optimizer there)."""
         layout = sharded.layout
-        opts = self.options
-        rt = Runtime(
-            self.mesh, in_step=True, overlap=opts.overlap, prefetch=opts.prefetch, order=self.order,
-            accumulate=opts.accumulate, owner=sharded, buffers=buffers, compile=opts.compile,
-            after_forward=AfterForward.KEEP if opts.keep_gathered else AfterForward.PLAN,
-        )
+        rt = Runtime(self.mesh, self.options, order=self.order, owner=sharded, buffers=buffers)
         run = Run(self.schedule, self.mesh) if self.mesh.size > 1 else None
         rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None
         done = False

@@ -15,9 +15,19 @@ from typing import Any
 
 from ._mesh import Mesh
 from ._plan import parse_enum
-from ._runtime import Accumulate
 
-__all__ = ["Aux", "OnNonfinite", "StepOptions", "check_options"]
+__all__ = ["Accumulate", "Aux", "OnNonfinite", "StepOptions", "check_options"]
+
+
+class Accumulate(enum.Enum):
+    """How ``jit_step(micro_batches=k)`` accumulates gradients over micro-batches."""
+
+    REDUCE_EACH = "reduce_each"  # reduce every micro-batch's gradients; sum the shards
+    LOCAL = "local"  # sum unreduced unit gradients locally; reduce once, on the last micro-batch
+
+    @classmethod
+    def parse(cls, value: "Accumulate | str") -> "Accumulate":
+        return parse_enum(cls, value, "jit_step(accumulate=...)")
 
 
 class Aux(enum.Enum):

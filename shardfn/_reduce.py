@@ -127,7 +127,7 @@ class UnitGrads:
         if self.bucket is not None:
             self.bucket.add(self.unit)
         else:
-            rt.reduced.append((self.unit, self._issue(asynchronous=rt.overlap)))
+            rt.reduced.append((self.unit, self._issue(asynchronous=rt.options.overlap)))
         self.graphed = False
 
     # -- accumulating ---------------------------------------------------------------------

@@ -9,7 +9,7 @@ block. It owns, for that step and no longer:
   first call of ``apply`` and shared by every later call in the step, so a unit that
   several calls use reduces once (shardfn._reduce);
 * the reductions: the one in flight, and the reduced gradient shards the step collects;
-* micro-batch accumulation (:class:`Accumulate`);
+* micro-batch accumulation (the step's ``StepOptions.accumulate``);
 * the order in which units ran (the next step prefetches in it);
 * the working copies of the buffers (shardfn._buffers);
 * the step's collective log (``metrics["comm_bytes"]``) and the observers to report to.
@@ -42,20 +42,9 @@ from . import _collectives as C
 from . import _guard
 from ._events import CollectiveLog, observe, observers
 from ._offload import wait_for_device
-from ._plan import parse_enum
+from ._options import Accumulate, StepOptions
 
 __all__ = ["Accumulate", "Runtime", "RunningUnit", "active", "current", "invariant"]
-
-
-class Accumulate(enum.Enum):
-    """How ``jit_step(micro_batches=k)`` accumulates gradients over micro-batches."""
-
-    REDUCE_EACH = "reduce_each"  # reduce every micro-batch's gradients; sum the shards
-    LOCAL = "local"  # sum unreduced unit gradients locally; reduce once, on the last micro-batch
-
-    @classmethod
-    def parse(cls, value: "Accumulate | str") -> "Accumulate":
-        return parse_enum(cls, value, "jit_step(accumulate=...)")
 
 
 def invariant(ok: bool, message: str) -> None:
@@ -104,38 +93,36 @@ class AfterForward(enum.Enum):
     FREE = "free"  # let go after each forward, whatever the plan (bind: no backward follows)
 
 
+# A runtime outside a step (apply on shards, bind): no overlap, no prefetch.
+_OUTSIDE = StepOptions("apply", overlap=False, prefetch=0)
+
+
 class Runtime:
     """What one step (or one call of ``apply`` outside a step) owns; see [Note: the runtime]."""
 
     def __init__(
         self,
         mesh: Any,
+        options: StepOptions | None = None,
         *,
-        in_step: bool,
-        overlap: bool = False,
-        prefetch: bool = False,
         order: list[tuple[int, int]] | None = None,
-        accumulate: Accumulate = Accumulate.REDUCE_EACH,
         owner: Any = None,
         buffers: Any = None,
-        after_forward: AfterForward = AfterForward.PLAN,
-        compile: str | None = None,
+        after_forward: AfterForward | None = None,
     ):
         self.mesh = mesh
-        self.in_step = in_step
-        self.after_forward = after_forward  # what a unit does with its parameters after its forward
-        self.overlap = overlap
-        self.prefetch = int(prefetch)  # units gathered ahead of the running one (see [Note: prefetch])
-        self.compile = compile  # a torch.compile backend: see [Note: what compile=True compiles]
+        self.in_step = options is not None  # a step's (or jit_grad's) runtime, with the step's options
+        self.options = options if options is not None else _OUTSIDE  # [Note: step options]
+        # what a unit does with its parameters after its forward
+        self.after_forward = after_forward or (AfterForward.KEEP if self.options.keep_gathered else AfterForward.PLAN)
         self.order = list(order or [])  # (tree index, unit index) in the previous step's forward order
         self.seen: list[tuple[int, int]] = []  # ... and in this one
-        self.accumulate = accumulate
         self.last_micro_batch = True
         self.owner = owner  # the step's own sharded tree: its gradients are collected
         self.buffers = buffers  # shardfn._buffers.StepBuffers of the owner, in a step
         self.log = CollectiveLog()
         # A step reports to the observers active when it started, and to its own log.
-        self.observers = (*observers(), self.log) if in_step else observers()
+        self.observers = (*observers(), self.log) if self.in_step else observers()
         self._trees: list[tuple[Any, dict[int, RunningUnit]]] = []  # (sharded tree, its units by unit index)
         self._pending: list[tuple[Any, Any]] = []  # the reduction in flight: (work, buffers to keep alive)
         self.reduced: list[tuple[RunningUnit, Any]] = []  # (unit, reduced shard gradient), in order
@@ -159,7 +146,7 @@ class Runtime:
 
     def reduces_now(self) -> bool:
         """Whether the gradients accumulated so far are reduced in this backward."""
-        return self.accumulate is Accumulate.REDUCE_EACH or self.last_micro_batch
+        return self.options.accumulate is Accumulate.REDUCE_EACH or self.last_micro_batch
 
     # -- units ---------------------------------------------------------------------------
 
@@ -187,7 +174,7 @@ class Runtime:
         that will be regathered. At most ``d`` units are in flight or waiting beside the
         running one, so FULL_SHARD holds at most ``d + 1`` units (tests/test_memory_plans.py
         asserts it); 0 gathers each unit only when it runs."""
-        if not self.prefetch:
+        if not self.options.prefetch:
             return
         if forward:
             self.seen.append(key)
@@ -195,7 +182,7 @@ class Runtime:
         if key not in order:
             return
         i = order.index(key)
-        for nxt in order[i + 1 : i + 1 + self.prefetch]:
+        for nxt in order[i + 1 : i + 1 + self.options.prefetch]:
             unit = self._unit_at(nxt)
             if unit is not None and unit.prefetchable(forward):
                 unit.prefetch(forward)

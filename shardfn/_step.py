@@ -15,12 +15,12 @@ from ._deprecated import as_loss, old_options
 from ._grad import Grad
 from ._guard import Where, guarded
 from ._mesh import Mesh
-from ._options import Aux, OnNonfinite, StepOptions, check_options
+from ._options import Accumulate, Aux, OnNonfinite, StepOptions, check_options
 from ._offload import mark_host_trees, place_on_host, wait_for_device
 from ._recording import recording
 from ._replica import refresh
 from ._precision import DynamicLossScale, LossScaleState
-from ._runtime import Accumulate, current
+from ._runtime import current
 from ._sharded import ShardedParams, unit_views
 from ._verdict import Verdict, check_verdict
 from .optim import GradientTransformation, apply_updates, apply_updates_, hyperparams
