@@ -184,3 +184,23 @@ def test_the_figure_pattern():
         assert figure_in(f"took {figure} here"), figure
     for text in ("n*p bytes", "W = world", "2 for a non-root unit", "two units", "x = 1", "3e-4", "blocks.0..blocks.5"):
         assert not figure_in(text), text
+
+
+def test_only_collectives_issues_collectives():
+    """Every collective goes through shardfn._collectives, which agrees on it, records it and
+    names it; the guard's own header exchange is the one other caller (it is that agreement)."""
+    tool = _tool()
+    assert set(tool.collective_callers(tool._modules())) == {"_collectives.py", "_guard.py"}
+    found = tool.collective_callers({"_a.py": ast.parse("dist.all_reduce(t)\nx = all_gather_single(o, i)\n"
+                                                        "gather(sharded)\n_F.all_to_all_single(x, s, s, g)\n")})
+    assert found == {"_a.py": 3}
+
+
+def test_no_module_stores_into_a_sharded_tree():
+    """A ShardedParams's fields are stored in shardfn/_sharded.py only; elsewhere a tree
+    changes through its named methods ([Note: what a tree carries])."""
+    tool = _tool()
+    stores = [w for w in tool.tree_writers(tool._modules()) if w[2].split(".")[-1] in tool.TREE_FIELDS]
+    assert stores == []
+    found = tool.tree_writers({"_a.py": ast.parse("tree._verdict = None\ntree._set_buffers({})\nself._data = {}\n")})
+    assert [line for _, line, _ in found] == [1, 2]

@@ -68,6 +68,28 @@ def tree_writers(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
     return out
 
 
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "scatter", "gather", "barrier", "all_to_all", "all_to_all_single", "send", "recv",
+               "isend", "irecv", "batch_isend_irecv", "all_gather_single", "reduce_scatter_single",
+               "all_gather_into_tensor_out"}
+
+
+def collective_callers(modules: dict[str, ast.Module]) -> dict[str, int]:
+    """Modules that call a collective themselves (``dist.all_reduce(...)``, a functional
+    collective, the _compat aliases), with how many calls."""
+    out: dict[str, int] = {}
+    for path, tree in modules.items():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call):
+                name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                via = ast.unparse(n.func.value) if isinstance(n.func, ast.Attribute) else ""
+                aliases = ("all_gather_single", "reduce_scatter_single")  # shardfn._compat's, called bare
+                if name in COLLECTIVES and (via in ("dist", "_F", "torch.distributed", "funcol")
+                                            or (not via and name in aliases)):
+                    out[path] = out.get(path, 0) + 1
+    return out
+
+
 def slots(modules: dict[str, ast.Module], module: str, cls: str) -> int:
     """A class's instance fields: its ``__slots__``, else the ``self.x`` its methods assign."""
     for n in ast.walk(modules[module]):
@@ -174,6 +196,8 @@ def counts() -> None:
     for path, _, _ in reads:
         per[path] = per.get(path, 0) + 1
     print("    " + ", ".join(f"{p} {k}" for p, k in sorted(per.items(), key=lambda kv: -kv[1])))
+    print("modules that call collectives themselves: " + ", ".join(f"{p} {k}" for p, k in
+                                                                sorted(collective_callers(modules).items())))
     print(f"slots: Unit {slots(modules, '_gather.py', 'Unit')}, Runtime {slots(modules, '_runtime.py', 'Runtime')}")
     print(f"ContextVars: {len(context_vars(modules))}  ({', '.join(f'{p}:{n}' for p, n in context_vars(modules))})")
     longest = notes()[:3]
