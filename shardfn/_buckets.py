@@ -87,23 +87,32 @@ def gather_buckets(layout: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(b) for b in out)
 
 
-class GatherBucket:
-    """Units whose all-gathers travel together (see [Note: buckets]): the first member that
-    needs its parameters starts one all-gather for all; each member in flight with it
-    copies its columns out when used (shardfn._gather.Unit)."""
+class _Bucket:
+    """Units that share one collective: their indices in the layout, each one's offset in the
+    bucket's buffer, and the units at run time, which join as each is built."""
 
     __slots__ = ("members", "units", "offsets", "numel", "name")
 
-    def __init__(self, layout: Any, members: tuple[int, ...]):
-        sizes = [layout.units[i].numel for i in members]
+    def __init__(self, layout: Any, members: tuple[int, ...], sizes: list[int]):
         self.members = members
-        self.units: list[Any] = [None] * len(members)  # the members at run time, as each is built (join)
+        self.units: list[Any] = [None] * len(members)
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.numel = sum(sizes)
         self.name = layout.bucket_name(members)
 
     def join(self, unit: Any) -> None:
         self.units[self.members.index(unit.unit.index)] = unit
+
+
+class GatherBucket(_Bucket):
+    """Units whose all-gathers travel together (see [Note: buckets]): the first member that
+    needs its parameters starts one all-gather for all; each member in flight with it
+    copies its columns out when used (shardfn._gather.Unit)."""
+
+    __slots__ = ()
+
+    def __init__(self, layout: Any, members: tuple[int, ...]):
+        super().__init__(layout, members, [layout.units[i].numel for i in members])
 
     def issue(self, purpose: Purpose) -> None:
         """One all-gather of every member's shards into a ``[world, numel]`` output; every
@@ -172,27 +181,19 @@ class Share:
         return part
 
 
-class ReduceBucket:
+class ReduceBucket(_Bucket):
     """Units whose gradients share one buffer and one collective (see [Note: buckets]):
     each unit packs its gradients (into its part of the buffer under NO_SHARD, into its own
     ``[world, gn]`` buffer under the sharded strategies); the last one ready issues the
     collective, and each unit's reduced gradient is its part of the result."""
 
-    __slots__ = ("members", "units", "offsets", "numel", "name", "buffer", "ready", "rows")
+    __slots__ = ("buffer", "ready", "rows")
 
     def __init__(self, layout: Any, members: tuple[int, ...]):
-        sizes = [layout.units[i].grad_numel for i in members]
-        self.members = members
-        self.units: list[Any] = [None] * len(members)  # the members at run time, as each is built (join)
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.numel = sum(sizes)
-        self.name = layout.bucket_name(members)
+        super().__init__(layout, members, [layout.units[i].grad_numel for i in members])
         self.rows = layout.world  # 1: NO_SHARD's all-reduce; else the reduce-scatter's world
         self.buffer: torch.Tensor | None = None  # NO_SHARD: allocated by the first unit to pack
         self.ready: list[Any] = []  # units whose gradients are all packed
-
-    def join(self, unit: Any) -> None:
-        self.units[self.members.index(unit.unit.index)] = unit
 
     def part(self, unit: Any) -> torch.Tensor | None:
         """NO_SHARD: where ``unit`` packs its gradients (its part of the bucket's buffer);
