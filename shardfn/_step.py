@@ -108,7 +108,9 @@ class Step:
             else:
                 with torch.profiler.record_function("shardfn::optimizer"):
                     new, inner = self._update(self, sharded, grads, inner, buffers)
-            if sharded.layout.keeps_replica:  # [Note: replicated parameters]
+            # [Note: replicated parameters]; a recorded program keeps no replica between
+            # replays (it gathers each unit in its forward), so it does not make one here
+            if sharded.layout.keeps_replica and not recording():
                 new = refresh(new, current().observers, donated=self.options.donate)
             if not self.options.read_metrics and not is_fake(metrics["loss"]):
                 new = new._with_verdict(Verdict(metrics["loss"], metrics["grad_norm"]))

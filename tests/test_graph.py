@@ -111,7 +111,7 @@ def _train(plan, graph, steps=4, schedule=False, batches=None):
     return out
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_replay_issues_the_eager_collectives_and_nothing_on_the_host(clusters, strategy):
     eager = clusters[2].run(_train, sf.Plan(strategy), False, 5)[0]
     graph = clusters[2].run(_train, sf.Plan(strategy), "eager", 5)[0]
@@ -124,7 +124,12 @@ def test_a_replay_issues_the_eager_collectives_and_nothing_on_the_host(clusters,
              "all_reduce": "all_reduce"}
     for replay, (counts, comm) in zip(graph["collectives"][2:], eager["comm"][2:]):
         assert {kinds[k]: n for k, n in replay.items()} == counts
-    assert [c for c in graph["comm"]] == eager["comm"][:1] * 5  # bytes per kind, as the eager step reports
+    # Bytes per kind, as the eager step reports: the same every call. Under SHARD_OPTIMIZER the
+    # first eager call also gathers in its forward (no replica yet); a graph step keeps none,
+    # and gathers once in every call, its first included.
+    assert graph["comm"][1:] == eager["comm"][1:2] * 4 == eager["comm"][1:]
+    if strategy != "SHARD_OPTIMIZER":
+        assert graph["comm"][0] == eager["comm"][0] == eager["comm"][1]
     # A replay reads nothing on the host and exchanges no header: no guard, whatever the world.
     assert graph["reads"][2:] == [0, 0, 0]
     assert graph["headers"][2:] == [0, 0, 0]
