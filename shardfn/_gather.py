@@ -1,11 +1,9 @@
 """Gathering: one unit's full parameters, from its shards, while they are needed.
 
-A :class:`Unit` is a unit of the layout at run time, inside one runtime (a step, see
-[Note: the runtime]): its shards, the full parameters while they are gathered, a
-prefetched all-gather in flight, and its gradients (:class:`shardfn._reduce.UnitGrads`).
-Every call of ``apply`` in a step uses the same :class:`Unit`. Each application of
-:class:`GatherUnit` (one per call of the unit's module that builds a graph, one per call
-otherwise) is a :class:`Use`: the full parameters autograd sees for that forward.
+A :class:`Unit` is a unit of the layout in one runtime ([Note: the runtime]), shared by
+every call of ``apply`` in a step: its shards, its gathered parameters, an all-gather in
+flight, its gradients (shardfn._reduce.UnitGrads). Each application of :class:`GatherUnit`
+is a :class:`Use`: the full parameters autograd sees for one forward.
 
 [Note: copies]
 What one step copies per unit on one rank, and why each copy remains: the layout decides
@@ -47,11 +45,9 @@ other place decides when gathered memory is freed::
        +------------ release: settle() finds ---------+
                      nothing holding it, or the runtime ends (end)
 
-What holds a GATHERED unit is named, a :class:`Hold` (:meth:`Unit.held_by`): a pin, its
-module running, a use in progress, or what its backward has yet to read (saved handles, a
-recompute). Residency (:class:`State`) and the phase are kept apart, as FSDP2 keeps them. The events
-settle() hears, what holds a unit strategy by strategy, and how prefetch enters the
-picture: docs/how-it-works.md, "The life of a unit".
+What holds a GATHERED unit has a name, a :class:`Hold` (:meth:`Unit.held_by`); residency
+(:class:`State`) and the phase are kept apart, as FSDP2 keeps them. The events settle()
+hears, each Hold strategy by strategy, and prefetch: docs/how-it-works.md, "The life of a unit".
 """
 
 from __future__ import annotations
@@ -86,8 +82,7 @@ class State(enum.Enum):
 
 class Hold(enum.Enum):
     """Why a gathered unit is kept, asked in this order (:meth:`Unit.held_by`; see [Note: the
-    life of a unit]). Residency (:class:`State`) and the phase (forward, or backward
-    running) are orthogonal, as in FSDP2; these name what ties one to the other."""
+    life of a unit]): what ties its residency to the phase (forward, or backward running)."""
 
     PINNED = "pinned"  # an optional unit, or every unit with keep_gathered: until the runtime ends
     ENTERED = "entered"  # its module is running with the parameters in place
@@ -99,9 +94,8 @@ class Hold(enum.Enum):
 
 
 class InFlight(NamedTuple):
-    """An all-gather started for a unit (IN_FLIGHT): its own, whose ``out`` is the
-    ``[world, numel]`` output and ``keep`` the input, alive until it is done; or its
-    bucket's, ``work`` the member's shardfn._buckets.Share and ``out`` None."""
+    """An all-gather started for a unit: its own (``out`` the ``[world, numel]`` output,
+    ``keep`` the input, alive until done), or its bucket's (``work`` a Share, ``out`` None)."""
 
     work: Any
     out: torch.Tensor | None = None
@@ -141,7 +135,6 @@ class Unit:
     """A unit's runtime state for one runtime (one step, or one call outside a step)."""
 
     __slots__ = (
-        # what it is, for the runtime's length
         "layout", "unit", "key", "shards", "slots", "mesh", "channel", "rank", "runtime", "grads", "replica",
         # where it is in its life (see [Note: the life of a unit])
         "state", "full", "storages", "inflight", "secondary", "use", "outputs", "entry", "handles", "reading",
@@ -166,9 +159,7 @@ class Unit:
         self.full: list[torch.Tensor] | None = None  # GATHERED: the full parameters
         self.storages: dict[int, int] = {}  # GATHERED: id() of their storages -> leaf index (fake tensors have no data_ptr)
         self.inflight: InFlight | None = None  # IN_FLIGHT: the all-gather started
-        # this rank's 1/k of the gathered unit, kept from forward to backward when the unit
-        # reshards to a sub-group of k ranks (UnitLayout.reshard = k; see _issue)
-        self.secondary: torch.Tensor | None = None
+        self.secondary: torch.Tensor | None = None  # resharded to k ranks: this rank's 1/k (see _issue)
         self.use: Use | None = None  # the use in progress
         self.outputs: tuple[torch.Tensor, ...] | None = None  # that use's full parameters, while it runs
         self.entry: _Entry | None = None  # while the module runs
@@ -229,13 +220,10 @@ class Unit:
             return Hold.SAVED
         return Hold.RECOMPUTE if self.unit.remat is not None and self.grads.nodes > 0 else None
 
-    def holds(self) -> bool:
-        return self.held_by() is not None
-
     def settle(self) -> None:
         """Releases the gathered parameters unless something holds them; called after every
         event that can end a need for them."""
-        if self.state is State.GATHERED and not self.holds():
+        if self.state is State.GATHERED and self.held_by() is None:
             self._release()
 
     def _release(self) -> None:
@@ -255,12 +243,8 @@ class Unit:
     # -- gathering -----------------------------------------------------------------------
 
     def _issue(self, purpose: Purpose, async_op: bool) -> InFlight:
-        """Starts the unit's all-gather, whose output is ``[world, numel]``.
-
-        One copy (see [Note: copies]): the shards are written, cast to ``param_dtype``
-        on the way (the collective moves param-dtype elements, see _precision), straight
-        into this rank's row of the output, and the all-gather runs in place.
-        """
+        """Starts the unit's all-gather into a ``[world, numel]`` output of ``param_dtype``: the
+        shard buffer as it is (flat), else one pack of the shards into this rank's row ([Note: copies])."""
         world, numel = self.layout.world, self.unit.numel
         if purpose is Purpose.REGATHER and self.secondary is not None:
             # Resharded to a sub-group after forward: gathered within it (ZeRO++'s hpZ).
@@ -286,13 +270,11 @@ class Unit:
     def prefetchable(self, forward: bool) -> bool:
         """Whether the runtime may start this unit's all-gather early (see [Note: prefetch]).
 
-        Forward: any unit but a selectively rematerialised one. Backward: only a unit that
-        backward will gather again: one holding saved-tensor handles, or a fully
-        rematerialised unit that ran this forward and was resharded after it (its
-        recompute gathers). Selectively rematerialised units are neither prefetched nor
-        prefetch from inside their region: selective checkpointing replays the region's
-        ops one for one, and a gather that was prefetched in forward (no copy in the
-        region) but not in the recompute, or the reverse, would break that replay.
+        Forward: any unit but a selectively rematerialised one. Backward: a unit backward will
+        gather again (holding saved handles, or fully rematerialised, run and resharded). A
+        selectively rematerialised unit neither is prefetched nor prefetches from its region:
+        selective checkpointing replays the region's ops one for one, and a gather prefetched
+        in forward but not in the recompute (or the reverse) would break that replay.
         """
         if self.unit.remat is RematMode.SELECTIVE:
             return False

@@ -38,7 +38,6 @@ leaves; every packing below places each piece at its offset and zeros the rest.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import hashlib
 import math
@@ -50,29 +49,10 @@ import torch
 from ._buckets import gather_buckets, reduce_buckets
 from ._guard import unit_id
 from ._packing import local_shard
-from ._plan import Placement, Plan, RematMode, Strategy, Whole
+from ._plan import Placement, Plan, Reduction, RematMode, Strategy, Whole
 from ._tree import TreeInfo
 
-__all__ = ["BufferLayout", "LeafLayout", "Layout", "Reduction", "UnitLayout", "unit_owner"]
-
-
-class Reduction(enum.Enum):
-    """How every unit's gradients are reduced, and over which groups (``Layout.reduction``)."""
-
-    NONE = "none"  # a world of one without replicas: a rank's gradients are the gradients
-    ALL_REDUCE = "all-reduce"  # NO_SHARD: over the replicas
-    REDUCE_SCATTER = "reduce-scatter"  # FULL_SHARD, SHARD_GRAD_OP, SHARD_OPTIMIZER: over the shard axis
-    REDUCE_SCATTER_ALL_REDUCE = "reduce-scatter, all-reduce"  # hybrid: over shard, then replicate
-
-    @property
-    def scatters(self) -> bool:
-        """A reduce-scatter over the shard axis: each rank keeps its shard's gradient."""
-        return self in (Reduction.REDUCE_SCATTER, Reduction.REDUCE_SCATTER_ALL_REDUCE)
-
-    @property
-    def all_reduces(self) -> bool:
-        """An all-reduce over the replicas of each shard."""
-        return self in (Reduction.ALL_REDUCE, Reduction.REDUCE_SCATTER_ALL_REDUCE)
+__all__ = ["BufferLayout", "LeafLayout", "Layout", "UnitLayout", "unit_owner"]
 
 
 @dataclasses.dataclass(frozen=True)

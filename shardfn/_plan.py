@@ -23,6 +23,7 @@ from ._units import DefaultUnits, UnitPolicy, UnitsArg, as_policy
 __all__ = [
     "Placement",
     "Plan",
+    "Reduction",
     "Whole",
     "whole",
     "Remat",
@@ -84,6 +85,25 @@ class Strategy(enum.Enum):
         if hybrid:
             return (cls.HYBRID_SHARD, cls.HYBRID_SHARD_ZERO2)
         return (cls.FULL_SHARD, cls.SHARD_GRAD_OP, cls.SHARD_OPTIMIZER, cls.NO_SHARD)
+
+
+class Reduction(enum.Enum):
+    """How every unit's gradients are reduced, and over which groups (``Layout.reduction``)."""
+
+    NONE = "none"  # a world of one without replicas: a rank's gradients are the gradients
+    ALL_REDUCE = "all-reduce"  # NO_SHARD: over the replicas
+    REDUCE_SCATTER = "reduce-scatter"  # FULL_SHARD, SHARD_GRAD_OP, SHARD_OPTIMIZER: over the shard axis
+    REDUCE_SCATTER_ALL_REDUCE = "reduce-scatter, all-reduce"  # hybrid: over shard, then replicate
+
+    @property
+    def scatters(self) -> bool:
+        """A reduce-scatter over the shard axis: each rank keeps its shard's gradient."""
+        return self in (Reduction.REDUCE_SCATTER, Reduction.REDUCE_SCATTER_ALL_REDUCE)
+
+    @property
+    def all_reduces(self) -> bool:
+        """An all-reduce over the replicas of each shard."""
+        return self in (Reduction.ALL_REDUCE, Reduction.REDUCE_SCATTER_ALL_REDUCE)
 
 
 class RematMode(enum.Enum):

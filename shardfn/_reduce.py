@@ -60,7 +60,7 @@ import torch
 
 from . import _collectives as C
 from ._events import Purpose, marker
-from ._layout import Reduction
+from ._plan import Reduction
 from ._offload import to_host
 from ._packing import pack_unit
 from ._runtime import RunningUnit
