@@ -83,7 +83,9 @@ class Grad:
         self.options = options  # [Note: step options]
         self.has_aux = options.aux is not Aux.NONE
         # Not state of the model: the units' forward order (a prefetch hint, recorded on
-        # each call for the next) and the layout of the first call (to catch other shards).
+        # each call that completes, for the next: the part of a forward that a failed call
+        # ran would make this rank prefetch, so issue collectives, otherwise than its peers)
+        # and the layout of the first call (to catch other shards).
         self.order: list[tuple[int, int]] = []
         self.layout: Layout | None = None
         self.schedule = Schedule()  # the collectives of the last verified call
@@ -177,7 +179,9 @@ class Grad:
                 buffers.restore()  # nothing the step changed stays changed
             raise
         finally:
-            self.order = rt.finish()
+            order = rt.finish()
+            if done:
+                self.order = order
         metrics["tokens"] = count_tokens(batch) * self.mesh.size
         metrics["comm_bytes"] = dict(rt.log.bytes())
         if layout.offloaded:

@@ -192,6 +192,34 @@ def raising_then_going_on(kind):
     return {**out, "unchanged": unchanged, "next_loss": metrics["loss"]}
 
 
+def raising_mid_forward_then_going_on(at):
+    """Rank 1 raises in layers.1's forward in step ``at`` (pipelined from step 3 on), after
+    layers.0 ran; every rank catches its error and takes two more steps."""
+    torch.manual_seed(0)
+    model = Stack()
+    bad = [False]
+
+    def raise_on_rank_1(module, args):
+        if bad[0] and dist.get_rank() == 1:
+            raise ValueError("boom in layers.1 on rank 1")
+
+    model.layers[1].register_forward_pre_hook(raise_on_rank_1)
+    mesh, apply, sharded = _setup(model)
+    opt = adamw(1e-2)
+    step = sf.jit_step(lambda apply, params, batch: apply(params, batch["x"]).pow(2).mean(), mesh, optimizer=opt)
+    state = opt.init(sharded)
+    for n in range(at):
+        sharded, state, _ = step(sharded, state, {"x": torch.randn(4, 8)})
+    pipelined = step.grad.schedule.pipelined
+    bad[0] = True
+    out = _outcome(lambda: step(sharded, state, {"x": torch.randn(4, 8)}))
+    bad[0] = False
+    after = []
+    for n in range(2):
+        after.append(_outcome(lambda: step(sharded, state, {"x": torch.ones(4, 8) * (n + 1)})))
+    return {**out, "pipelined": pipelined, "after": after}
+
+
 def float_loss_on(ranks, at):
     """In step ``at``, the ranks ``ranks`` return a Python float from ``loss_fn`` (``.item()``,
     not a tensor), so each of them raises the same TypeError; every rank catches its error
@@ -365,6 +393,18 @@ def test_an_error_on_one_rank_reaches_every_rank_and_training_goes_on(clusters, 
         assert out["unchanged"] and out["seconds"] < STEP_TIMEOUT
     # Both went on in lockstep: the next step ran on both ranks and agrees.
     assert outs[0]["next_loss"] == outs[1]["next_loss"]
+
+
+@pytest.mark.parametrize("at", [0, 4])  # a step checked collective by collective, and a pipelined one
+def test_a_rank_that_raised_mid_forward_steps_on_with_the_others(clusters, at):
+    """The units a failed step saw run are not the next step's prefetch order: the rank that
+    raised after one unit would prefetch otherwise than its peers and leave the schedule."""
+    outs = clusters[2].run(raising_mid_forward_then_going_on, at)
+    assert outs[1]["error"] == "ValueError" and outs[0]["error"] == "PeerError", outs
+    assert all(out["pipelined"] == (at == 4) for out in outs), outs
+    for n in range(2):
+        assert [out["after"][n]["error"] for out in outs] == [None, None], "\n".join(
+            f"step {at + 1 + n}: {out['after'][n]['message']}" for out in outs)
 
 
 @pytest.mark.parametrize("at", [0, 4])  # a step checked collective by collective, and a pipelined one
