@@ -42,9 +42,10 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import re
 import time
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -66,6 +67,7 @@ __all__ = [
 
 DEFAULT_STEP_TIMEOUT = 60.0
 _ROLL_CALL_S = 3.0
+_POLL_S = 0.0005  # between looks at the collectives of exchanges run side by side
 
 
 
@@ -217,14 +219,22 @@ def exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
         return _exchange(ch, mine, what)
 
 
-def _exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
-    me = dist.get_rank()
+def _exchange_all(channels: list[Channel], mine: list[int], what: str) -> list[list[list[int]]]:
+    """All ranks' headers on each of ``channels``, the exchanges run side by side (see
+    :func:`fail`); no check of what they hold."""
+    with untraced():
+        return _side_by_side([(ch, _rounds(ch, mine)) for ch in channels], what)
+
+
+def _rounds(ch: Channel, mine: list[int]) -> Generator[Any, None, list[list[int]]]:
+    """One exchange ([Note: a fixed-size agreement]) as its collectives: yields the work
+    handle of each one to wait for, and returns every rank's header."""
     with on_host():  # host memory on any device (the control group is gloo's)
         extremes = torch.tensor([*mine, *(-w for w in mine)], dtype=torch.int64)
         ch.guard.headers += 1
         ch.guard.header_bytes += extremes.numel() * extremes.element_size()
         work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ch.control, async_op=True)
-    wait(work, ch, what)
+    yield work  # outside on_host(): a generator suspended inside a context would leave it entered
     top = extremes.tolist()
     if top[:HEADER] == [-w for w in top[HEADER:]]:
         headers = [list(mine) for _ in ch.ranks]
@@ -233,9 +243,46 @@ def _exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
             out = torch.empty(ch.size * HEADER, dtype=torch.int64)
             ch.guard.header_bytes += out.numel() * out.element_size()
             work = all_gather_single(out, torch.tensor(mine, dtype=torch.int64), group=ch.control, async_op=True)
-        wait(work, ch, what)
+        yield work
         headers = out.view(-1, HEADER).tolist()
     ch.position += 1
+    return headers
+
+
+def _side_by_side(exchanges: list[tuple[Channel, Generator[Any, None, list[list[int]]]]],
+                  what: str) -> list[list[list[int]]]:
+    """Runs :func:`_rounds` generators: each of its collectives waited for as it completes,
+    whatever the others do, each bounded by its channel's step timeout. One alone waits as
+    :func:`wait` does."""
+    results: list[Any] = [None] * len(exchanges)
+    pending: dict[int, tuple[Any, float]] = {}  # exchange -> (its collective in flight, its deadline)
+
+    def advance(i: int) -> None:
+        ch, rounds = exchanges[i]
+        try:
+            pending[i] = (next(rounds), time.monotonic() + ch.timeout)
+        except StopIteration as done:
+            results[i] = done.value
+
+    for i in range(len(exchanges)):
+        advance(i)
+    while pending:
+        for i, (work, deadline) in list(pending.items()):
+            ch = exchanges[i][0]
+            if len(pending) == 1 or work.is_completed():
+                del pending[i]
+                wait(work, ch, what)
+                advance(i)
+            elif time.monotonic() > deadline:
+                raise _lost(ch, what, RuntimeError(f"timed out after {ch.timeout:g} s"))
+        if len(pending) > 1:
+            time.sleep(_POLL_S)
+    return results
+
+
+def _exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
+    me = dist.get_rank()
+    headers = _side_by_side([(ch, _rounds(ch, mine))], what)[0]
     failed = [(r, h[STATUS]) for r, h in zip(ch.ranks, headers) if h[STATUS] >= FAILED]
     if failed and mine[STATUS] < FAILED:
         origin, original = _read_failure(*failed[0])
@@ -373,7 +420,15 @@ def fail(mesh: Any, exc: BaseException) -> Told | None:
     """Tells every peer of ``mesh`` that this rank's guarded call raised ``exc``: one failed
     header on each of its axis groups that did not raise ``exc`` (see :func:`told`).
     Returns what it saw doing so, or None when it told no one (the groups knew already, or a
-    peer is gone). Never raises: the caller re-raises ``exc``."""
+    peer is gone). Never raises: the caller re-raises ``exc``.
+
+    [Note: telling every axis at once] The failed headers go out on all those groups at once,
+    and each exchange completes when its own group's ranks come. One group after the other,
+    ranks 0 and 3 of a 2x2 mesh that raise together waited in a cycle: rank 0 on its replicate
+    group for rank 2, rank 2 on its shard group for rank 3, rank 3 on its replicate group for
+    rank 1, rank 1 on its shard group for rank 0. Side by side, each group's exchange meets the
+    next header of every rank in it: a failing rank's, or a peer's, which raises PeerError
+    there and passes the error on along its other axes, side by side again."""
     guard = mesh.guard
     if guard.broken is not None or not dist.is_initialized() or isinstance(exc, CommError):
         return None
@@ -395,8 +450,8 @@ def fail(mesh: Any, exc: BaseException) -> Told | None:
         store = dist.distributed_c10d._get_default_store()
         origin = exc.rank if isinstance(exc, PeerError) else me
         store.set(f"shardfn/failure/{me}/{incident}", f"{origin}|{describe(exc)}")
-        for ch in todo:
-            headers = exchange(ch, [0, 0, 0, 0, 0, FAILED + incident, 0], "telling the other ranks of an error")
+        failed = [0, 0, 0, 0, 0, FAILED + incident, 0]
+        for ch, headers in zip(todo, _exchange_all(todo, failed, "telling the other ranks of an error")):
             for r, h in zip(ch.ranks, headers):
                 if r != me and h[STATUS] >= FAILED:
                     began, text = _read_failure(r, h[STATUS])
@@ -432,6 +487,19 @@ def _raised_here(mesh: Any, exc: BaseException, seen: Told | None) -> str:
                    f"them{beyond}.")
 
 
+def _name_the_others(exc: PeerError, seen: Told) -> None:
+    """Adds to the ranks ``exc``'s first line names the ones whose failed headers this rank
+    met while passing it on (peers that raised at the same time)."""
+    named = re.search(rf"rank {exc.rank} raised(?: \(and ranks \[([0-9, ]+)\]\))?", exc.args[0])
+    if named is None:
+        return
+    before = {int(r) for r in (named.group(1) or "").split(",") if r.strip()}
+    others = sorted(before | (set(seen.raised) - {exc.rank}))
+    if len(others) > len(before):
+        text = exc.args[0]
+        exc.args = (f"{text[:named.start()]}rank {exc.rank} raised (and ranks {others}){text[named.end():]}",)
+
+
 @contextmanager
 def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
     """A region whose errors every peer learns (see :func:`fail`); ``where`` marks its
@@ -444,6 +512,8 @@ def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
     except Exception as e:
         if outer and mesh is not None and mesh.size > 1:
             seen = fail(mesh, e)
+            if isinstance(e, PeerError) and seen is not None:
+                _name_the_others(e, seen)
             if not isinstance(e, (PeerError, DivergenceError, CommError)) and not str(e).startswith("[rank "):
                 e.add_note(_raised_here(mesh, e, seen))
         raise

@@ -5,6 +5,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import time
 
 import pytest
@@ -605,6 +606,107 @@ def test_an_error_on_one_rank_of_a_2d_mesh_reaches_all_four(clusters):
         assert "KeyError: 'no such column'" in out["message"]
     assert all(out["unchanged"] and out["seconds"] < STEP_TIMEOUT for out in outs)
     assert len({out["next_loss"] for out in outs}) == 1
+
+
+# Where the failing ranks raise: before the step's first collective (in loss_fn, before
+# apply), mid-forward (layers.1's forward, after layers.0 ran), after the forward (before the
+# backward's regathers). A short step timeout: a rank that is not told fails in seconds.
+POINTS = ("before the first collective", "mid-forward", "after the forward")
+PAIRS = [(a, b) for a in range(4) for b in range(a + 1, 4)]
+SHORT_TIMEOUT = 10.0
+
+
+def two_ranks_raise_on_a_2d_mesh():
+    """On a 2x2 mesh (replicas [0, 1] / [2, 3], shard groups [0, 1] and [2, 3], replicate groups
+    [0, 2] and [1, 3]), every pair of ranks raises in one step, checked (a step function's
+    first) and pipelined (a step function's fourth and later), at each of POINTS; every rank
+    catches its error and steps on."""
+    torch.manual_seed(0)
+    mesh = sf.Mesh.from_group(replicate=2, step_timeout=SHORT_TIMEOUT)
+    model = Stack()
+    failing, where = set(), [None]
+
+    def raise_at(point):
+        if mesh.rank in failing and where[0] == point:
+            raise KeyError(f"no such column on rank {mesh.rank}")
+
+    model.layers[1].register_forward_pre_hook(lambda module, args: raise_at("mid-forward"))
+    params, apply = sf.functionalize(model)
+    sharded = sf.shard(params, mesh, "HYBRID_SHARD")
+    opt = adamw(1e-2)
+
+    def loss_fn(apply, params, batch):
+        raise_at("before the first collective")
+        loss = apply(params, batch["x"]).pow(2).mean()
+        raise_at("after the forward")
+        return loss
+
+    steady = sf.jit_step(loss_fn, mesh, optimizer=opt)  # a failed step leaves it pipelined
+    state = opt.init(sharded)
+    for n in range(3):
+        sharded, state, _ = steady(sharded, state, {"x": torch.randn(4, 8)})
+    cases = []
+    for pair in PAIRS:
+        for mode in ("checked", "pipelined"):
+            for point in POINTS:
+                step = steady if mode == "pipelined" else sf.jit_step(loss_fn, mesh, optimizer=opt)
+                pipelined = step.grad.schedule.pipelined
+                before = _snapshot(sharded, state)
+                failing.update(pair)
+                where[0] = point
+                t0 = time.monotonic()
+                try:
+                    step(sharded, state, {"x": torch.randn(4, 8)})
+                    error = {"error": None, "message": "", "origin": None}
+                except Exception as e:  # noqa: BLE001 - the test inspects it
+                    error = {"error": type(e).__name__, "message": str(e), "origin": getattr(e, "rank", None)}
+                seconds = time.monotonic() - t0
+                failing.clear()
+                case = {"pair": pair, "mode": mode, "point": point, "pipelined": pipelined, **error, "seconds": seconds,
+                        "unchanged": _unchanged(before, sharded, state)}
+                cases.append(case)
+                if error["error"] == "CommError":  # the process group is unusable: stop here
+                    return cases
+                try:  # the ranks still match: the next step runs on every rank
+                    sharded, state, metrics = step(sharded, state, {"x": torch.ones(4, 8)})
+                    case["next_loss"] = metrics["loss"]
+                except Exception as e:  # noqa: BLE001 - the test inspects it
+                    case["next_loss"] = f"{type(e).__name__}: {e}"
+                    return cases
+    return cases
+
+
+def _named(message):
+    """The ranks a PeerError's first line names as the ones that raised."""
+    m = re.search(r"rank (\d+) raised(?: \(and ranks \[([\d, ]+)\]\))?", message)
+    return {int(m.group(1)), *(int(r) for r in (m.group(2) or "").split(",") if r.strip())} if m else set()
+
+
+def test_two_ranks_that_raise_on_a_2d_mesh_reach_every_rank(clusters):
+    """Whichever two ranks of a 2x2 mesh raise, in whichever order their errors travel along
+    the two axes, every rank raises within the step timeout: the two their own error, the
+    others PeerError naming them (both, for a rank that shares a group with each of them);
+    nothing changed, and the next step runs on every rank."""
+    outs = clusters[4].run(two_ranks_raise_on_a_2d_mesh)
+    for n in range(min(len(cases) for cases in outs)):
+        case = [cases[n] for cases in outs]
+        pair, mode, point = case[0]["pair"], case[0]["mode"], case[0]["point"]
+        what = f"ranks {pair} raise {point} in a {mode} step: {case}"
+        assert all(c["pipelined"] == (mode == "pipelined") for c in case), what
+        for r, c in enumerate(case):
+            assert c["seconds"] < SHORT_TIMEOUT and c["unchanged"], what
+            if r in pair:
+                assert c["error"] == "KeyError" and f"no such column on rank {r}" in c["message"], what
+                continue
+            assert c["error"] == "PeerError" and c["origin"] in pair, what
+            named = _named(c["message"])
+            assert c["origin"] in named and named <= set(pair), what
+            if set(pair) == {r ^ 1, r ^ 2}:  # one failing rank in its shard group, the other in its replicate group
+                assert named == set(pair), what
+            assert f"KeyError: 'no such column on rank {c['origin']}'" in c["message"], what
+        assert all(isinstance(c["next_loss"], float) for c in case), what
+        assert len({c["next_loss"] for c in case}) == 1, what
+    assert [len(cases) for cases in outs] == [len(PAIRS) * 2 * len(POINTS)] * 4
 
 
 def moe_optional_training(strategy, steps):
