@@ -369,7 +369,8 @@ def jit_step(
 
     ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
     gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),
-    ``tokens`` (global count: elements of the batch's first integer tensor, else rows)
+    ``tokens`` (summed over the ranks: elements of each rank's first integer batch tensor,
+    else its rows; an int, a 0-d device tensor where the step reads nothing: docs/training.md)
     and ``comm_bytes`` (bytes per collective kind issued by this rank in the step).
 
     Example:

@@ -1,5 +1,5 @@
 """What a step does with the leaves of a batch: which are cut into micro-batches, which travel
-whole (``shardfn.Whole``) (docs/training.md)."""
+whole (``shardfn.Whole``), and the tokens a step counts over the ranks (docs/training.md)."""
 
 import pytest
 import torch
@@ -113,3 +113,72 @@ def test_whole_takes_a_tensor_and_rows_and_tokens_skip_it():
     assert rows(batch) == 3 and count_tokens(batch) == 15
     assert count_tokens({"a": sf.Whole(ids), "f": torch.zeros(2, 4)}) == 2
     assert repr(sf.Whole(ids)) == "Whole(tensor of shape (3, 5), torch.int64)"
+
+
+# -- tokens: summed over the ranks ----------------------------------------------------------------
+
+
+def _token_mean(apply, params, batch):
+    logits = apply(params, batch["x"])
+    total = F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), reduction="sum")
+    return sf.Mean(total, batch["y"].numel())
+
+
+def tokens_of_unequal_ranks(how):
+    """Rank 0 gives 8 rows, rank 1 gives 4 (a Mean loss weighs them exactly): ``metrics["tokens"]``
+    on each call, and the collectives of the last one."""
+    mesh, sharded = _setup()
+    batch = _rows(8 if mesh.rank == 0 else 4, mesh.rank)
+    out = []
+    if how == "grad":
+        grad_fn = sf.jit_grad(_token_mean, mesh)
+        calls = [lambda: grad_fn(sharded, batch)[2]] * 2
+    else:
+        options = {"graph": "eager"} if how == "graph" else {"on_nonfinite": "raise_next"} if how == "raise_next" else {}
+        step = sf.jit_step(_token_mean, mesh, optimizer=sf.optim.sgd(0.0), **options)
+        state = [step.init(sharded), sharded]
+
+        def call():
+            state[1], state[0], metrics = step(state[1], state[0], batch)
+            return metrics
+
+        calls = [call] * 3
+        if how == "micro_batches":
+            batch = sf.MicroBatches([{k: v[:3] for k, v in batch.items()}, {k: v[3:] for k, v in batch.items()}])
+    for call in calls:
+        with sf.record_collectives() as log:
+            metrics = call()
+        tokens = metrics["tokens"]
+        out.append((type(tokens).__name__, int(tokens)))
+    return out, dict(log.counts())
+
+
+@pytest.mark.parametrize("how", ["step", "raise_next", "grad", "micro_batches", "graph"])
+def test_tokens_are_summed_over_ranks_of_different_batches(clusters, how):
+    (rank0, counts0), (rank1, counts1) = clusters[2].run(tokens_of_unequal_ranks, how)
+    total = (8 + 4) * CFG.seq_len
+    # An int where the step reads its metrics anyway; a 0-d device tensor where it reads nothing.
+    kind = "Tensor" if how in ("raise_next", "graph") else "int"
+    assert rank0 == rank1 == [(kind, total)] * len(rank0)
+    # No collective more: the count rides on the metrics all-reduce (a replay issues the program's).
+    assert counts0 == counts1
+    if how != "graph":
+        assert counts0["all_reduce"] == 1
+
+
+def plain_tokens(graph):
+    mesh, sharded = _setup()
+    step = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b["x"]), b["y"]), mesh, optimizer=sf.optim.sgd(0.0),
+                       graph=graph)
+    state, out = step.init(sharded), []
+    for _ in range(3 if graph else 1):
+        sharded, state, metrics = step(sharded, state, _rows(3, mesh.rank))
+        out.append(metrics["tokens"])
+    return out
+
+
+@pytest.mark.parametrize("graph", [False, "eager"])
+def test_a_plain_loss_counts_tokens_on_the_host(clusters, graph):
+    # A plain mean loss needs equal batches on every rank (their headers agree, also when a
+    # program is recorded): the count is this rank's times the ranks, an int.
+    assert clusters[2].run(plain_tokens, graph) == [[2 * 3 * CFG.seq_len] * (3 if graph else 1)] * 2
