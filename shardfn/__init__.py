@@ -7,6 +7,7 @@ from ._autoplan import Candidate as Candidate
 from ._autoplan import autoplan as autoplan
 from ._batch import Mean as Mean
 from ._batch import MicroBatches as MicroBatches
+from ._batch import Whole as Whole
 from ._bind import bind as bind
 from ._compile import compile_stats as compile_stats
 from ._events import CollectiveLog as CollectiveLog
@@ -86,6 +87,7 @@ __all__ = [
     "Strategy",
     "UnitCost",
     "UnitPolicy",
+    "Whole",
     "autoplan",
     "bind",
     "by_module_type",

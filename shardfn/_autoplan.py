@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from ._batch import rows
 from ._deprecated import as_loss, deprecated, old_loss, renamed
 from ._explain import Explanation, explain
 from ._memory import parse_size
@@ -286,5 +287,4 @@ def _cut(model: nn.Module, blocks: tuple[str, nn.ModuleList], n: int) -> nn.Modu
 
 
 def _rows(batch: Any) -> int:
-    tensors = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return tensors[0].shape[0] if tensors else 1
+    return rows(batch) or 1

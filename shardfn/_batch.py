@@ -23,6 +23,18 @@ the only collective this path adds) and raises the same error on every rank if t
 differ; with a plain scalar loss and micro-batches of different sizes (on any rank) it
 raises too, since each micro-batch would weigh the same whatever its size: return
 :class:`Mean` to weigh every element alike.
+
+[Note: batch leaves]
+One rule says which tensors of a batch are cut into micro-batches (``micro_batches=k``):
+the batch's rows are dim 0 of its first tensor leaf that is not wrapped in :class:`Whole`
+(:func:`rows`); a leaf wrapped in ``Whole`` is a per-step value (an ``[S, S]`` mask, a
+position table) and reaches every micro-batch whole; every other tensor leaf is a batch
+leaf, and must have those rows as its dim 0, or the step raises naming its path. A size
+that happens to divide is no evidence that a leaf is batched, so nothing is cut because
+of it. The same leaves count tokens (:func:`count_tokens`) and rows, and ``loss_fn``
+always gets the plain tensor (``Whole`` is unwrapped, also without micro-batches).
+``Whole`` is a pytree node whose child is its tensor, so a recorded step (shardfn._graph)
+takes the tensor as an input of its program, as any batch tensor.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from torch._subclasses.fake_tensor import is_fake
 from . import _collectives as C
 from ._events import Purpose
 
-__all__ = ["Mean", "MicroBatches"]
+__all__ = ["Mean", "MicroBatches", "Whole"]
 
 _NOT_A_LOSS = (
     "loss_fn(apply, params, batch): must return a scalar tensor or shardfn.Mean(total, count){aux}, got {got}."
@@ -54,6 +66,12 @@ _UNEVEN = (
     "from loss_fn "
     "(e.g. the sum of per-token losses and the number of tokens) to weigh every element alike, or give "
     "micro-batches of one size."
+)
+_NOT_BATCHED = (
+    "jit_step(micro_batches={k}): the leaf{s} {leaves} {verb} not batched: dim 0 is not the batch's {rows} rows (dim 0 "
+    "of its first tensor, {first}), so it cannot be cut into {k} micro-batches. If it is the same for every row "
+    "(a mask, a position table, a per-step constant), wrap it in shardfn.Whole(...): every micro-batch then gets it "
+    "whole. If it holds a row per example, give it the batch's rows."
 )
 _COUNTS_DIFFER = (
     "[rank {rank}] step(..., MicroBatches(...)): ranks give different numbers of micro-batches ({counts} by "
@@ -111,38 +129,99 @@ class MicroBatches:
         return f"MicroBatches({len(self)} micro-batches, rows {[rows(b) for b in self.batches]})"
 
 
+class Whole:
+    """A batch leaf that every micro-batch gets whole: a per-step value, not one per row.
+
+    ``jit_step(micro_batches=k)`` cuts the batch leaves on dim 0 (see [Note: batch leaves]);
+    a tensor wrapped in ``Whole`` (an ``[S, S]`` attention mask, a position table) is not
+    cut, counts neither as the batch's rows nor as its tokens, and reaches ``loss_fn`` as
+    the plain tensor, in every micro-batch (also in :class:`MicroBatches`, and without
+    micro-batches). A leaf whose dim 0 is not the batch's rows must be wrapped.
+
+    Args:
+        tensor: the tensor.
+
+    Example:
+        >>> mask = shardfn.Whole(torch.ones(4, 4).tril())   # one [seq, seq] mask for every row
+        >>> def weighted_loss(apply, params, batch):
+        ...     weights = batch["mask"].sum(0)              # the plain [4, 4] tensor, in every micro-batch
+        ...     return lm_loss(apply(params, batch["input_ids"]), batch["labels"]) * weights.mean()
+        >>> step = shardfn.jit_step(weighted_loss, mesh, optimizer=opt, micro_batches=2)
+        >>> sharded, opt_state, metrics = step(sharded, opt_state, {**batch, "mask": mask})
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"shardfn.Whole(tensor): expected a tensor, got {type(tensor).__name__}.")
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"Whole(tensor of shape {tuple(self.tensor.shape)}, {self.tensor.dtype})"
+
+
+pytree.register_pytree_node(
+    Whole, lambda w: ([w.tensor], None), lambda children, _: Whole(children[0]), serialized_type_name="shardfn.Whole",
+    flatten_with_keys_fn=lambda w: ([(pytree.GetAttrKey("tensor"), w.tensor)], None))
+
+
+def _is_whole(x: Any) -> bool:
+    return isinstance(x, Whole)
+
+
+def _tensor_leaves(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """The batch leaves (see [Note: batch leaves]): ``(path, tensor)``, ``Whole`` leaves left out."""
+    leaves, _ = pytree.tree_flatten_with_path(batch, is_leaf=_is_whole)
+    return [(pytree.keystr(path), t) for path, t in leaves if isinstance(t, torch.Tensor)]
+
+
+def unwrap(batch: Any) -> Any:
+    """The batch as ``loss_fn`` gets it: each :class:`Whole` replaced by its tensor."""
+    return pytree.tree_map(lambda x: x.tensor if isinstance(x, Whole) else x, batch, is_leaf=_is_whole)
+
+
 def rows(batch: Any) -> int:
-    """Dim 0 of the batch's first tensor (0 when it has none)."""
-    leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    return leaves[0].shape[0] if leaves and leaves[0].dim() else 0
+    """Dim 0 of the batch's first tensor that is not a :class:`Whole` (0 when it has none)."""
+    leaves = _tensor_leaves(batch)
+    return leaves[0][1].shape[0] if leaves and leaves[0][1].dim() else 0
 
 
 def split(batch: Any, micro_batches: int) -> list[Any]:
-    """The micro-batches of a step's batch: a :class:`MicroBatches` as given, or ``micro_batches``
-    equal parts of dim 0."""
+    """The micro-batches of a step's batch, as ``loss_fn`` gets them: a :class:`MicroBatches`
+    as given, or ``micro_batches`` equal parts of the batch leaves' dim 0 (see [Note: batch
+    leaves]); :class:`Whole` leaves unwrapped in each."""
     if isinstance(batch, MicroBatches):
         if micro_batches != 1:
             raise ValueError(
                 f"jit_step(micro_batches={micro_batches}): splits each batch into equal parts; this batch is already "
                 "given as MicroBatches. Use one or the other."
             )
-        return list(batch)
+        return [unwrap(b) for b in batch]
     if micro_batches == 1:
-        return [batch]
+        return [unwrap(batch)]
+    leaves = _tensor_leaves(batch)
+    n = rows(batch)
+    bad = [f"batch{path} ({'a 0-d tensor' if not t.dim() else f'shape {tuple(t.shape)}'})" for path, t in leaves
+           if not t.dim() or t.shape[0] != n]
+    if bad:
+        raise ValueError(_NOT_BATCHED.format(k=micro_batches, leaves=", ".join(bad), s="s" if len(bad) > 1 else "",
+                                             verb="are" if len(bad) > 1 else "is", rows=n,
+                                             first=f"batch{leaves[0][0]}"))
+    if n % micro_batches:
+        raise ValueError(
+            f"jit_step(micro_batches={micro_batches}): a local batch of {n} rows does not split into "
+            f"{micro_batches} equal micro-batches; use a per-rank batch size divisible by {micro_batches}, or "
+            "pass shardfn.MicroBatches([...]) of any sizes."
+        )
+    b = n // micro_batches
 
-    def take(t: Any, i: int) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        if t.shape[0] % micro_batches:
-            raise ValueError(
-                f"jit_step(micro_batches={micro_batches}): a local batch of {t.shape[0]} rows does not split into "
-                f"{micro_batches} equal micro-batches; use a per-rank batch size divisible by {micro_batches}, or "
-                "pass shardfn.MicroBatches([...]) of any sizes."
-            )
-        b = t.shape[0] // micro_batches
-        return t[i * b : (i + 1) * b]
+    def take(x: Any, i: int) -> Any:
+        if isinstance(x, Whole):
+            return x.tensor
+        return x[i * b : (i + 1) * b] if isinstance(x, torch.Tensor) else x
 
-    return [pytree.tree_map(lambda t: take(t, i), batch) for i in range(micro_batches)]
+    return [pytree.tree_map(lambda x: take(x, i), batch, is_leaf=_is_whole) for i in range(micro_batches)]
 
 
 def agree_on_micro_batches(batches: MicroBatches, mesh: Any) -> list[tuple[int, int]]:
@@ -190,11 +269,11 @@ def objective(out: Any, has_aux: bool, needs_grad: bool,
 
 
 def count_tokens(batch: Any) -> int:
-    """Elements of the batch's first integer tensor (token ids), else its rows."""
+    """Elements of the batch's first integer tensor (token ids), else its rows; :class:`Whole`
+    leaves are not the batch's (see [Note: batch leaves])."""
     if isinstance(batch, MicroBatches):
         return sum(count_tokens(b) for b in batch)
-    leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    for t in leaves:
+    for _, t in _tensor_leaves(batch):
         if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
             return t.numel()
     return rows(batch)

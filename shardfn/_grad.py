@@ -14,6 +14,19 @@ dim-0 shard, padding rows zero. They come as :class:`shardfn.optim.Gradients`, c
 their global norm, so ``clip_by_global_norm`` on them needs no collective. Buffers
 (running statistics) are updated in the tree you pass, and averaged over the ranks, as a
 step would.
+
+[Note: tokens over the ranks]
+``metrics["tokens"]`` is the sum over the ranks of each rank's tokens (``count_tokens``),
+never one rank's count times the ranks. A plain mean loss needs as many rows and tokens on
+every rank, and the metrics all-reduce's header carries them ([Note: the schedule guard]),
+so ranks that pass it agree: the product is the sum, a host int. With a :class:`Mean` loss
+ranks may differ, so the count rides on that same all-reduce, split into two words (the
+low 12 bits and the rest: every partial sum is an integer below 2**24, exact in fp32 up
+to 2**36 tokens and 4096 ranks); the step reads it with the loss and norm (an int), or,
+reading nothing (``on_nonfinite="raise_next"``, a recorded step), hands out the 0-d
+int64 device tensor. A recorded step's program holds that sum; with a plain loss it was
+recorded while the headers agreed, and a replay assumes what the plain loss itself does
+(the ranks replay programs recorded together). A world of one counts on the host.
 """
 
 from __future__ import annotations
@@ -155,9 +168,14 @@ class Grad:
                 # (and the aux to average) share one all-reduce per mesh axis.
                 # With a plain loss every rank must have as many rows (and tokens): the metrics all-reduce's
                 # header carries them (see [Note: the schedule guard]); Mean weighs them exactly.
+                # [Note: tokens over the ranks]
+                tokens = count_tokens(batch)
+                summed = self.mesh.size > 1 and count is not None
                 reduced = self._reduce_metrics(layout, loss, count, sum_of_squares(grads),
                                                buffers.flags(self.mesh.device), auxes, len(auxes),
-                                               rows=0 if count is not None else _size(batch))
+                                               rows=0 if count is not None else _size(batch),
+                                               tokens=tokens if summed else None)
+                tokens = reduced["tokens"] if summed else tokens * self.mesh.size
                 if run is not None:
                     self.schedule.learn(run.recorded, run.pipelined)
                 if reduced["rescale"] is not None:  # [Note: token-weighted losses]
@@ -165,7 +183,9 @@ class Grad:
                 norm = reduced["norm"]
                 metrics: dict[str, Any] = {"loss": reduced["loss"], "grad_norm": norm}
                 if self.options.read_metrics:
-                    metrics["loss"], metrics["grad_norm"] = _scalars(reduced["loss"], norm)
+                    metrics["loss"], metrics["grad_norm"], *read = _scalars(reduced["loss"], norm,
+                                                                           *([tokens] if summed else []))
+                    tokens = int(read[0]) if read and read[0] is not None else tokens
                     if not all(math.isfinite(v) for v in (metrics["loss"], metrics["grad_norm"]) if v is not None):
                         metrics["nonfinite"] = self._nonfinite_ranks(loss, grads)
                 if self.has_aux:
@@ -182,7 +202,7 @@ class Grad:
             order = rt.finish()
             if done:
                 self.order = order
-        metrics["tokens"] = count_tokens(batch) * self.mesh.size
+        metrics["tokens"] = tokens
         metrics["comm_bytes"] = dict(rt.log.bytes())
         if layout.offloaded:
             metrics["transfer_bytes"] = dict(rt.log.transfer_bytes())  # host <-> device ([Note: offload])
@@ -245,10 +265,11 @@ class Grad:
                 "grads": [r for r in range(len(every)) if every[r, 1]]}
 
     def _reduce_metrics(self, layout: Layout, loss: torch.Tensor, count: torch.Tensor | None, sq: torch.Tensor,
-                        flags: torch.Tensor, auxes: list[Any], k: int, rows: int = 0) -> dict[str, Any]:
+                        flags: torch.Tensor, auxes: list[Any], k: int, rows: int = 0,
+                        tokens: int | None = None) -> dict[str, Any]:
         """Global loss and gradient norm, which buffers changed on any rank (and Mean's global
-        count, the averaged aux): one all-reduce (sum) per mesh axis of
-        ``[loss, sum of squares, (count), flags..., (aux...)]``.
+        count, the tokens summed over the ranks, the averaged aux): one all-reduce (sum) per
+        mesh axis of ``[loss, sum of squares, (count), (tokens as two words), flags..., (aux...)]``.
 
         A plain loss is averaged over every rank (equal-sized batches); with Mean, the loss
         is the sum of totals over the global count, and the gradients are to be multiplied
@@ -258,13 +279,17 @@ class Grad:
         """
         device = self.mesh.device
         head = [loss.detach().float(), sq.float()] + ([count] if count is not None else [])
+        if tokens is not None:  # exact in fp32 sums: 12 low bits, and the rest ([Note: tokens over the ranks])
+            head += list(torch.tensor([tokens >> 12, tokens & 4095], dtype=torch.float32))
         aux_flat, unflatten = _flat_aux(auxes) if self.options.aux is Aux.MEAN else (torch.zeros(0), None)
         v = torch.cat([torch.stack([t.to(device) for t in head]), flags, aux_flat.to(device)])
         if self.mesh.size > 1:
             C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM, detail=rows)
         n = len(head)
         norm = (v[1] / layout.replicas).sqrt()
-        out: dict[str, Any] = {"changed": v[n : n + flags.numel()], "rescale": None}
+        out: dict[str, Any] = {"changed": v[n : n + flags.numel()], "rescale": None, "tokens": None}
+        if tokens is not None:
+            out["tokens"] = (v[n - 2].double() * 4096 + v[n - 1].double()).to(torch.int64)
         if count is None:
             out["loss"] = v[0] / self.mesh.size
         else:
@@ -314,7 +339,7 @@ def _scalars(*ts: torch.Tensor) -> list[float | None]:
     the state changes (``None`` for fake tensors: a planning run has no values)."""
     if any(is_fake(t) for t in ts):
         return [None] * len(ts)
-    return torch.stack([t.detach().float() for t in ts]).tolist()
+    return torch.stack([t.detach().double() for t in ts]).tolist()
 
 
 def _flat_aux(auxes: list[Any]) -> tuple[torch.Tensor, Any]:

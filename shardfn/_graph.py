@@ -37,6 +37,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from . import _guard as G
+from ._batch import count_tokens
 from ._errors import CommError, DivergenceError
 from ._events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe, observers
 from ._recording import Unrecordable, record, recording
@@ -178,8 +179,9 @@ class _Program:
     """One recorded step: its graph, what it is run by, and what a replay reports."""
 
     def __init__(self, gm: torch.fx.GraphModule, calls: list[CollectiveCall], comm_bytes: dict[str, int],
-                 aux_spec: Any, axes: dict[str, str]) -> None:
+                 aux_spec: Any, axes: dict[str, str], tokens: bool) -> None:
         self.gm = gm
+        self.tokens = tokens  # whether the tokens summed over the ranks are an output (after loss and norm)
         self.fn: Any = gm
         self.calls = calls
         self.comm_bytes = comm_bytes
@@ -254,15 +256,12 @@ class GraphStep:
         sharded = sharded._with_verdict(Verdict(aux[0], aux[1]))  # the same tensors, updated in place
         self._last = (sharded, opt_state, state, shape)
         self._program = program
-        metrics.update(loss=aux[0], grad_norm=aux[1], tokens=self._tokens(batch), comm_bytes=dict(program.comm_bytes))
+        # [Note: tokens over the ranks]: summed in the program (Mean), or agreed when recorded
+        tokens = aux[2] if program.tokens else count_tokens(batch) * self.mesh.size
+        metrics.update(loss=aux[0], grad_norm=aux[1], tokens=tokens, comm_bytes=dict(program.comm_bytes))
         if program.aux_spec is not None:
-            metrics["aux"] = pytree.tree_unflatten(list(aux[2:]), program.aux_spec)
+            metrics["aux"] = pytree.tree_unflatten(list(aux[2 + program.tokens:]), program.aux_spec)
         return sharded, opt_state, metrics
-
-    def _tokens(self, batch: Any) -> int:
-        from ._batch import count_tokens
-
-        return count_tokens(batch) * self.mesh.size
 
     def _replay(self, program: _Program, state: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
         if program.fn is program.gm and self.backend is not None:
@@ -337,7 +336,8 @@ class GraphStep:
             out["metrics"] = metrics
             aux = metrics.get("aux")
             leaves, out["aux_spec"] = pytree.tree_flatten(aux) if "aux" in metrics else ([], None)
-            return [metrics["loss"].detach(), metrics["grad_norm"].detach(), *[a.detach() for a in leaves]]
+            tokens = [metrics["tokens"]] if isinstance(metrics["tokens"], torch.Tensor) else []
+            return [metrics["loss"].detach(), metrics["grad_norm"].detach(), *tokens, *[a.detach() for a in leaves]]
 
         self.recordings += 1
         with self._refusing(sharded):
@@ -346,7 +346,8 @@ class GraphStep:
         _check_constants(gm, state, inputs)
         metrics = out["metrics"]
         axes = {self.mesh.channel(a).group.group_name: a for a in self.mesh.axis_names}
-        prog = _Program(gm, seen.calls, metrics["comm_bytes"], out["aux_spec"], axes)
+        prog = _Program(gm, seen.calls, metrics["comm_bytes"], out["aux_spec"], axes,
+                        isinstance(metrics["tokens"], torch.Tensor))
         for axis in self.mesh.axis_names:  # every rank recorded the same collectives, or every rank raises
             ch = self.mesh.channel(axis)
             if ch.off:
@@ -359,7 +360,7 @@ class GraphStep:
                 raise G.told(DivergenceError(_DIFFERENT.format(rank=self.mesh.rank, ranks=list(ch.ranks), prints=prints,
                                                                what=what)), ch)
         gc.collect()  # the recording's tracer and proxies form cycles that hold the step's intermediates
-        aux = [metrics["loss"], metrics["grad_norm"]]
+        aux = [metrics["loss"], metrics["grad_norm"]] + ([metrics["tokens"]] if prog.tokens else [])
         if prog.aux_spec is not None:
             aux += pytree.tree_leaves(metrics["aux"])
         return prog, aux

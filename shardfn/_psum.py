@@ -30,11 +30,10 @@ import torch.distributed as dist
 from . import _collectives as C
 from . import _guard as G
 from ._events import Purpose
-from ._gradients import Gradients
 from ._guard import guarded
 from ._runtime import current
 
-__all__ = ["global_norm", "on_shards", "psum", "sum_of_squares"]
+__all__ = ["on_shards", "psum", "sum_of_squares"]
 
 _NO_SCOPE = (
     "[rank {rank}] shardfn.optim.psum(t): outside a step, on {world} processes (so are global_norm and "
@@ -112,17 +111,3 @@ def sum_of_squares(tree: Mapping[str, torch.Tensor]) -> torch.Tensor:
     if not leaves:
         return torch.zeros(())
     return torch.stack(torch._foreach_norm(leaves, 2, dtype=torch.float32)).square().sum()
-
-
-def global_norm(tree: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of a whole tree given as local shards (a 0-d fp32 tensor, every rank).
-
-    For the :class:`Gradients` a step hands its optimizer, the norm the step computed
-    (no collective); for any other tree, ``psum`` of the shards' sums of squares.
-
-    Example:
-        >>> norm = global_norm(grads)      # equals clip_grad_norm_'s total norm on one device
-    """
-    if isinstance(tree, Gradients):
-        return tree.global_norm
-    return psum(sum_of_squares(tree)).sqrt()

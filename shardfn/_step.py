@@ -297,7 +297,9 @@ def jit_step(
             and leaves its arguments untouched.
         micro_batches: gradient accumulation: split each rank's batch into this many
             equal micro-batches (dim 0), one forward and backward each, one optimizer
-            update on the mean. Equals one step on the whole batch.
+            update on the mean. Equals one step on the whole batch. Every tensor of the
+            batch is cut except those wrapped in :class:`shardfn.Whole` (which every
+            micro-batch gets whole); a tensor whose dim 0 is not the batch's rows is refused.
         accumulate: with ``micro_batches > 1``: :attr:`Accumulate.REDUCE_EACH`
             (``"reduce_each"``) reduce-scatters every micro-batch's gradients and sums the
             shards (memory stays sharded; one reduce-scatter per unit and micro-batch),
@@ -367,7 +369,8 @@ def jit_step(
 
     ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
     gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),
-    ``tokens`` (global count: elements of the batch's first integer tensor, else rows)
+    ``tokens`` (summed over the ranks: elements of each rank's first integer batch tensor,
+    else its rows; an int, a 0-d device tensor where the step reads nothing: docs/training.md)
     and ``comm_bytes`` (bytes per collective kind issued by this rank in the step).
 
     Example:

@@ -171,3 +171,51 @@ def test_jit_grad_updates_and_averages_buffers_as_a_step(clusters):
     assert any("running_mean" in n for n in results[0][0])
     for n in results[0][1]:
         assert torch.equal(results[0][1][n], results[1][1][n]), n  # every rank the same
+
+
+def norm_after_changes(loss_name):
+    """The norm grads report after the user changes them in place, against the norm of what
+    they hold; and the collectives each read of the norm issued."""
+    from shardfn._psum import sum_of_squares
+
+    mesh = mesh_for("FULL_SHARD")
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    loss_fn = token_mean if loss_name == "mean" else lambda apply, p, b: token_mean(apply, p, b).total / 100
+    _, grads, metrics = sf.jit_grad(loss_fn, mesh)(sharded, split_batch(padded_batches(1)[0], mesh.rank, mesh.size))
+    out = {}
+    with sf.on_shards(sharded), sf.record_collectives() as log:
+        out["handed_over"] = float(sf.optim.global_norm(grads))  # as the step computed it: no collective
+    out["reads"] = [dict(log.counts())]
+    for g in grads.values():
+        g.mul_(0.5)  # scaled in place: a power of two, so the norm halves exactly
+    with sf.on_shards(sharded), sf.record_collectives() as log:
+        out["scaled"] = float(sf.optim.global_norm(grads))
+        out["scaled_again"] = float(grads.global_norm)  # recomputed once, then current again
+    out["reads"].append(dict(log.counts()))
+    with sf.on_shards(sharded):
+        out["scaled_truth"] = float(psum(sum_of_squares(dict(grads))).sqrt())
+    next(iter(grads.values())).zero_()  # a leaf masked
+    with sf.on_shards(sharded):
+        out["masked"] = float(grads.global_norm)
+        out["masked_truth"] = float(psum(sum_of_squares(dict(grads))).sqrt())
+        clipped, _ = clip_by_global_norm(out["masked"] / 2).update(grads, (), sharded)
+        out["clipped"] = float(psum(sum_of_squares(clipped)).sqrt())
+    out["metric"] = metrics["grad_norm"]
+    return out
+
+
+@pytest.mark.parametrize("loss_name", ["plain", "mean"])
+def test_the_norm_follows_gradients_changed_in_place(clusters, loss_name):
+    for out in clusters[2].run(norm_after_changes, loss_name):
+        # The norm handed over is the step's (no collective), also after a Mean loss rescaled the grads.
+        assert out["handed_over"] == out["metric"] and out["reads"][0] == {}
+        assert out["scaled"] == out["scaled_again"] == out["scaled_truth"]
+        if loss_name == "plain":  # the step's norm of unrescaled grads: the same sums, halved exactly
+            assert out["scaled"] == out["handed_over"] / 2
+        assert out["reads"][1] == {"all_reduce": 1}
+        assert out["masked"] == out["masked_truth"] < out["scaled"]
+        # Clipping to half the norm of what the grads hold: the clipped norm is half of it
+        # (the factor max_norm / (norm + 1e-6) rounds the product by a few units of 2**-24).
+        assert out["clipped"] == pytest.approx(out["masked"] / 2, rel=4 * 2**-24 + 1e-6 / out["masked"])

@@ -451,7 +451,7 @@ def test_clip_by_global_norm_scales_every_leaf_by_one_factor():
 
 
 def test_clip_by_global_norm_uses_the_norm_of_the_step():
-    # Inside a step the norm comes from shardfn._psum.global_norm, which returns the
+    # Inside a step the norm comes from shardfn._gradients.global_norm, which returns the
     # norm the step computed (over all shards) instead of this rank's local one.
     from shardfn._gradients import Gradients
 
@@ -968,7 +968,7 @@ def test_in_place_chain_with_clip_allocates_only_the_clip_factor():
     # place allocates only the 0-d fp32 intermediates of max_norm / (norm + 1e-6) clamped:
     # at most 3 x 4 bytes, and nothing parameter-sized.
     from shardfn._gradients import Gradients
-    from shardfn._psum import global_norm
+    from shardfn._gradients import global_norm
 
     opt = optim.chain(optim.clip_by_global_norm(0.1), optim.adamw(1e-2, weight_decay=0.1))
     params, grads = mem_problem()

@@ -11,7 +11,7 @@ Example:
 """
 
 from .._gradients import Gradients as Gradients
-from .._psum import global_norm as global_norm
+from .._gradients import global_norm as global_norm
 from .._psum import psum as psum
 from ._adamw import AdamWState as AdamWState
 from ._adafactor import AdafactorState as AdafactorState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._psum import global_norm
+from .._gradients import global_norm
 from ._checks import _check_hyper, _scratch
 from ._combinators import stateless
 from ._protocol import GradientTransformation, Params, Updates
@@ -14,7 +14,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scales all grads by ``min(1, max_norm / (norm + 1e-6))``.
 
     ``norm`` is the L2 norm of all incoming grads together, taken over whole
-    parameters: inside a sharded step, :func:`shardfn._psum.global_norm` sums the
+    parameters: inside a sharded step, :func:`shardfn.optim.global_norm` sums the
     shards' squares across ranks (and reuses the norm the step already computed
     for ``metrics["grad_norm"]``). On one device this equals
     ``torch.nn.utils.clip_grad_norm_(params, max_norm)``. The scale stays a

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .._batch import Mean
+from .._batch import Mean, Whole, unwrap
 from .._deprecated import renamed
 from .._functionalize import Apply, functionalize
 from .._mesh import Mesh
@@ -32,7 +32,8 @@ _log = logging.getLogger("shardfn.testing")
 
 
 def split_batch(batch: Any, rank: int, world: int) -> Any:
-    """Rank ``rank``'s contiguous slice (dim 0) of every tensor in a global batch pytree."""
+    """Rank ``rank``'s contiguous slice (dim 0) of every tensor in a global batch pytree; a
+    :class:`shardfn.Whole` leaf goes whole to every rank."""
 
     def take(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -46,7 +47,7 @@ def split_batch(batch: Any, rank: int, world: int) -> Any:
         b = n // world
         return t[rank * b : (rank + 1) * b]
 
-    return pytree.tree_map(take, batch)
+    return pytree.tree_map(lambda t: t if isinstance(t, Whole) else take(t), batch, is_leaf=lambda t: isinstance(t, Whole))
 
 
 def reference_training(model_fn, loss_fn: LossFn, batches: Sequence[Any], optimizer, *, seed: int = 0):
@@ -64,7 +65,7 @@ def reference_training(model_fn, loss_fn: LossFn, batches: Sequence[Any], optimi
     losses = []
     for batch in batches:
         trainable = [n for n, p in state.items() if p.requires_grad]
-        loss = _plain_loss(loss_fn(apply, state, batch))  # buffers change in place (or are replaced) in ``state``
+        loss = _plain_loss(loss_fn(apply, state, unwrap(batch)))  # buffers change in place (or are replaced) in ``state``
         # A parameter the loss did not use (an expert no token chose) has a zero gradient.
         raw = torch.autograd.grad(loss, [state[n] for n in trainable], allow_unused=True)
         grads = {n: torch.zeros_like(state[n]) if g is None else g for n, g in zip(trainable, raw)}
