@@ -57,7 +57,7 @@ from ._compat import written_files
 from ._export import write_config
 from ._pieces import LoadPlanner, Pieces, SavePlanner
 from ._sharded import ShardedParams
-from ._verdict import check_verdict
+from ._verdict import check_verdict, unusable_on_failure
 from .optim._protocol import param_leaves
 
 __all__ = ["latest", "load", "save"]
@@ -241,7 +241,7 @@ def save(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None,
     except TypeError as e:
         raise TypeError(f"checkpoint.save: extra values must be tensors or JSON-serialisable ({e}).") from None
     check_verdict(sharded, "checkpoint.save(path, sharded, ...)")  # the same on every rank: nothing written
-    with G.guarded(sharded.mesh):  # an error on one rank reaches the others at the next barrier
+    with unusable_on_failure(sharded), G.guarded(sharded.mesh):  # an error on one rank reaches the others
         _save(os.fspath(path), sharded, opt_state, values, tensors)
 
 

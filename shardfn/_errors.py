@@ -27,9 +27,16 @@ class DivergenceError(RuntimeError):
 
 
 class PeerError(RuntimeError):
-    """Another rank raised inside shardfn; ``rank`` and ``original`` say which and what."""
+    """Another rank raised inside shardfn; ``rank`` and ``original`` say which and what.
+
+    ``updated`` is ``None`` when nothing was updated (the usual case: the failure came before
+    the step's point of no return). A failure after it (a rank whose optimizer update raised
+    once every rank had agreed to update) leaves the ranks' states different: ``updated`` is
+    then the ranks known to have updated, and the shards are unusable until a checkpoint is
+    loaded (docs/ranks-that-differ.md)."""
 
     __module__ = "shardfn"
+    updated: tuple[int, ...] | None = None
 
     def __init__(self, message: str, rank: int, original: str):
         super().__init__(message)

@@ -25,7 +25,7 @@ from ._pretrained import keys_of, shape_of
 from ._memory import parse_size
 from ._safetensors import INDEX, Writer
 from ._sharded import ShardedParams, full_units
-from ._verdict import check_verdict
+from ._verdict import check_verdict, unusable_on_failure
 
 __all__ = ["save_pretrained", "write_config"]
 
@@ -75,7 +75,7 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
     layout, mesh = sharded.layout, sharded.mesh
     rank0 = mesh.rank == 0
     check_verdict(sharded, "save_pretrained(sharded, ...)")  # the same on every rank: nothing written
-    with G.guarded(mesh):  # a write that fails on rank 0 reaches the others at the barrier
+    with unusable_on_failure(sharded), G.guarded(mesh):  # a write that fails on rank 0 reaches the others
         keys = keys_of(layout)
         leaves = [n for u in layout.units for n in u.leaves if layout.leaves[n].requires_grad or not trainable_only]
         if not leaves:

@@ -55,14 +55,14 @@ import torch.distributed as dist
 from ._compat import all_gather_single
 from ._errors import CommError, DivergenceError, PeerError
 from ._header import (_CONTEXTS, _DTYPES, _KINDS, _PURPOSES, DETAIL, DIVERGED, FAILED, HEADER, NBYTES, OK,  # noqa: F401
-                      POSITION, STATUS, UNIT, WHAT, WHERE, Where, describe_header, fix, label, unit_id)
+                      POSITION, STATUS, UNIT, WHAT, WHERE, Failure, Where, describe_header, fix, label, unit_id)
 from ._events import Collective, Purpose
 from ._memory import on_host
 from ._recording import untraced
 
 __all__ = [
-    "Channel", "CommError", "DivergenceError", "Guard", "PeerError", "Where", "agree", "agree_exit", "agree_words",
-    "current_run", "exchange", "fail", "guarded", "running", "wait", "words",
+    "Channel", "CommError", "DivergenceError", "Failure", "Guard", "PeerError", "Where", "agree", "agree_exit",
+    "agree_words", "current_run", "exchange", "fail", "failed_at", "guarded", "running", "wait", "words",
 ]
 
 DEFAULT_STEP_TIMEOUT = 60.0
@@ -284,6 +284,8 @@ def _exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
     me = dist.get_rank()
     headers = _side_by_side([(ch, _rounds(ch, mine))], what)[0]
     failed = [(r, h[STATUS]) for r, h in zip(ch.ranks, headers) if h[STATUS] >= FAILED]
+    if failed and mine[STATUS] < FAILED and any(h[DETAIL] != Failure.BEFORE for h in headers if h[STATUS] >= FAILED):
+        raise told(_failed_late(ch, headers), ch)
     if failed and mine[STATUS] < FAILED:
         origin, original = _read_failure(*failed[0])
         others = sorted({_read_failure(r, status)[0] for r, status in failed[1:]} - {origin})
@@ -292,6 +294,44 @@ def _exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
             f"[rank {me}] shardfn: rank {origin} raised{also}, so this rank stops too (nothing was updated):\n"
             f"  {original}\nSee rank {origin}'s traceback for where.", origin, original), ch)
     return headers
+
+
+def failed_at(exc: BaseException, failure: int | None = None) -> int:
+    """Where ``exc`` was raised (a :class:`Failure`), which its failed header tells the peers;
+    with ``failure``, first records it (the step does, for an error after its point of no
+    return: [Note: the point of no return] in shardfn._step). The first record stands."""
+    if failure is not None:
+        exc.__dict__.setdefault("_shardfn_failure", failure)
+    return exc.__dict__.get("_shardfn_failure", Failure.BEFORE)
+
+
+_STATE_OF = {Failure.KEPT: "did not (its shards and optimizer state are as before the step)",
+             Failure.PARTLY: "did not finish (its shards and optimizer state may be partly updated)"}
+_WAY_BACK = ("These shards are unusable now: every rank refuses to step, save, export or gather them. Load the last "
+             "good checkpoint into them on every rank: checkpoint.load(shardfn.checkpoint.latest(directory), sharded, "
+             "opt_state).")
+
+
+def _failed_late(ch: Channel, headers: list[list[int]]) -> PeerError:
+    """The PeerError for peers of which at least one failed after the step's point of no
+    return: which ranks updated and which did not, never "nothing was updated"."""
+    me, run = dist.get_rank(), current_run()
+    mid = run is not None and not run.opening and not run.phase1  # this rank is in that same update
+    late = {r: h[DETAIL] for r, h in zip(ch.ranks, headers) if h[STATUS] >= FAILED}
+    texts = {r: _read_failure(r, h[STATUS]) for r, h in zip(ch.ranks, headers) if h[STATUS] >= FAILED}
+    rest = [r for r in ch.ranks if r not in late]
+    updated = () if mid else tuple(rest)
+    did = (f"ranks {rest} were updating too, and stop here (their state may be partly updated)" if mid else
+           f"ranks {rest} updated their shards and optimizer state in that step")
+    fates = [f"rank {r} {_STATE_OF.get(f, 'raised before it: ' + texts[r][1])}" for r, f in late.items()]
+    origin, original = texts[min(late, key=lambda r: (late[r] == Failure.BEFORE, r))]
+    error = PeerError(
+        f"[rank {me}] shardfn: rank {origin} raised after the step's metrics all-reduce, the point after which every "
+        f"rank updates its state, so the ranks' states differ now: {did}; {'; '.join(fates)}:\n  {original}\n"
+        f"{_WAY_BACK} See rank {origin}'s traceback for where.", origin, original)
+    error.updated = updated
+    failed_at(error, max(late.values()))  # a rank that passes it on tells the same
+    return error
 
 
 def told(exc: BaseException, ch: Channel) -> BaseException:
@@ -450,7 +490,7 @@ def fail(mesh: Any, exc: BaseException) -> Told | None:
         store = dist.distributed_c10d._get_default_store()
         origin = exc.rank if isinstance(exc, PeerError) else me
         store.set(f"shardfn/failure/{me}/{incident}", f"{origin}|{describe(exc)}")
-        failed = [0, 0, 0, 0, 0, FAILED + incident, 0]
+        failed = [0, 0, 0, failed_at(exc), 0, FAILED + incident, 0]
         for ch, headers in zip(todo, _exchange_all(todo, failed, "telling the other ranks of an error")):
             for r, h in zip(ch.ranks, headers):
                 if r != me and h[STATUS] >= FAILED:
@@ -472,6 +512,13 @@ def _raised_here(mesh: Any, exc: BaseException, seen: Told | None) -> str:
     PeerError. On a 2-D mesh this rank exchanges with its own row and column only, so what
     the ranks beyond them raise is said with that reservation."""
     head = f"[rank {mesh.rank}] shardfn: raised on rank {mesh.rank} of {mesh!r}"
+    if failed_at(exc) != Failure.BEFORE:  # after the step's point of no return: say who updated
+        raised = sorted({dist.get_rank(), *(seen.raised if seen is not None else ())})
+        updated = sorted(seen.ranks - set(raised)) if seen is not None else "that did not raise"
+        return (f"{head} after the step's metrics all-reduce, the point after which every rank updates its state: "
+                f"ranks {updated} updated their shards and optimizer state in that step; rank {mesh.rank} "
+                f"{_STATE_OF[failed_at(exc)]}" + (f"; ranks {raised} raised here. " if len(raised) > 1 else ". ")
+                + "The other ranks raise PeerError saying so at their next call. " + _WAY_BACK)
     if seen is None:  # no peer heard of it from this rank
         return head + "."
     raised = sorted({dist.get_rank(), *seen.raised})  # ranks of the mesh, as seen.ranks: counts compare them

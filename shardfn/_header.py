@@ -14,7 +14,7 @@ import torch
 
 from ._events import Collective, Purpose
 
-__all__ = ["HEADER", "Where", "describe_header", "fix", "label", "unit_id"]
+__all__ = ["HEADER", "Failure", "Where", "describe_header", "fix", "label", "unit_id"]
 
 
 HEADER = 7
@@ -27,6 +27,16 @@ _KINDS = list(Collective)
 _PURPOSES = list(Purpose)
 _DTYPES = [None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
            torch.bool, torch.int8, torch.int16, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
+
+
+class Failure:
+    """Where a rank that failed was (the ``detail`` of its failed header): before the step's
+    point of no return, or after it, when the others update (shardfn._step [Note: the point
+    of no return])."""
+
+    BEFORE = 0  # nothing changed on any rank
+    KEPT = 1  # after it: this rank's state is as before the step
+    PARTLY = 2  # after it: this rank's state may be partly updated
 
 
 class Where:

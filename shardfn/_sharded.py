@@ -29,7 +29,7 @@ from ._pretrained import read_weights
 from ._replica import kept_for
 from ._safetensors import Source
 from ._tree import TensorTree
-from ._verdict import check_alike
+from ._verdict import check_alike, check_usable, unusable_on_failure
 
 __all__ = ["ShardedParams", "gather", "shard"]
 
@@ -86,6 +86,11 @@ class ShardedParams(TensorTree):
         """This tree's values as a new tree that carries ``verdict``, the verdict of the step
         that made them (shardfn._verdict); its other fields as they are."""
         return self._remade(self._data, _verdict=verdict, _replicas=self._replicas)
+
+    def _mark_unusable(self, verdict: Any) -> None:
+        """A step on these values failed after its point of no return: they are not one model
+        across the ranks (shardfn._verdict.Unusable) until a checkpoint is loaded into them."""
+        self._verdict = verdict
 
     def _values_replaced(self) -> None:
         """Its values were overwritten in place (a checkpoint loaded into it): the verdict on
@@ -400,10 +405,11 @@ def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.de
     """
     if not isinstance(sharded, ShardedParams):
         raise TypeError(f"gather(sharded): expected the ShardedParams returned by shard(), got {type(sharded).__name__}")
+    check_usable(sharded, "gather(sharded)")  # the same on every rank: nothing gathered
     layout, mesh = sharded.layout, sharded.mesh
     keep = not rank0_only or mesh.rank == 0
     out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
+    with torch.no_grad(), unusable_on_failure(sharded):
         for _, full in full_units(layout, mesh, sharded, Purpose.STATE_DICT, unpack=keep):
             out.update({n: t.to(device) if device is not None else t for n, t in full.items()})
         if keep:

@@ -30,11 +30,15 @@ docs/training.md, "Metrics".
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["Verdict", "check_alike", "check_verdict"]
+from ._errors import PeerError
+
+__all__ = ["Unusable", "Verdict", "check_alike", "check_usable", "check_verdict", "unusable_on_failure"]
 
 _NOT_FINITE = (
     "[rank {rank}] {call}: the last step on these shards had a global loss ({loss}) or gradient norm ({norm}) that is "
@@ -45,6 +49,44 @@ _NOT_FINITE = (
     "jit_step(loss_scale=...)), or leave on_nonfinite out (\"raise\"): it checks before updating, for one "
     "synchronisation with the device per step."
 )
+
+
+_UNUSABLE = (
+    "[rank {rank}] {call}: these shards are unusable: a step on them failed after its point of no return, when "
+    "some ranks had updated and others had not, so the ranks no longer hold one model. Nothing was changed or "
+    "written now. Load the last good checkpoint into them on every rank: checkpoint.load("
+    "shardfn.checkpoint.latest(directory), sharded, opt_state) replaces their values and optimizer state. What "
+    "happened:\n{what}"
+)
+
+
+class Unusable:
+    """The verdict of a step that failed after its point of no return (shardfn._step [Note:
+    the point of no return]): the tree's values are not one model across the ranks."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def refuse(self, rank: int, call: str) -> None:
+        raise RuntimeError(_UNUSABLE.format(rank=rank, call=call, what=self.what))
+
+
+def check_usable(sharded: Any, call: str) -> None:
+    """Raises ``RuntimeError`` if ``sharded`` is :class:`Unusable`; reads nothing on the device."""
+    if isinstance(sharded._verdict, Unusable):
+        sharded._verdict.refuse(sharded.mesh.rank, call)
+
+
+@contextmanager
+def unusable_on_failure(sharded: Any) -> Iterator[None]:
+    """Marks ``sharded`` unusable when the block learns that a peer failed after a step's
+    point of no return (a PeerError with ``updated``): the step made the ranks differ."""
+    try:
+        yield
+    except PeerError as e:
+        if e.updated is not None:
+            sharded._mark_unusable(Unusable(str(e)))
+        raise
 
 
 class Verdict:
@@ -76,6 +118,9 @@ def check_alike(verdict: Verdict | None, other: Verdict | None, rank: int, call:
     if verdict is other:
         return
     for v in (verdict, other):
+        if isinstance(v, Unusable):
+            v.refuse(rank, call)
+    for v in (verdict, other):
         loss, norm = v.loss_and_norm() if v is not None else (0.0, 0.0)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             raise FloatingPointError(_NOT_FINITE.format(rank=rank, call=call, loss=loss, norm=norm))
@@ -87,6 +132,7 @@ def check_verdict(sharded: Any, call: str) -> None:
     verdict = sharded._verdict
     if verdict is None:
         return
+    check_usable(sharded, call)
     loss, norm = verdict.loss_and_norm()
     if math.isfinite(loss) and math.isfinite(norm):
         return

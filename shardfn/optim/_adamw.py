@@ -142,8 +142,8 @@ def adamw(
         decayed = decays(grads) if weight_decay else set()
         keys = list(grads)
         with torch.no_grad():
-            state.count.add_(1)
             if not keys:
+                state.count.add_(1)
                 return state
             # a flat unit's leaves as one tensor each where that is exact ([Note: fused updates])
             groups, rest = fused_groups(keys, params, grads, [state.mu, state.nu], state.mu[keys[0]].dtype)
@@ -156,6 +156,7 @@ def adamw(
             to_decay += [params[k] for k in rest if k in decayed]
             _adamw_kernel(ps, to_decay, mus, nus, gs, 1 - lr * weight_decay, 1 - b1, b2, bias_correction2_sqrt, eps,
                           -step_size)
+            state.count.add_(1)  # last: a kernel that raised leaves the count of the moments it did not finish
         return state
 
     def adamw_hyperparams(state: AdamWState) -> dict[str, float]:

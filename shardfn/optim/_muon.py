@@ -159,12 +159,12 @@ def muon(
         params = _check_params(grads, params, "muon")
         lr = _resolve_learning_rate(learning_rate, _count(state.count), tensor_ok=False)
         with torch.no_grad():
-            state.count.add_(1)
             orthogonal = step(grads, state, params, lr)
             for k, o in orthogonal.items():  # torch's order: decay, then the scaled update
                 p = params[k]
                 p.mul_(1 - lr * weight_decay)
                 p.add_(o.reshape(p.shape), alpha=-_adjusted(lr, adjust_lr_fn, full_shape(params, k)))
+            state.count.add_(1)  # last: an update that raised leaves the count as it was
         return state
 
     def muon_hyperparams(state: MuonState) -> dict[str, float]:

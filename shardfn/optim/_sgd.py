@@ -118,8 +118,8 @@ def sgd(
         lr = _resolve_learning_rate(learning_rate, _count(state.count))
         keys = list(grads)
         with torch.no_grad():
-            state.count.add_(1)
             if not keys:
+                state.count.add_(1)
                 return state
             states = [state.momentum_buffer] if momentum else []
             dtype = state.momentum_buffer[keys[0]].dtype if momentum else params[keys[0]].dtype
@@ -128,6 +128,7 @@ def sgd(
             gs = [b[1] for _, b in groups] + [grads[k] for k in rest]
             bufs = ([b[2] for _, b in groups] + [state.momentum_buffer[k] for k in rest]) if momentum else []
             _sgd_kernel(ps, gs, bufs, -lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
+            state.count.add_(1)  # last: a kernel that raised leaves the count as it was
         return state
 
     def sgd_hyperparams(state: SgdState) -> dict[str, float]:
