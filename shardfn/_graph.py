@@ -40,6 +40,7 @@ from ._events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, o
 from ._functionalize import apply_of
 from ._graph_key import ModelAttributes, agree_on_key, refuse_moved, what_changed
 from ._recording import Unrecordable, record, recording
+from ._replay import bounded, compile_error, note_failure, peer_failures
 from ._verdict import Verdict, check_verdict
 from .optim import hyperparams
 
@@ -65,9 +66,9 @@ _DIFFERENT = (
 
 _LOST = (
     "[rank {rank}] shardfn: jit_step(graph=True): a collective of the recorded program did not complete ({error}). A "
-    "replay waits for its peers as long as the process group's timeout, not the step timeout: a peer that stopped "
-    "or died ends a replay this way. The process group is unusable now; restart the job (torchrun --max-restarts) "
-    "and resume from shardfn.checkpoint.latest(...)."
+    "replay waits for its peers as long as the step timeout (the process group's timeout in a program's first, "
+    "compiling run): a peer that raised in its replay, stopped or died ends a replay this way. The process group is "
+    "unusable now; restart the job (torchrun --max-restarts) and resume from shardfn.checkpoint.latest(...)."
 )
 
 
@@ -76,6 +77,13 @@ _COMPILE_FAILED = (
     "the other ranks' collectives complete, this rank then ran the same program op by op: its state holds this "
     "call's step, as theirs do, and they raise PeerError at their next call. Build the step with graph=\"eager\" "
     "(the program op by op, no compiler) or graph=False."
+)
+
+
+_HALF_RUN = (
+    "[rank {rank}] shardfn: jit_step(graph=True): this rank's replay raised ({error}) after the program may have run "
+    "some of its collectives; the other ranks' replays time out. The process group is unusable now; restart the job "
+    "(torchrun --max-restarts) and resume from shardfn.checkpoint.latest(...)."
 )
 
 
@@ -191,6 +199,7 @@ class _Program:
         self.comm_bytes = comm_bytes
         self.aux_spec = aux_spec
         self.replays = 0
+        self.compiled = False  # whether its compiled function has run once (and so compiled)
         self.number = 0  # its place among the programs the ranks recorded together ([Note: agreeing on the key])
         self.collectives = [n for n in gm.graph.nodes if n.op == "call_function"
                             and getattr(n.target, "namespace", "") == "_c10d_functional" and "wait" not in n.name]
@@ -303,15 +312,32 @@ class GraphStep:
         # nothing compiled: the recorded graph runs op by op, so the mode sees each op.
         fn = program.gm if _get_current_dispatch_mode() is not None else program.fn
         self.mesh.guard.check_alive("jit_step(graph=True)")
+        first = fn is not program.gm and not program.compiled  # it compiles first ([Note: a replay that raises ...])
         try:
-            with torch.no_grad():
+            with torch.no_grad(), bounded(self.mesh, not first):
                 out = fn(state, inputs)
-        except RuntimeError as e:  # the program's collectives: torch's own timeout ends a replay nobody matches
-            if not any(w in str(e).lower() for w in ("timed out", "timeout", "closed", "reset", "connection")):
+        except Exception as e:
+            lost = isinstance(e, RuntimeError) and any(
+                w in str(e).lower() for w in ("timed out", "timeout", "closed", "reset", "connection"))
+            if self.mesh.size == 1:
                 raise
-            self.mesh.guard.broken = _LOST.format(rank=self.mesh.rank, error=f"{type(e).__name__}: {str(e)[:200]}")
-            raise CommError(self.mesh.guard.broken) from None
+            if not lost and not compile_error(e):  # a program half run: the peers time out, and name this
+                note_failure(e)
+                self.mesh.guard.broken = _HALF_RUN.format(rank=self.mesh.rank, error=G.describe(e))
+                raise
+            if lost:  # the program's collectives: a timeout ends a replay nobody matches
+                peers = peer_failures(range(self.mesh.size))
+                self.mesh.guard.broken = _LOST.format(rank=self.mesh.rank, error=f"{type(e).__name__}: {str(e)[:200]}")
+                if peers:
+                    self.mesh.guard.broken += f" What the other ranks said: {peers}."
+                raise CommError(self.mesh.guard.broken) from None
+            with torch.no_grad(), bounded(self.mesh, False):  # nothing ran: the program, op by op, for the peers
+                program.gm(state, inputs)
+            e.add_note(_COMPILE_FAILED.format(rank=self.mesh.rank))
+            with G.guarded(self.mesh, G.Where.STEP):
+                raise
         program.replays += 1
+        program.compiled = program.compiled or fn is not program.gm
         to = observers()
         if to:
             for call in program.calls:

@@ -176,3 +176,107 @@ def test_every_rank_changing_shape_together_records_a_new_program(clusters):
     torch.testing.assert_close(torch.tensor(graph["losses"]), torch.tensor(eager["losses"]), rtol=1e-6, atol=0)
     torch.testing.assert_close(graph["params"], eager["params"], rtol=1e-5, atol=1e-6)
 
+
+def _fails_on_rank_0(gm, example_inputs):
+    """A torch.compile backend that fails on rank 0 only (on the others: the graph as traced)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        raise RuntimeError("the compiler failed here (a test)")
+    return gm.forward
+
+
+def _compile_fails_on_one_rank():
+    """The first replay compiles; rank 0's compiler fails. Then one more call."""
+    import time
+
+    from torch._dynamo import list_backends, register_backend
+
+    if "shardfn_test_fails_on_rank_0" not in list_backends(exclude_tags=()):
+        register_backend(_fails_on_rank_0, name="shardfn_test_fails_on_rank_0")
+    mesh = sf.Mesh.from_group(step_timeout=_STEP_TIMEOUT)
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(_DropoutMLP().eval())
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    step = sf.jit_step(_mse, mesh, optimizer=sf.optim.sgd(0.1), graph="shardfn_test_fails_on_rank_0")
+    state = step.init(sharded)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(4)]
+    out = []
+    for b in batches:
+        t0 = time.monotonic()
+        try:
+            sharded, state, _ = step(sharded, state, b)
+            out.append(("ok", time.monotonic() - t0))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            notes = "\n".join(getattr(e, "__notes__", []))
+            out.append((f"{type(e).__name__}: {e}\n{notes}", time.monotonic() - t0))
+            break
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(_DropoutMLP().eval())
+    eager = sf.jit_step(_mse, mesh, optimizer=sf.optim.sgd(0.1))
+    again = sf.shard(params, mesh, "FULL_SHARD")
+    kept = eager.init(again)
+    for b in batches[:3]:
+        again, kept, _ = eager(again, kept, b)
+    return out, sf.gather(sharded), sf.gather(again)
+
+
+def test_a_compiler_error_on_one_rank_leaves_no_peer_waiting(clusters):
+    (zero, params, eager), (one, _, _) = clusters[2].run(_compile_fails_on_one_rank)
+    assert [what for what, _ in zero[:2]] == ["ok", "ok"] and [what for what, _ in one[:3]] == ["ok", "ok", "ok"]
+    # Rank 0 raises its compiler's error at the third call, once its peer's collectives are served...
+    assert zero[2][0].startswith("BackendCompilerFailed") and "the compiler failed here" in zero[2][0], zero
+    assert "this rank then ran the same program op by op" in zero[2][0]
+    # ... and rank 1 at its next call, naming it, before anything changed: both ranks hold three
+    # steps, as three eager steps do (at every sharded run's bound).
+    assert one[3][0].startswith("PeerError: [rank 1] shardfn: rank 0 raised"), one
+    assert "BackendCompilerFailed: backend='shardfn_test_fails_on_rank_0' raised" in one[3][0]
+    assert max(seconds for _, seconds in zero + one) < _STEP_TIMEOUT
+    torch.testing.assert_close(params, eager, rtol=1e-5, atol=1e-6)
+
+
+def _replay_raises_on_rank_0(rank, world, port, scenario, queue):
+    """Rank 0's program raises at its second replay (a stand-in for an error inside it)."""
+    import datetime
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from test_ranks_differ import _outcome
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    mesh = sf.Mesh.from_group(step_timeout=2.0)
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(_DropoutMLP().eval())[0], mesh, "FULL_SHARD")
+    step = sf.jit_step(_mse, mesh, optimizer=sf.optim.sgd(0.1), graph="eager")
+    state = step.init(sharded)
+    b = {"x": torch.ones(4, 8), "y": torch.zeros(4, 4)}
+    for _ in range(3):
+        sharded, state, _ = step(sharded, state, b)
+    if rank == 0:
+        def boom(*args):
+            raise RuntimeError("boom (a test)")
+
+        (program,) = step.programs.values()
+        program.gm = program.fn = boom
+    out = _outcome(lambda: step(sharded, state, b))
+    queue.put((rank, out))
+    time.sleep(4 if rank == 0 else 0)  # rank 0 holds the store the peer reads
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def test_a_replay_that_raises_on_one_rank_ends_the_peers_within_the_step_timeout():
+    from test_faults import _run
+
+    results = _run("replay raises", worker=_replay_raises_on_rank_0)
+    assert results[0]["error"] == "RuntimeError" and "boom" in results[0]["message"], results
+    peer = results[1]
+    assert peer["error"] == "CommError", peer
+    assert "rank 0 raised in its replay: RuntimeError: boom (a test)" in peer["message"], peer
+    assert peer["seconds"] < 2.0 + 3.0  # the step timeout, and the roll call's few seconds at most
