@@ -11,12 +11,10 @@ become one graph whose collectives the ranks agreed on one by one. Its inputs ar
 state's flat buffers, not the leaves that are views of them (inputs that alias one
 another would be copied back after every run). Before the program is used the ranks
 agree on its fingerprint (its collectives in order); then each call only runs it,
-compiled: no Python per unit or leaf, no header exchange, no host read. The state is
-updated in place (donation), so the same tensors are its inputs on every call. A batch
-or state of another shape, dtype or structure is recorded again; every rank must do the
-same (a rank that records while another replays meets it at its first collective: the
-recording rank raises within the step timeout, the replaying ones, which exchange
-nothing, at the process group's timeout).
+compiled: no Python per unit or leaf, no host read, one header exchange (the ranks agree
+on which program: [Note: agreeing on the key] in shardfn._graph_key). The state is
+updated in place (donation), so the same tensors are its inputs on every call. A key
+([Note: a program's key]) without a program is recorded again, by every rank together.
 
 It reports as ``on_nonfinite="raise_next"`` does: the loss and gradient norm travel with
 the shards, and the next call (or a save) raises on every rank if they were not finite.
@@ -40,7 +38,10 @@ from . import _guard as G
 from ._batch import count_tokens
 from ._errors import CommError, DivergenceError
 from ._events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe, observers
+from ._functionalize import apply_of
+from ._graph_key import ModelAttributes, agree_on_key, refuse_moved, what_changed
 from ._recording import Unrecordable, record, recording
+from ._replay import bounded, compile_error, note_failure, peer_failures
 from ._verdict import Verdict, check_verdict
 from .optim import hyperparams
 
@@ -66,11 +67,24 @@ _DIFFERENT = (
 
 _LOST = (
     "[rank {rank}] shardfn: jit_step(graph=True): a collective of the recorded program did not complete ({error}). A "
-    "replay waits for its peers as long as the process group's timeout, not the step timeout. Every rank must run the "
-    "same program each step: a rank whose batch changed shape or dtype records a new program while the others replay "
-    "theirs, and their collectives never match (pad batches to one shape, or drop the last one); a peer that stopped "
-    "or died ends a replay the same way. The process group is unusable now; restart the job (torchrun "
-    "--max-restarts) and resume from shardfn.checkpoint.latest(...)."
+    "replay waits for its peers as long as the step timeout (the process group's timeout in a program's first, "
+    "compiling run): a peer that raised in its replay, stopped or died ends a replay this way. The process group is "
+    "unusable now; restart the job (torchrun --max-restarts) and resume from shardfn.checkpoint.latest(...)."
+)
+
+
+_COMPILE_FAILED = (
+    "[rank {rank}] jit_step(graph=True): compiling the recorded program failed on this rank, before it ran. So that "
+    "the other ranks' collectives complete, this rank then ran the same program op by op: its state holds this "
+    "call's step, as theirs do, and they raise PeerError at their next call. Build the step with graph=\"eager\" "
+    "(the program op by op, no compiler) or graph=False."
+)
+
+
+_HALF_RUN = (
+    "[rank {rank}] shardfn: jit_step(graph=True): this rank's replay raised ({error}) after the program may have run "
+    "some of its collectives; the other ranks' replays time out. The process group is unusable now; restart the job "
+    "(torchrun --max-restarts) and resume from shardfn.checkpoint.latest(...)."
 )
 
 
@@ -187,6 +201,8 @@ class _Program:
         self.comm_bytes = comm_bytes
         self.aux_spec = aux_spec
         self.replays = 0
+        self.compiled = False  # whether its compiled function has run once (and so compiled)
+        self.number = 0  # its place among the programs the ranks recorded together ([Note: agreeing on the key])
         self.collectives = [n for n in gm.graph.nodes if n.op == "call_function"
                             and getattr(n.target, "namespace", "") == "_c10d_functional" and "wait" not in n.name]
         self.fingerprint = _fingerprint(self.collectives, axes)
@@ -216,6 +232,8 @@ class GraphStep:
         self.recordings = 0
         self._last: tuple[Any, Any, list[torch.Tensor], Any] | None = None  # (sharded, opt_state, inputs, key)
         self._program: _Program | None = None  # the last one run
+        self._key: Any = None  # the key of the last call ([Note: a program's key])
+        self._attributes: ModelAttributes | None = None
 
     def __getattr__(self, name: str) -> Any:  # init, grad, optimizer, ...: the eager step's
         if name == "step":
@@ -240,16 +258,24 @@ class GraphStep:
             leaves, spec = pytree.tree_flatten((sharded, opt_state))
             if not self.warm:
                 self.warm = True
+                self._key = (None, *self._batch_key(batch), self._model_key(sharded))
                 return self._warm_up(sharded, opt_state, batch)
             hidden = _hidden(leaves)
             state = _bases([t for t in leaves if isinstance(t, torch.Tensor)] + hidden)
             shape = (spec, tuple(_what(t) for t in leaves), tuple(_what(t) for t in hidden))
         inputs, bspec = pytree.tree_flatten(batch)
-        key = (shape, bspec, tuple(_what(t) for t in inputs))
+        key = (shape, bspec, tuple(_what(t) for t in inputs), self._model_key(sharded))
         program = self.programs.get(key)
+        if self.mesh.size > 1:  # [Note: agreeing on the key]
+            last, recorded = self._key, self._program is not None
+            with G.guarded(self.mesh, G.Where.STEP):
+                agree_on_key(self.mesh, program.number if program else len(self.programs) + 1, program is not None,
+                             lambda: what_changed(self.mesh.rank, key, last, recorded, self._attributes))
+        self._key = key
         metrics = hyperparams(self.step.optimizer, opt_state)  # the learning rate, read on the host
         if program is None:
             program, aux = self._record(sharded, opt_state, batch, state, inputs)
+            program.number = len(self.programs) + 1
             self.programs[key] = program
         else:
             aux = self._replay(program, state, inputs)
@@ -263,6 +289,21 @@ class GraphStep:
             metrics["aux"] = pytree.tree_unflatten(list(aux[2 + program.tokens:]), program.aux_spec)
         return sharded, opt_state, metrics
 
+    @staticmethod
+    def _batch_key(batch: Any) -> tuple[Any, Any]:
+        inputs, bspec = pytree.tree_flatten(batch)
+        return bspec, tuple(_what(t) for t in inputs)
+
+    def _model_key(self, sharded: Any) -> tuple[Any, ...]:
+        """The plain attributes of the model's modules, ``training`` among them ([Note: a
+        program's key]); () for trees without a model."""
+        apply = apply_of(sharded)
+        if apply is None:
+            return ()
+        if self._attributes is None or self._attributes.root is not apply.module:
+            self._attributes = ModelAttributes(apply.module)
+        return self._attributes.values()
+
     def _replay(self, program: _Program, state: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
         if program.fn is program.gm and self.backend is not None:
             program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False)
@@ -270,15 +311,32 @@ class GraphStep:
         # nothing compiled: the recorded graph runs op by op, so the mode sees each op.
         fn = program.gm if _get_current_dispatch_mode() is not None else program.fn
         self.mesh.guard.check_alive("jit_step(graph=True)")
+        first = fn is not program.gm and not program.compiled  # it compiles first ([Note: a replay that raises ...])
         try:
-            with torch.no_grad():
+            with torch.no_grad(), bounded(self.mesh, not first):
                 out = fn(state, inputs)
-        except RuntimeError as e:  # the program's collectives: torch's own timeout ends a replay nobody matches
-            if not any(w in str(e).lower() for w in ("timed out", "timeout", "closed", "reset", "connection")):
+        except Exception as e:
+            lost = isinstance(e, RuntimeError) and any(
+                w in str(e).lower() for w in ("timed out", "timeout", "closed", "reset", "connection"))
+            if self.mesh.size == 1:
                 raise
-            self.mesh.guard.broken = _LOST.format(rank=self.mesh.rank, error=f"{type(e).__name__}: {str(e)[:200]}")
-            raise CommError(self.mesh.guard.broken) from None
+            if not lost and not compile_error(e):  # a program half run: the peers time out, and name this
+                note_failure(e)
+                self.mesh.guard.broken = _HALF_RUN.format(rank=self.mesh.rank, error=G.describe(e))
+                raise
+            if lost:  # the program's collectives: a timeout ends a replay nobody matches
+                peers = peer_failures(range(self.mesh.size))
+                self.mesh.guard.broken = _LOST.format(rank=self.mesh.rank, error=f"{type(e).__name__}: {str(e)[:200]}")
+                if peers:
+                    self.mesh.guard.broken += f" What the other ranks said: {peers}."
+                raise CommError(self.mesh.guard.broken) from None
+            with torch.no_grad(), bounded(self.mesh, False):  # nothing ran: the program, op by op, for the peers
+                program.gm(state, inputs)
+            e.add_note(_COMPILE_FAILED.format(rank=self.mesh.rank))
+            with G.guarded(self.mesh, G.Where.STEP):
+                raise
         program.replays += 1
+        program.compiled = program.compiled or fn is not program.gm
         to = observers()
         if to:
             for call in program.calls:
@@ -303,9 +361,12 @@ class GraphStep:
             raise ValueError(_REFUSED.format(
                 rank=self.mesh.rank, why="offloaded shards are copied between host and device by the step's Python",
                 where=f"{sharded.layout!r}", fix="shard without offload"))
+        attributes = self._attributes if apply_of(sharded) is not None else None
+        before = attributes.values() if attributes is not None else ()
         try:
             with _no_host_copies():
                 yield
+            refuse_moved(self.mesh.rank, attributes, before)
         except Unrecordable as e:
             raise ValueError(_REFUSED.format(rank=self.mesh.rank, why=e.why, where=_where(e.__traceback__),
                                              fix=e.fix)) from None

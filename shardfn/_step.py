@@ -455,7 +455,7 @@ def jit_step(
         graph: ``True`` records the whole step once, on the first call, and from then on
             runs it as one compiled program (inductor): every gather, the forward, the
             backward, the reductions, the update and the metrics, with no Python per unit
-            or leaf and no header exchange per step ([Note: a graph step]). The step then
+            or leaf and one header exchange per step ([Note: a graph step]). The step then
             reports as ``on_nonfinite="raise_next"`` does and updates in place
             (``donate``). ``"eager"`` runs the recorded program op by op (for finding
             whether a problem is the compiler's). Refused, with the reason, where a step

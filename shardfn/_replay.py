@@ -1,0 +1,75 @@
+"""A replay's peers: how long a recorded program waits for them, and what they learn when
+it raises on one rank.
+
+[Note: a replay that raises on one rank]
+A program issues its collectives without headers, so a rank whose replay raises cannot
+tell its peers through the guard while they wait inside the program. Two rules keep them
+from waiting long. Its collectives wait at most the step timeout, as a checked step's do
+(gloo's timeout of the mesh's groups, set for the replay and restored after), except in a
+program's first compiled run: the ranks compile before its first collective, and compile
+times differ by more than a step timeout. A compile error (a dynamo or backend error)
+comes before any collective: the rank then runs the same program op by op, so that its
+peers' collectives complete and every rank holds the same state, and raises; its peers
+raise PeerError at their next call. Any other error leaves the program half run: the rank
+writes its error to the store, and the peers, whose collectives then time out, name it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _guard as G
+
+__all__ = ["bounded", "compile_error", "note_failure", "peer_failures"]
+
+_KEY = "shardfn/replay-failed/{rank}"
+
+
+@contextlib.contextmanager
+def bounded(mesh: Any, on: bool) -> Iterator[None]:
+    """The block's collectives on ``mesh``'s groups wait at most the step timeout (``on``)."""
+    backends = []
+    if on:
+        for axis in mesh.axis_names:
+            ch = mesh.channel(axis)
+            if not ch.off:
+                backend = ch.group._get_backend(torch.device("cpu"))
+                backends.append((backend, backend.options._timeout))
+                backend.set_timeout(datetime.timedelta(seconds=ch.timeout))
+    try:
+        yield
+    finally:
+        for backend, timeout in backends:
+            backend.set_timeout(timeout)
+
+
+def compile_error(exc: BaseException) -> bool:
+    """Whether ``exc`` came from compiling a program (before it ran anything)."""
+    return isinstance(exc, torch._dynamo.exc.TorchDynamoException)
+
+
+def note_failure(exc: BaseException) -> None:
+    """Writes this rank's error to the store, for the peers' messages (never raises)."""
+    try:
+        dist.distributed_c10d._get_default_store().set(_KEY.format(rank=dist.get_rank()), G.describe(exc))
+    except Exception:  # noqa: BLE001 - the store is gone with its host; the caller's error is the one to see
+        pass
+
+
+def peer_failures(ranks: Any) -> str:
+    """What the peers among ``ranks`` wrote with :func:`note_failure`, in words ('' if none)."""
+    said = []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        for r in ranks:
+            if r != dist.get_rank() and store.check([_KEY.format(rank=r)]):
+                said.append(f"rank {r} raised in its replay: {store.get(_KEY.format(rank=r)).decode(errors='replace')}")
+    except Exception:  # noqa: BLE001 - the store is gone with its host
+        pass
+    return "; ".join(said)
