@@ -255,12 +255,13 @@ def barrier(ch: G.Channel, detail: int = 0) -> None:
 
 
 def _done(work: Any, ch: G.Channel, async_op: bool, kind: Collective, purpose: Purpose, unit: str) -> Any:
-    """The handle of an asynchronous collective (its ``wait()`` bounded by the step
-    timeout), or, for a blocking one, None once it is done."""
+    """The handle of an asynchronous collective (waited for as shardfn._guard.wait does), or,
+    for a blocking one, None once it is waited for: a barrier on the host, within the step
+    timeout; a data collective on NCCL on the stream ([Note: waiting on NCCL])."""
     what = f"{kind.value} ({G.label(purpose, unit)})"
     if async_op:
         return G.Pending(work, ch, what)
-    G.wait(work, ch, what)
+    G.wait(work, ch, what, host=kind is Collective.BARRIER)
     return None
 
 

@@ -14,8 +14,9 @@ when this raises.
 
 A rank whose step raises tells the others through the same channel (:func:`fail`: a header
 with ``status = FAILED``), so that they raise :class:`PeerError` at once instead of waiting,
-the ranks stay matched and training can go on. Every wait is bounded by the mesh's
-``step_timeout``: a peer that does not come raises :class:`CommError`, and the process group,
+the ranks stay matched and training can go on. Every wait on the host is bounded by the
+mesh's ``step_timeout`` (on NCCL, data collectives are waited for on the stream: [Note:
+waiting on NCCL]): a peer that does not come raises :class:`CommError`, and the process group,
 which then holds a collective that will never finish, is unusable. The header's words, the
 control groups, how an error travels on a 2-D mesh, the roll call and what a timeout leaves:
 docs/ranks-that-differ.md, "How: a header before every collective" and "Timeouts, and what
@@ -135,14 +136,17 @@ class Channel:
     """A process group as the guard sees it: the group collectives run on, the group its
     headers go over, and how many exchanges it has seen."""
 
-    __slots__ = ("guard", "group", "control", "axis", "ranks", "position", "off")
+    __slots__ = ("guard", "group", "control", "axis", "ranks", "position", "off", "on_stream")
 
     def __init__(self, guard: Guard, group: Any, control: Any, axis: str):
         self.guard, self.group, self.control, self.axis = guard, group, control, axis
         self.ranks = tuple(dist.get_process_group_ranks(group))
         self.position = 0  # header exchanges so far
+        backend = str(dist.get_backend(group))
         # A world of one, or the fake process group of a planning run (no values to compare).
-        self.off = len(self.ranks) == 1 or dist.get_backend(group) == "fake"
+        self.off = len(self.ranks) == 1 or backend == "fake"
+        # Data collectives are waited for on the device's stream: see [Note: waiting on NCCL].
+        self.on_stream = backend == "nccl" and not self.off
 
     @property
     def size(self) -> int:
@@ -271,7 +275,7 @@ def _side_by_side(exchanges: list[tuple[Channel, Generator[Any, None, list[list[
             ch = exchanges[i][0]
             if len(pending) == 1 or work.is_completed():
                 del pending[i]
-                wait(work, ch, what)
+                wait(work, ch, what, host=True)
                 advance(i)
             elif time.monotonic() > deadline:
                 raise _lost(ch, what, RuntimeError(f"timed out after {ch.timeout:g} s"))
@@ -354,19 +358,38 @@ def _known(exc: BaseException) -> list[Any]:
     return groups
 
 
-def wait(work: Any, ch: Channel, what: str) -> None:
-    """Waits for a collective's work handle, bounded by the step timeout."""
+def wait(work: Any, ch: Channel, what: str, host: bool = False) -> None:
+    """Waits for a collective's work handle: on the host, bounded by the step timeout; a data
+    collective (not ``host``) of a channel on NCCL, on the current stream.
+
+    [Note: waiting on NCCL]
+    NCCL's ``work.wait(timeout)`` blocks the host until the collective has finished, so the
+    host could never run ahead of the device; ``work.wait()`` only makes the current stream
+    wait. So on a channel whose group runs NCCL (``Channel.on_stream``) a data collective
+    (all-gather, reduce-scatter, all-reduce, broadcast, scatter) is waited for on the stream;
+    what reads its result on the host synchronises anyway. Header exchanges (on the gloo
+    control group) and barriers, which exist to meet on the host, pass ``host=True`` and keep
+    the bounded wait; gloo's wait blocks in any case, so on the CPU every wait is bounded.
+    The step timeout still holds without it: a peer that does not come is met at the next
+    header exchange, on the host, and a collective that started but never ends is NCCL's
+    watchdog's (the process group's timeout). What that means in a pipelined step:
+    docs/ranks-that-differ.md, "Timeouts, and what a timeout leaves behind".
+    """
     if ch.off:
         work.wait()
         return
     try:
-        work.wait(datetime.timedelta(seconds=ch.timeout))
+        if ch.on_stream and not host:
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=ch.timeout))
     except RuntimeError as e:
         raise _lost(ch, what, e) from None
 
 
 class Pending:
-    """An asynchronous collective's handle whose ``wait()`` is bounded by the step timeout."""
+    """An asynchronous data collective's handle, waited for as :func:`wait` does (on the
+    host within the step timeout; on NCCL, on the stream)."""
 
     __slots__ = ("work", "ch", "what", "then")
 
