@@ -2,12 +2,13 @@
 
 docs/huggingface.md walks through it. Two commands (the second continues the first)::
 
-    torchrun --nproc-per-node 2 examples/huggingface.py --steps 4 --ckpt-dir hf-ckpt
-    python examples/huggingface.py --steps 8 --ckpt-dir hf-ckpt --export hf-gpt2
+    torchrun --nproc-per-node 2 examples/huggingface.py --steps 4 --ckpt-dir runs/hf-ckpt
+    python examples/huggingface.py --steps 8 --ckpt-dir runs/hf-ckpt --export runs/hf-gpt2
 
 The first trains 4 steps on 2 processes and saves a sharded checkpoint; the second is a
 plain ``python`` run, a world of one, that loads it, trains to step 8, writes the weights
-where ``from_pretrained`` reads them, loads them with transformers and generates.
+where ``from_pretrained`` reads them, loads them with transformers and generates. Both
+write under ``runs/``, which the repository's .gitignore ignores.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def global_batch(data: torch.Tensor, step: int, rows: int, seq_len: int) -> torc
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8, help="train up to this step")
-    p.add_argument("--ckpt-dir", default="hf-ckpt", help="sharded checkpoints; the newest there is resumed")
+    p.add_argument("--ckpt-dir", default="runs/hf-ckpt", help="sharded checkpoints; the newest there is resumed")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint interval (and after the last step)")
     p.add_argument("--export", default=None, metavar="DIR", help="at the end: save_pretrained, from_pretrained, generate")
     p.add_argument("--global-batch", type=int, default=12, help="rows per step over all ranks (12: worlds 1-4, 6)")

@@ -12,12 +12,12 @@ the meta parameters back.
 
 A unit's gathered parameters can then be dropped after its forward with no recompute:
 while the unit runs, ``saved_tensors_hooks`` (:func:`shardfn._gather.saved_handles`) pack
-every saved tensor that lives in a gathered parameter's storage as a small handle (unit,
-use, leaf, size, stride, offset) instead of a reference, so the graph holds no gathered
-memory, and the first unpack of a handle in backward gathers the unit again. When a unit
-lets go of its gathered parameters is one rule, in shardfn._gather ([Note: the life of a
-unit]); the hooks here and the handles only report the events it reads. Every call of
-``apply`` in one step shares the step's units (see [Note: the runtime]).
+every saved tensor that lives in a gathered parameter as a small handle (unit, use, the
+leaf it lies in, its size, stride and offset in that leaf) instead of a reference, so the
+graph holds no gathered memory, and the first unpack of a handle in backward gathers the
+unit again. When a unit lets go of its gathered parameters is one rule, in shardfn._gather
+([Note: the life of a unit]); the hooks here and the handles only report the events it
+reads. Every call of ``apply`` in one step shares the step's units (see [Note: the runtime]).
 
 Step by step, and what FULL_SHARD and SHARD_GRAD_OP hold with and without prefetch:
 docs/how-it-works.md, "A sharded call".

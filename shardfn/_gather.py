@@ -63,7 +63,7 @@ from . import _collectives as C
 from ._events import Purpose, ResidencyEvent, UnitEvent, emit, marker
 from ._layout import Layout, UnitLayout
 from ._offload import copy_stream, join_stream, to_device
-from ._packing import pack_shards, shard_buffer, unpack_unit
+from ._packing import leaf_holding, leaves_by_storage, pack_shards, shard_buffer, unpack_unit
 from ._plan import RematMode
 from ._recording import recording, relative_view
 from ._reduce import UnitGrads
@@ -157,7 +157,7 @@ class Unit:
         self.replica = replica  # SHARD_OPTIMIZER: the tree's kept full parameters, if still those of the shards
         self.state = State.SHARDED
         self.full: list[torch.Tensor] | None = None  # GATHERED: the full parameters
-        self.storages: dict[int, int] = {}  # GATHERED: id() of their storages -> leaf index (fake tensors have no data_ptr)
+        self.storages: dict[int, list[int]] = {}  # GATHERED: id() of their storages -> the leaves in each
         self.inflight: InFlight | None = None  # IN_FLIGHT: the all-gather started
         self.secondary: torch.Tensor | None = None  # resharded to k ranks: this rank's 1/k (see _issue)
         self.use: Use | None = None  # the use in progress
@@ -352,7 +352,7 @@ class Unit:
                     self.secondary = out.view(-1).chunk(k)[index].clone()
                 full = unpack_unit(out, leaves, world)  # one copy: FSDP2's copy-out
         self.state, self.full = State.GATHERED, full
-        self.storages = {id(t.untyped_storage()): i for i, t in enumerate(full)}
+        self.storages = leaves_by_storage(full)
         self._note(UnitEvent.GATHER if purpose is Purpose.GATHER else UnitEvent.REGATHER)
         return full
 
@@ -430,7 +430,7 @@ class Unit:
         # (the gathered parameters were made without autograd: no detach needed for a fresh view)
         full = self.full[handle.index]
         view = full if handle.kind == 1 else full.t() if handle.kind == 2 else full.as_strided(
-            handle.size, handle.stride, handle.offset)
+            handle.size, handle.stride, full.storage_offset() + handle.offset)  # its place in the leaf
         self.handles -= 1
         handle.use.pending -= 1
         # the node that reads it holds the view until it is done
@@ -441,13 +441,13 @@ class Unit:
 
 class _Handle:
     """A saved tensor that lives in a gathered parameter's storage, packed without a
-    reference to it (see [Note: how a sharded call works])."""
+    reference to it (see [Note: how a sharded call works]), at its offset in its leaf."""
 
     __slots__ = ("unit", "use", "index", "size", "stride", "offset", "kind")
 
     def __init__(self, unit: Unit, index: int, t: torch.Tensor, kind: int = 0):
-        self.unit, self.use, self.index = unit, unit.use, index
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.unit, self.use, self.index = unit, unit.use, index  # (a regather may lay the leaves out anew)
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset() - unit.full[index].storage_offset()
         self.kind = kind  # how it is made again: 0 by its offsets; 1 the parameter; 2 its transpose
 
 
@@ -460,8 +460,8 @@ def saved_handles(units: list[Unit]) -> Any:
         if t.is_sparse:
             return t
         for unit in units:
-            index = unit.storages.get(id(t.untyped_storage())) if unit.storages else None
-            if index is not None and unit.full is not None and t.dtype == unit.full[index].dtype:
+            index = leaf_holding(t, unit.full, unit.storages) if unit.storages else None
+            if index is not None:
                 found = relative_view(t, unit.full) if recording() else (index, 0)
                 if found is None:
                     return t

@@ -19,7 +19,8 @@ from ._offload import to_device_into
 LeafLayout = Any  # shardfn._layout.LeafLayout (imported there from here: no cycle)
 
 __all__ = [
-    "local_shard", "pack_leaf", "pack_shards", "pack_unit", "shard_buffer", "unpack_leaf", "unpack_unit", "with_gaps",
+    "leaf_holding", "leaves_by_storage", "local_shard", "pack_leaf", "pack_shards", "pack_unit", "shard_buffer",
+    "unpack_leaf", "unpack_unit", "with_gaps",
 ]
 
 
@@ -53,6 +54,28 @@ def unpack_unit(gathered: torch.Tensor, leaves: Sequence[LeafLayout], world: int
     if outs:
         torch.split_with_sizes_copy(gathered, [leaf.shard_numel for leaf in leaves], dim=1, out=outs)
     return [t.view(-1)[: math.prod(leaf.shape)].view(leaf.shape) for t, leaf in zip(outs, leaves)]
+
+
+def leaves_by_storage(full: Sequence[torch.Tensor]) -> dict[int, list[int]]:
+    """id() of each storage a unit's gathered parameters ``full`` live in -> the indices of
+    those in it: all of a flat unit's share one (id(), as fake tensors have no data_ptr)."""
+    out: dict[int, list[int]] = {}
+    for i, t in enumerate(full):
+        out.setdefault(id(t.untyped_storage()), []).append(i)
+    return out
+
+
+def leaf_holding(t: torch.Tensor, full: Sequence[torch.Tensor], by_storage: dict[int, list[int]]) -> int | None:
+    """The index of the gathered parameter whose elements ``t`` (a tensor autograd saves)
+    starts in, None if none: a view of parameter i is made again from parameter i, at its
+    place in it, however a regather lays the unit's parameters out."""
+    at = t.storage_offset()
+    for i in by_storage.get(id(t.untyped_storage()), ()):
+        start, shape, stride = full[i].storage_offset(), full[i].shape, full[i].stride()
+        end = start + 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if full[i].numel() else start
+        if full[i].dtype == t.dtype and start <= at < end:
+            return i
+    return None
 
 
 def _flat_views(flat: torch.Tensor, leaves: Sequence[LeafLayout]) -> list[torch.Tensor]:

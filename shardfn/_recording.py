@@ -77,9 +77,9 @@ def relative_view(t: Any, fulls: list[Any]) -> tuple[int, int] | None:
     """How a saved tensor is made again from the regathered parameters ``fulls`` while a
     step is recorded: ``(index, 1)`` when it is parameter ``index`` itself, ``(index, 2)``
     its transpose, None when neither (it is then kept, not packed). Eager code makes it by
-    ``as_strided`` at its storage offset; a compiled program lays its buffers out anew, so
-    that offset points elsewhere there (inductor read garbage): only views relative to the
-    parameter are safe. A flat unit's parameters share one storage: each is tried."""
+    ``as_strided`` at its offset in its parameter; a compiled program lays its buffers out
+    anew (inductor read garbage at a storage offset): only views that are the parameter or
+    its transpose are safe. A flat unit's parameters share one storage: each is tried."""
     geometry = (t.size(), t.stride(), t.storage_offset())
     for i, full in enumerate(fulls):
         if full.dtype != t.dtype:

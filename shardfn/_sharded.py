@@ -431,9 +431,13 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
     """
     # One send and one receive buffer per dtype, sized for the largest unit and reused: each
     # rank holds one gathered unit at most, whenever the backend lets go of the last one's.
+    # The dtype is the values' own, not the unit's (fp32 moments of a bf16 unit): each buffer
+    # is sized by the units whose values travel in it.
     largest: dict[torch.dtype, int] = {}
     for unit in layout.units:
-        largest[unit.dtype] = max(largest.get(unit.dtype, 0), unit.numel)
+        present = [values[n] for n in unit.leaves if n in values]
+        if present:
+            largest[present[0].dtype] = max(largest.get(present[0].dtype, 0), unit.numel)
     buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
     for unit in layout.units:
         names = [n for n in unit.leaves if n in values]
@@ -445,7 +449,7 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
             continue
         ref = values[names[0]]
         if ref.dtype not in buffers:
-            n_max = largest[unit.dtype]
+            n_max = largest[ref.dtype]
             buffers[ref.dtype] = (torch.empty(n_max, dtype=ref.dtype, device=mesh.device),
                                   torch.empty(layout.world * n_max, dtype=ref.dtype, device=mesh.device))
         send, receive = buffers[ref.dtype]

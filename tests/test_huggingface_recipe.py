@@ -75,7 +75,7 @@ def test_trained_at_2_ranks_resumed_at_1_exported_and_generated(tmp_path):
     assert sorted(losses(second)) == list(range(steps + 1, end + 1)), second
 
     # the same steps straight through, at world 1: the losses the two runs must have had
-    straight = run(["python", "examples/huggingface.py", "--steps", str(end), "--ckpt-dir", "straight"], tmp_path)
+    straight = run(["python", "examples/huggingface.py", "--steps", str(end), "--ckpt-dir", "runs/straight"], tmp_path)
     expected = losses(straight)
     for n, loss in {**losses(first), **losses(second)}.items():
         # 2 ranks sum the gradients in another order: equal to float rounding (printed to 6 decimals)
@@ -86,3 +86,15 @@ def test_trained_at_2_ranks_resumed_at_1_exported_and_generated(tmp_path):
     assert sorted(os.listdir(export)) == ["config.json", "model.safetensors"]
     generated = re.search(r"^generated (\d+) tokens: b['\"].+['\"]$", second, re.M)
     assert generated and int(generated.group(1)) == 24, second
+    # all three wrote under runs/ only, which .gitignore ignores: the checkout stays clean
+    assert sorted(os.listdir(tmp_path)) == ["runs"]
+
+
+def test_the_page_writes_under_runs_which_git_ignores():
+    """What the commands write goes under runs/, the folder .gitignore ignores (with the
+    main job's run directories), and the page says where."""
+    written = [cmd[cmd.index(opt) + 1] for cmd in (doc_command("torchrun"), doc_command("python"))
+               for opt in ("--ckpt-dir", "--export") if opt in cmd]
+    assert written and all(path.startswith("runs/") for path in written), written
+    assert "/runs/" in (ROOT / ".gitignore").read_text(encoding="utf-8").splitlines()
+    assert SCRIPT.read_text(encoding="utf-8").count('default="runs/hf-ckpt"') == 1  # --ckpt-dir left out, too

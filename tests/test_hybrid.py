@@ -93,20 +93,21 @@ def test_degenerate_axes_issue_only_what_they_need(clusters):
     assert ("replicate", "all_reduce") not in per_group and per_group[("shard", "all_gather")][0] == 3
 
 
-def _train_lm_args(steps):
+def _train_lm_args(steps, run_dir):
     return [str(ROOT / "examples" / "train_lm.py"), "--steps", str(steps), "--d-model", "32", "--layers", "2",
-            "--log-every", str(steps), "--report-all-ranks", "--progress", "plain", "--sample-tokens", "0"]
+            "--log-every", str(steps), "--report-all-ranks", "--progress", "plain", "--sample-tokens", "0",
+            "--run-dir", str(run_dir)]
 
 
 @pytest.mark.slow
-def test_two_node_torchrun_launch_hybrid_matches_single_process():
+def test_two_node_torchrun_launch_hybrid_matches_single_process(tmp_path):
     """Two torchrun launchers on loopback act as two nodes of 2 processes each."""
     steps, port = 4, free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"shardfn-{port}",
               "--max-restarts", "0"]
-    args = _train_lm_args(steps) + ["--strategy", "HYBRID_SHARD", "--replicate", "nodes"]
+    args = _train_lm_args(steps, tmp_path / "nodes") + ["--strategy", "HYBRID_SHARD", "--replicate", "nodes"]
     nodes = [
         subprocess.Popen(launch + ["--node-rank", str(n)] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, env=env, cwd=ROOT, start_new_session=True)
@@ -122,9 +123,11 @@ def test_two_node_torchrun_launch_hybrid_matches_single_process():
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     finals = {int(r): float(x) for o in outputs for r, x in re.findall(r"^rank (\d+) final loss (\S+)$", o, re.M)}
     assert sorted(finals) == [0, 1, 2, 3], "\n=====\n".join(o[-3000:] for o in outputs)
-    reference = subprocess.run([sys.executable] + _train_lm_args(steps), capture_output=True, text=True, timeout=240,
+    reference = subprocess.run([sys.executable] + _train_lm_args(steps, tmp_path / "reference"), capture_output=True, text=True, timeout=240,
                                env=env, cwd=ROOT)
     assert reference.returncode == 0, reference.stderr[-2000:]
+    # both runs wrote their metrics into the test's directory, not into the checkout
+    assert sorted(os.listdir(tmp_path)) == ["nodes", "reference"]
     (ref,) = [float(x) for x in re.findall(r"^rank 0 final loss (\S+)$", reference.stdout, re.M)]
     for rank, loss in finals.items():
         assert loss == pytest.approx(ref, rel=1e-5), (rank, loss, ref)

@@ -208,3 +208,33 @@ def test_checkpoint_and_reshard_keep_each_dtype_bitwise(clusters, tmp_path):
     for same_keys, wrong_dtype, differ, n in clusters[2].run(round_trips, str(tmp_path / "ckpt")):
         assert same_keys and n > 0
         assert wrong_dtype == [] and differ == []
+
+
+def values_of_another_dtype(placement):
+    """A small fp32 unit before a large bf16 one, and values (moments) in one dtype for both:
+    ``gather`` of a tree of such values, and ``reshard`` of an optimizer state holding them."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(16, 16).to(torch.bfloat16))
+    params, _ = sf.functionalize(model)
+    sharded = sf.shard(params, mesh, "FULL_SHARD", units=sf.by_module_type(torch.nn.Linear), placement=placement)
+    full = sf.gather(sharded)  # each value in its own dtype: the units' own
+    units = [(u.name, u.dtype) for u in sharded.layout.units if u.numel]
+    wrong = []
+    for dtype in (torch.float32, torch.bfloat16):
+        values = {n: t.detach().to(dtype) for n, t in sharded.params().items()}
+        # Casting commutes with gathering: the full values are the cast full parameters, bit for bit.
+        got = sf.gather(sharded.replace(values))
+        wrong += [(str(dtype), n) for n in full if got[n].dtype != dtype or not torch.equal(got[n], full[n].to(dtype))]
+        moved, state = sf.reshard(sharded, {"mu": values}, "SHARD_GRAD_OP")
+        got = sf.gather(moved.replace(state["mu"]))
+        wrong += [(f"reshard {dtype}", n) for n in full
+                  if got[n].dtype != dtype or not torch.equal(got[n], full[n].to(dtype))]
+    return units, wrong
+
+
+@pytest.mark.parametrize("placement", ["flat", "rows"])
+def test_gather_and_reshard_values_of_another_dtype_than_their_unit(clusters, placement):
+    for units, wrong in clusters[2].run(values_of_another_dtype, placement):
+        assert units == [("0", torch.float32), ("1", torch.bfloat16)]
+        assert wrong == []

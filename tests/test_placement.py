@@ -376,3 +376,71 @@ def test_explain_shows_each_units_placement_and_padding():
     assert all(u.padding < 3 for u in flat.units)  # flat pads to a multiple of the ranks, at most world - 1
     assert sum(u.padding for u in rows.units) > sum(u.padding for u in flat.units)
     assert "placement" in str(flat) and "whole" in str(whole)
+
+
+# -- saved tensors: each packed as a view of its own leaf ---------------------------------
+
+
+class Views(torch.nn.Module):
+    """Three parameters of one unit, each saved for backward as a view at an offset inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(6, 4))
+        self.w2 = torch.nn.Parameter(torch.randn(7))
+        self.w3 = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        h = x @ torch.sin(self.w1[2:]).t()  # rows 2.. of w1 (saved by sin): [4, 4]
+        h = h[:, :3] * self.w2[2:5]  # elements 2..4 of w2
+        return torch.tanh(h) @ self.w3[1:]  # rows 1.. of w3: [3, 4]
+
+
+def _views_loss(apply, params, batch):
+    return apply(params, batch["x"]).square().mean()
+
+
+def _saved_views(placement, regather_apart):
+    """Gradients of one FULL_SHARD batch, and for each saved-tensor handle packed in forward
+    the leaf it names and whether the saved tensor lies inside that leaf. ``regather_apart``:
+    backward's regather gives each leaf a storage of its own (an all-gather laid out anew),
+    so a handle made again from another leaf's storage, or at its absolute offset, shows."""
+    import shardfn._gather as G
+
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(torch.nn.Sequential(Views(), Views()))
+    sharded = sf.shard(params, mesh, "FULL_SHARD", units=sf.by_module_type(Views), placement=placement)
+    batch = {"x": torch.randn(2 * mesh.size, 4, generator=torch.Generator().manual_seed(1))}
+    handles, unpack, init = [], G.unpack_unit, G._Handle.__init__
+
+    def regather(*args):
+        full = unpack(*args)
+        return [t.clone() for t in full] if regather_apart and G._in_backward() else full
+
+    def record(self, unit, index, t, kind=0):
+        init(self, unit, index, t, kind)
+        leaf = unit.full[index]
+        start, end = leaf.storage_offset(), leaf.storage_offset() + leaf.numel()
+        handles.append((unit.unit.leaves[index], start <= t.storage_offset() < end))
+
+    G.unpack_unit, G._Handle.__init__ = regather, record
+    try:
+        _, grads, _ = sf.jit_grad(_views_loss, mesh)(sharded, split_batch(batch, mesh.rank, mesh.size))
+    finally:
+        G.unpack_unit, G._Handle.__init__ = unpack, init
+    return sf.gather(sharded.replace(dict(grads))), sorted(set(handles))
+
+
+@pytest.mark.parametrize("placement", ["flat", "rows"])
+def test_a_saved_view_is_made_again_from_its_own_leaf(clusters, placement):
+    every_leaf = [(f"{m}.{w}", True) for m in "01" for w in ("w1", "w2", "w3")]
+    grads = None
+    for apart in (False, True):
+        for got, handles in clusters[2].run(_saved_views, placement, apart):
+            # every leaf of both units saved, and each handle names the leaf its tensor lies in
+            assert handles == every_leaf
+            # and backward makes it again from that leaf's regathered value, wherever it lies
+            grads = grads or got
+            for n, g in grads.items():
+                assert torch.equal(got[n], g), n

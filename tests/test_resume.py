@@ -32,13 +32,16 @@ def train_lm(nproc, ckpt_dir, final_state, *extra, env=None):
     # worker can read the gloo addresses of the dead ones (10 of 11 restarts failed or hung that way here)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", "1", str(ROOT / "examples" / "train_lm.py"),
-           *CONFIG, "--ckpt-dir", str(ckpt_dir), "--final-state", str(final_state), *extra]
+           *CONFIG, "--ckpt-dir", str(ckpt_dir), "--run-dir", str(Path(ckpt_dir).parent / "run"),
+           "--final-state", str(final_state), *extra]
     t0 = time.perf_counter()
     code, stdout, stderr = run_in_session(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
                                                               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})})
     errors = "\n".join(line for line in stderr.splitlines() if "FutureWarning" not in line and "return func" not in line)
     assert code == 0, stdout[-3000:] + errors[-5000:]
     assert "shared store" not in stderr
+    # its metrics go beside its checkpoints, in the test's own directory, not into the checkout
+    assert f"metrics: {Path(ckpt_dir).parent / 'run' / 'metrics.jsonl'} (a JSON line per step)" in stdout, stdout[-3000:]
     return stdout, time.perf_counter() - t0
 
 
