@@ -37,6 +37,7 @@ class PeerError(RuntimeError):
 
     __module__ = "shardfn"
     updated: tuple[int, ...] | None = None
+    others: tuple[int, ...] = ()  # the other ranks known to have raised at the same time
 
     def __init__(self, message: str, rank: int, original: str):
         super().__init__(message)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextvars
 import datetime
-import re
 import time
 import traceback
 from collections.abc import Generator, Iterable, Iterator
@@ -292,12 +291,17 @@ def _exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
         raise told(_failed_late(ch, headers), ch)
     if failed and mine[STATUS] < FAILED:
         origin, original = _read_failure(*failed[0])
-        others = sorted({_read_failure(r, status)[0] for r, status in failed[1:]} - {origin})
-        also = f" (and ranks {others})" if others else ""
-        raise told(PeerError(
-            f"[rank {me}] shardfn: rank {origin} raised{also}, so this rank stops too (nothing was updated):\n"
-            f"  {original}\nSee rank {origin}'s traceback for where.", origin, original), ch)
+        others = tuple(sorted({_read_failure(r, status)[0] for r, status in failed[1:]} - {origin}))
+        error = PeerError(f"[rank {me}] shardfn: {_raised_by(origin, others)}, so this rank stops too (nothing was "
+                          f"updated):\n  {original}\nSee rank {origin}'s traceback for where.", origin, original)
+        error.others = others
+        raise told(error, ch)
     return headers
+
+
+def _raised_by(origin: int, others: tuple[int, ...]) -> str:
+    """How a PeerError names the ranks that raised: the origin, and the others it knows of."""
+    return f"rank {origin} raised" + (f" (and ranks {list(others)})" if others else "")
 
 
 def failed_at(exc: BaseException, failure: int | None = None) -> int:
@@ -558,16 +562,12 @@ def _raised_here(mesh: Any, exc: BaseException, seen: Told | None) -> str:
 
 
 def _name_the_others(exc: PeerError, seen: Told) -> None:
-    """Adds to the ranks ``exc``'s first line names the ones whose failed headers this rank
-    met while passing it on (peers that raised at the same time)."""
-    named = re.search(rf"rank {exc.rank} raised(?: \(and ranks \[([0-9, ]+)\]\))?", exc.args[0])
-    if named is None:
-        return
-    before = {int(r) for r in (named.group(1) or "").split(",") if r.strip()}
-    others = sorted(before | (set(seen.raised) - {exc.rank}))
-    if len(others) > len(before):
-        text = exc.args[0]
-        exc.args = (f"{text[:named.start()]}rank {exc.rank} raised (and ranks {others}){text[named.end():]}",)
+    """Adds to the ranks ``exc`` names the ones whose failed headers this rank met while
+    passing it on (peers that raised at the same time)."""
+    others = tuple(sorted((set(exc.others) | set(seen.raised)) - {exc.rank}))
+    if others != exc.others:
+        text = exc.args[0].replace(_raised_by(exc.rank, exc.others), _raised_by(exc.rank, others), 1)
+        exc.args, exc.others = (text,), others
 
 
 @contextmanager
