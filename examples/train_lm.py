@@ -28,6 +28,9 @@ directory of the run that saved the checkpoint, so a restart continues the same 
 ``tokens_per_s``, ``peak_memory_bytes`` and ``comm_bytes`` (rank 0's, that step). At the
 end it draws ``loss_curves.png`` there (train and validation loss), with matplotlib
 (``pip install matplotlib``, or the ``plot`` extra); without it, it says so in one line.
+To draw it again from a run's ``metrics.jsonl``, without training::
+
+    python examples/train_lm.py --plot runs/<date>-<time>/metrics.jsonl
 """
 
 from __future__ import annotations
@@ -143,8 +146,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bar: a progress bar (tqdm) with loss, tokens/s, peak memory and traffic; plain: one line "
                    "per step (for logs)")
     p.add_argument("--sample-tokens", type=int, default=200, help="tokens of text generated at the end (0: none)")
+    p.add_argument("--plot", default=None, metavar="METRICS",
+                   help="only draw loss_curves.png beside a run's metrics.jsonl (runs/<date>-<time>/metrics.jsonl), "
+                   "then exit: no training, no process group")
     p.add_argument("--final-state", default=None, help=argparse.SUPPRESS)  # tests: rank 0 torch.saves the full state
     args = p.parse_args(argv)
+    if args.plot is not None and not os.path.isfile(args.plot):
+        p.error(f"--plot {args.plot}: no such file (give a run's metrics.jsonl, e.g. runs/<date>-<time>/metrics.jsonl)")
     if args.replicate not in (None, "nodes"):
         args.replicate = int(args.replicate)
     if args.strategy.startswith("HYBRID") and args.replicate is None:
@@ -230,10 +238,12 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_losses(run_dir: str, title: str) -> str:
+def plot_losses(run_dir: str, title: str, metrics: str | None = None) -> str:
     """Draws ``loss_curves.png`` (train and validation loss by step) from the run's
-    ``metrics.jsonl``; returns the line to print: where the picture is, or how to get it."""
-    metrics, png = os.path.join(run_dir, METRICS), os.path.join(run_dir, CURVES)
+    ``metrics.jsonl`` (or the file ``metrics``, beside which it goes); returns the line to
+    print: where the picture is, or how to get it."""
+    metrics = metrics or os.path.join(run_dir, METRICS)
+    png = os.path.join(os.path.dirname(metrics), CURVES)
     try:
         import matplotlib
 
@@ -330,6 +340,12 @@ def die_if_told(n: int, mesh: sf.Mesh) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.plot is not None:  # draw a finished (or running) run's curves again, nothing else
+        line = plot_losses(os.path.dirname(args.plot), f"examples/train_lm.py: {args.plot}", args.plot)
+        if not line.startswith("loss curves: "):
+            sys.exit(line)  # no matplotlib: the line says how to get it, and the exit status that nothing was drawn
+        say(line)
+        return
     torch.set_num_threads(args.threads)
     warn_if_restarts_share_the_store()
     mesh = sf.Mesh.from_env(replicate=args.replicate)

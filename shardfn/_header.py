@@ -113,6 +113,12 @@ def fix(headers: list[list[int]], names: dict[int, str]) -> str:
                "filesystem), and do not write into it while loading.")
     elif same_but_rows and _PURPOSES[headers[0][WHAT] % 64] is Purpose.REDUCE:
         fix = _UNITS_FIX  # a bucket some of whose units some ranks did not run
+    elif same_but_rows and len({h[DETAIL] & 0xFFFFFFFF for h in headers}) == 1:  # as many rows: the tokens differ
+        fix = ("The ranks' batches have as many rows but different numbers of tokens (the elements of the batch's "
+               "first integer tensor): a plain mean loss would weight every rank's mean equally, which is not the "
+               "mean over the global batch's tokens. Return shardfn.Mean(total, count) from loss_fn (the sum of the "
+               "per-token losses and the number of tokens) to weight every token exactly, or give every rank the "
+               "same number of tokens.")
     elif same_but_rows:
         fix = ("A plain mean loss over batches of different sizes would weight every rank's mean equally, which is "
                "not the mean over the global batch. Give every rank the same number of rows, or return "

@@ -376,7 +376,10 @@ class Layout:
             )
         per_step = self.collectives_per_step()
         if per_step:
-            desc = ", ".join(f"{c} {k} ({b * mb:.2f} MiB)" for k, (c, b) in per_step.items())
+            alone = {k: sum(self.unit_collectives(u).get(k, (0, 0))[0] for u in self.units) for k in per_step}
+            desc = ", ".join(f"{c} {k} ({b * mb:.2f} MiB"  # and how many the units would issue without buckets
+                             + (f"; buckets merge the units' {alone[k]} into {c})" if alone[k] != c else ")")
+                             for k, (c, b) in per_step.items())
             lines.append(f"  per step and rank: {desc}")
         return "\n".join(lines)
 

@@ -187,3 +187,38 @@ def test_train_lm_restart_continues_the_metrics_of_its_run(tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert resumed[:2] == first[:2] and resumed[2]["loss"] == first[2]["loss"]  # bitwise: one process both times
     assert [r["step"] for r in resumed if r["val_loss"] is not None] == [2, 4]
+
+
+def readme_section(title: str) -> str:
+    """The README's section under ``## title``, up to the next ``## `` heading."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def test_readme_two_commands_are_two_and_the_first_draws_the_loss_curve():
+    blocks = re.findall(r"^```bash\n(.*?)^```$", readme_section("Two commands"), re.M | re.S)
+    assert len(blocks) == 2, blocks  # exactly the two commands the heading promises
+    main_job, tests = (b.strip() for b in blocks)
+    assert "torchrun --nproc-per-node 2 examples/train_lm.py" in main_job and "pytest" in tests
+    # the main job draws loss_curves.png only with matplotlib: its install takes the plot extra
+    installs = re.findall(r'pip install -e "?\.\[([a-z,]+)\]"?', main_job)
+    assert installs and "plot" in installs[0].split(","), main_job
+    extra = re.search(r"^plot = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M)
+    assert extra and '"matplotlib"' in extra.group(1)
+
+
+def test_train_lm_draws_the_loss_curves_again_from_a_metrics_file(tmp_path):
+    """``python examples/train_lm.py --plot runs/<dir>/metrics.jsonl``, as the README says."""
+    assert "python examples/train_lm.py --plot runs/<date>-<time>/metrics.jsonl" in readme_section("A run's loss curve")
+    write_metrics(tmp_path / "metrics.jsonl")
+    cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"), "--plot", str(tmp_path / "metrics.jsonl")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout == f"loss curves: {tmp_path / 'loss_curves.png'}\n"
+    assert (tmp_path / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == ["loss_curves.png", "metrics.jsonl"]  # no training, no run directory
+    missing = subprocess.run(cmd[:-1] + [str(tmp_path / "none.jsonl")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and f"--plot {tmp_path / 'none.jsonl'}: no such file" in missing.stderr

@@ -81,12 +81,16 @@ def test_layout_printout_and_costs():
     # both layers in one bucket ([Note: buckets]): one all-gather in forward, one in backward, one reduce-scatter
     assert layout.gather_buckets == layout.buckets == ((0, 1),)
     assert layout.collectives_per_step() == {"all_gather": (2, 4 * 81 * 4), "reduce_scatter": (1, 2 * 81 * 4)}
+    # the printout says that buckets merged the units' collectives, and how many they had
+    assert ("per step and rank: 2 all_gather (0.00 MiB; buckets merge the units' 4 into 2), "
+            "1 reduce_scatter (0.00 MiB; buckets merge the units' 2 into 1)") in text, text
     # Flat (the default): the 72 elements of a layer end to end, 24 per rank, no padding; each
     # layer alone (bucket_bytes=0): two all-gathers and a reduce-scatter per layer.
     flat = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer), bucket_bytes=0), (3,), 3, 1, params,
                         ["layers.0", "layers.1"], tree_info(None, params))
     assert [u.numel for u in flat.units] == [24, 24] and "placement flat" in str(flat) and "placement rows" in text
     assert flat.collectives_per_step() == {"all_gather": (4, 4 * 72 * 4), "reduce_scatter": (2, 2 * 72 * 4)}
+    assert "per step and rank: 4 all_gather (0.00 MiB), 2 reduce_scatter (0.00 MiB)" in str(flat)  # nothing merged
     same = build_layout(Plan("FULL_SHARD", units=sf.by_module_type(Layer), placement="rows"), (3,), 3, 1, params,
                         ["layers.0", "layers.1"], tree_info(None, params))
     assert same.fingerprint() == layout.fingerprint() != flat.fingerprint()

@@ -263,6 +263,20 @@ def uneven_rows(mean):
     return {**out, "unchanged": _unchanged(before, sharded, state)}
 
 
+def uneven_tokens():
+    """As many rows on every rank, but token ids of different lengths: a plain mean loss."""
+    torch.manual_seed(0)
+    mesh, apply, sharded = _setup(Stack())
+    opt = adamw(1e-2)
+    step = sf.jit_step(lambda apply, p, b: apply(p, b["x"]).pow(2).mean(), mesh, optimizer=opt)
+    state = opt.init(sharded)
+    batch = {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(mesh.rank)),
+             "ids": torch.zeros(4, 3 + mesh.rank, dtype=torch.long)}  # 12 tokens on rank 0, 16 on rank 1
+    before = _snapshot(sharded, state)
+    out = _outcome(lambda: step(sharded, state, batch))
+    return {**out, "unchanged": _unchanged(before, sharded, state)}
+
+
 def eval_on_one_rank():
     torch.manual_seed(0)
     mesh, apply, sharded = _setup(Stack())
@@ -438,6 +452,16 @@ def test_batches_of_different_sizes(clusters):
         assert "shardfn.Mean" in out["message"]
     outs = clusters[2].run(uneven_rows, True)  # Mean weighs every element: nothing to refuse
     assert all(out["error"] is None for out in outs)
+
+
+def test_batches_of_equal_rows_but_different_tokens(clusters):
+    for out in clusters[2].run(uneven_tokens):
+        assert out["error"] == "DivergenceError" and out["unchanged"], out
+        assert "batch of 4 rows, 12 tokens" in out["message"] and "batch of 4 rows, 16 tokens" in out["message"]
+        # the fix names what differs (tokens, not rows) and both ways out
+        assert "same number of rows" not in out["message"], out["message"]
+        assert "different numbers of tokens" in out["message"] and "the same number of tokens" in out["message"]
+        assert "shardfn.Mean(total, count)" in out["message"]
 
 
 def test_evaluating_on_one_rank_while_the_other_steps(clusters):
