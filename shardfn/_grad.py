@@ -339,7 +339,9 @@ def _scalars(*ts: torch.Tensor) -> list[float | None]:
     the state changes (``None`` for fake tensors: a planning run has no values)."""
     if any(is_fake(t) for t in ts):
         return [None] * len(ts)
-    return torch.stack([t.detach().double() for t in ts]).tolist()
+    # fp64 only for a count of tokens (exact to 2**53); fp32 metrics are read as they are
+    dtype = torch.float32 if all(t.is_floating_point() for t in ts) else torch.float64
+    return torch.stack([t.detach().to(dtype) for t in ts]).tolist()
 
 
 def _flat_aux(auxes: list[Any]) -> tuple[torch.Tensor, Any]:
