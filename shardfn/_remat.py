@@ -26,7 +26,7 @@ import torch.utils.checkpoint
 
 from ._events import Purpose
 from ._plan import RematMode
-from ._recording import Unrecordable, recording
+from ._recording import Unrecordable
 
 __all__ = ["remat_forward"]
 
@@ -63,7 +63,7 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
                 for u in reversed(units):
                     u.exit()  # the use ends; a kept unit holds its parameters (Unit.holds)
 
-        if selective and recording():
+        if selective and unit.runtime.scope.recording:
             raise Unrecordable("selective remat chooses what to save by dispatch modes that a recorded step cannot hold",
                                "full remat (Remat() without mode='selective')")
         context_fn = _selective(unit.layout.plan.remat.save) if selective else torch.utils.checkpoint.noop_context_fn

@@ -1,0 +1,58 @@
+"""A step's backward without the caller's ContextVars, as CUDA runs it on autograd's device
+threads (tests/device_thread.py): the step is bit for bit the step on the calling thread.
+DESIGN.md: "nothing that backward reads lives in a ContextVar"."""
+
+import pytest
+import torch
+
+import shardfn as sf
+from bounds import ADAMW
+from device_thread import backward_without_context
+from shardfn.testing import count_ops, split_batch
+from test_equivalence import gpt_batches, gpt_loss, gpt_model
+
+# A graph step runs its first call eagerly, records the second and replays the others.
+STEPS = 4
+
+
+def _train(strategy, how, without_context):
+    """The loss of every call, the collectives it dispatched and the guard's header exchanges,
+    the full parameters after them, how many backwards ran and recordings were made; the
+    backwards run without the caller's context, or with it."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, sf.Plan(strategy))
+    options = {"graph": "eager"} if how == "graph" else {"on_nonfinite": "raise_next"}
+    step = sf.jit_step(gpt_loss, mesh, optimizer=ADAMW(), **options)
+    state = step.init(sharded)
+    losses, collectives, headers = [], [], []
+    with backward_without_context(empty=without_context) as seen:
+        for b in gpt_batches(STEPS):
+            before = mesh.guard.headers
+            with count_ops() as ops:
+                sharded, state, metrics = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+            losses.append(metrics["loss"].detach().clone())
+            collectives.append(sorted(ops.collectives.items()))
+            headers.append(mesh.guard.headers - before)
+    return {"losses": torch.stack(losses), "params": sf.gather(sharded), "collectives": collectives,
+            "headers": headers, "backwards": seen.calls, "recordings": getattr(step, "recordings", None)}
+
+
+@pytest.mark.parametrize("how", ["eager", "graph"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_a_backward_without_the_callers_context_gives_the_same_step(clusters, strategy, how):
+    plain = clusters[2].run(_train, strategy, how, False)
+    moved = clusters[2].run(_train, strategy, how, True)
+    for rank, (a, b) in enumerate(zip(plain, moved)):
+        # Every backward went through the helper: one per eager call, those of the recording.
+        assert b["backwards"] == a["backwards"] >= (2 if how == "graph" else STEPS), (rank, a["backwards"], b["backwards"])
+        assert b["recordings"] == a["recordings"] == (1 if how == "graph" else None)
+        # The same collectives, checked by the same headers: in the recorded program too.
+        assert b["collectives"] == a["collectives"], (rank, a["collectives"], b["collectives"])
+        assert b["headers"] == a["headers"], (rank, a["headers"], b["headers"])
+        assert torch.equal(b["losses"], a["losses"]), (rank, a["losses"], b["losses"])
+        assert a["params"].keys() == b["params"].keys()
+        for name, p in a["params"].items():
+            assert torch.equal(b["params"][name], p), (rank, name, (b["params"][name] - p).abs().max())
+
