@@ -9,10 +9,11 @@ import shardfn as sf
 from bounds import ADAMW
 from device_thread import backward_without_context
 from shardfn.testing import count_ops, split_batch
-from test_equivalence import gpt_batches, gpt_loss, gpt_model
+from test_equivalence import GPT_CFG, gpt_batches, gpt_loss, gpt_model
 
 # A graph step runs its first call eagerly, records the second and replays the others.
 STEPS = 4
+GPT_LAYERS = GPT_CFG.n_layers  # one unit (and one recompute) per block
 
 
 def _train(strategy, how, without_context):
@@ -56,3 +57,40 @@ def test_a_backward_without_the_callers_context_gives_the_same_step(clusters, st
         for name, p in a["params"].items():
             assert torch.equal(b["params"][name], p), (rank, name, (b["params"][name] - p).abs().max())
 
+
+def _compiled_recomputes(without_context):
+    """How many times a compiled unit forward ran in backward (a remat recompute) in one step
+    with ``compile="aot_eager"`` and full remat, and how many backwards ran; the backward
+    without the caller's context, or with it."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, sf.Plan("FULL_SHARD", remat=sf.Remat()))
+    step = sf.jit_step(gpt_loss, mesh, optimizer=ADAMW(), compile="aot_eager")
+    state = step.init(sharded)
+    recomputes = [0]
+    compile_ = torch.compile
+
+    def counting(fn, **kwargs):  # (the units' forwards are compiled anew for each model)
+        compiled = compile_(fn, **kwargs)
+
+        def run(*args, **kw):
+            recomputes[0] += torch._C._current_graph_task_id() != -1  # in backward
+            return compiled(*args, **kw)
+        return run
+
+    torch.compile = counting
+    try:
+        with backward_without_context(empty=without_context) as seen:
+            step(sharded, state, split_batch(gpt_batches(1)[0], mesh.rank, mesh.size))
+    finally:
+        torch.compile = compile_
+    return recomputes[0], seen.calls
+
+
+def test_a_remat_recompute_without_the_callers_context_runs_the_compiled_forward(clusters):
+    plain, moved = (clusters[1].run(_compiled_recomputes, empty)[0] for empty in (False, True))
+    # The recompute runs the forward compiled, as the forward ran: else the checkpoint finds
+    # other saved tensors (CheckpointError), or the same ones with other roundings.
+    assert moved[1] >= 1  # (torch's own backwards count too: aot_autograd's, tracing a new forward)
+    assert moved[0] == plain[0] == GPT_LAYERS, (plain, moved)
