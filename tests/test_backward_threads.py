@@ -47,7 +47,8 @@ def test_a_backward_without_the_callers_context_gives_the_same_step(clusters, st
     moved = clusters[2].run(_train, strategy, how, True)
     for rank, (a, b) in enumerate(zip(plain, moved)):
         # Every backward went through the helper: one per eager call, those of the recording.
-        assert b["backwards"] == a["backwards"] >= (2 if how == "graph" else STEPS), (rank, a["backwards"], b["backwards"])
+        assert b["backwards"] == a["backwards"] >= (2 if how == "graph" else STEPS), (rank, a["backwards"],
+                                                                                   b["backwards"])
         assert b["recordings"] == a["recordings"] == (1 if how == "graph" else None)
         # The same collectives, checked by the same headers: in the recorded program too.
         assert b["collectives"] == a["collectives"], (rank, a["collectives"], b["collectives"])
@@ -94,3 +95,41 @@ def test_a_remat_recompute_without_the_callers_context_runs_the_compiled_forward
     # other saved tensors (CheckpointError), or the same ones with other roundings.
     assert moved[1] >= 1  # (torch's own backwards count too: aot_autograd's, tracing a new forward)
     assert moved[0] == plain[0] == GPT_LAYERS, (plain, moved)
+
+
+class _ReadsInBackward(torch.autograd.Function):
+    """The identity, whose backward reads its gradient on the host (a user's custom op)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (1 + 0 * sum(g.reshape(-1).tolist()))
+
+
+def _record_a_host_read_in_backward(without_context):
+    """What jit_step(graph=True) says of a loss whose backward reads a value on the host."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(gpt_model())[0], mesh, sf.Plan("FULL_SHARD"))
+
+    def loss(apply, params, batch):
+        return _ReadsInBackward.apply(gpt_loss(apply, params, batch))
+
+    step = sf.jit_step(loss, mesh, optimizer=ADAMW(), graph="eager")
+    state = step.init(sharded)
+    try:
+        with backward_without_context(empty=without_context):
+            for b in gpt_batches(2):
+                sharded, state, _ = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+    except ValueError as e:
+        return str(e)
+    return "recorded"
+
+
+def test_a_host_read_in_backward_is_refused_without_the_callers_context(clusters):
+    for without_context in (False, True):
+        message = clusters[1].run(_record_a_host_read_in_backward, without_context)[0]
+        assert "Tensor.tolist() reads a tensor's values on the host" in message, (without_context, message)
