@@ -85,7 +85,8 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
         raise RuntimeError("bind(apply, sharded) inside a step or a sharded call: bind is for inference outside a "
                            "step; inside loss_fn call apply(params, ...).")
     layout = sharded.layout
-    rt = Runtime(sharded.mesh, after_forward=AfterForward.KEEP if keep_gathered else AfterForward.FREE)
+    rt = Runtime(sharded.mesh, after_forward=AfterForward.KEEP if keep_gathered else AfterForward.FREE,
+                 where=Where.BIND)
     units = units_for(apply, sharded, rt)
     with torch.no_grad():
         state = {n: sharded[n] for n in layout.buffers}

@@ -131,7 +131,7 @@ class GatherBucket(_Bucket):
                     pack_shards(part, unit.shards, False, unit.runtime.observers, unit.unit.name,
                                 unit.layout.offsets(unit.unit, unit.rank) if unit.unit.flat else None)
             work = C.all_gather(out.view(-1), row, first.channel, purpose, self.name, async_op=True,
-                                to=first.runtime.observers)
+                                to=first.runtime.observers, scope=first.runtime.scope)
         flight = Flight(work, out, [u.unit.numel for u in self.units], self.name)
         for i, unit in enumerate(self.units):
             unit.take_flight(Share(flight, i))
@@ -224,7 +224,7 @@ class ReduceBucket(_Bucket):
                     self.part(unit).zero_()
             out = buf = self.buffer
             work = C.all_reduce(buf, first.grads.replicate, Purpose.REDUCE, self.name, op=rt.reduce_op,
-                                async_op=rt.options.overlap, to=rt.observers, detail=detail)
+                                async_op=rt.options.overlap, to=rt.observers, detail=detail, scope=rt.scope)
         else:
             rt.wait_pending()  # one bucket's unsharded gradients in flight at a time
             parts = [u.grads.acc.view(self.rows, -1) if u in ready else
@@ -234,7 +234,7 @@ class ReduceBucket(_Bucket):
             del parts
             out = torch.empty(self.numel, dtype=first.unit.reduce_dtype, device=buf.device)
             work = C.reduce_scatter(out, buf.view(-1), first.channel, Purpose.REDUCE, self.name, op=rt.reduce_op,
-                                    async_op=rt.options.overlap, to=rt.observers, detail=detail)
+                                    async_op=rt.options.overlap, to=rt.observers, detail=detail, scope=rt.scope)
         if rt.options.overlap:
             rt.add_pending(work, (buf, out), bucket=self.rows == 1)
         for unit, off in zip(self.units, self.offsets):

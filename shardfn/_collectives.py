@@ -26,7 +26,6 @@ from torch.distributed import ProcessGroup, ReduceOp
 from . import _guard as G
 from ._compat import all_gather_single, reduce_scatter_single
 from ._events import Collective, CollectiveCall, Purpose, emit, label, marker, observers
-from ._recording import recording
 
 __all__ = [
     "AVG", "MAX", "MIN", "SUM", "all_gather", "all_gather_mesh", "all_reduce", "all_reduce_mesh", "barrier",
@@ -38,14 +37,13 @@ AVG, SUM, MAX, MIN = ReduceOp.AVG, ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN
 
 
 def _record(kind: Collective, ch: G.Channel, t: torch.Tensor, purpose: Purpose, unit: str, to: Any,
-            detail: int = 0, op: ReduceOp | None = None) -> None:
+            scope: G.Scope, detail: int = 0, op: ReduceOp | None = None) -> None:
     """Agrees on the collective with the other ranks (see [Note: the schedule guard]; in a
     step, [Note: the pipelined guard]), then reports it."""
-    run = G.current_run()
-    if run is not None:
-        run.collective(ch, kind, purpose, unit, t, op, detail)
+    if scope.run is not None:
+        scope.run.collective(ch, kind, purpose, unit, t, op, detail, scope)
     else:
-        G.agree(ch, kind, purpose, unit, t.numel() * t.element_size(), detail, t.dtype)
+        G.agree(ch, kind, purpose, unit, t.numel() * t.element_size(), detail, t.dtype, scope)
     to = observers() if to is None else to
     if to:
         call = CollectiveCall(kind, ch.ranks, t.numel() * t.element_size(), t.dtype,
@@ -58,15 +56,18 @@ def _range(kind: Collective, purpose: Purpose, unit: str):
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose: Purpose, unit: str = "",
-               async_op: bool = False, to: Any = None, detail: int = 0) -> Any:
+               async_op: bool = False, to: Any = None, detail: int = 0, scope: G.Scope | None = None) -> Any:
     """``out`` (``group size * inp.numel()`` elements) receives every rank's ``inp``, rank-major.
 
     ``to``: the observers to report to (default: those active here; a step passes its own).
     ``detail``: a number every rank must agree on (a hash of the shape of ``inp``).
+    ``scope``: the caller's shardfn._guard.Scope (default: the calling thread's); a runtime
+    passes its own, which holds in backward too ([Note: backward on device threads]).
     """
-    _record(Collective.ALL_GATHER, ch, out, purpose, unit, to, detail)
+    scope = G.here() if scope is None else scope
+    _record(Collective.ALL_GATHER, ch, out, purpose, unit, to, scope, detail)
     with _range(Collective.ALL_GATHER, purpose, unit):
-        if recording():  # straight into ``out``, as eagerly: a copy of every gathered unit less
+        if scope.recording:  # straight into ``out``, as eagerly: a copy of every gathered unit less
             work = _Functional(out, _F.all_gather_into_tensor_out(inp.reshape(-1), ch.size, ch.group.group_name,
                                                                   out=out.view(-1)))
         else:
@@ -75,15 +76,18 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose: Pur
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, ch: G.Channel, purpose: Purpose, unit: str = "",
-                   op: ReduceOp = AVG, async_op: bool = False, to: Any = None, detail: int = 0) -> Any:
+                   op: ReduceOp = AVG, async_op: bool = False, to: Any = None, detail: int = 0,
+                   scope: G.Scope | None = None) -> Any:
     """``out`` receives this rank's chunk of the average (or ``op``) of ``inp`` over ``ch``'s group.
 
     With ``async_op`` it returns the work handle: ``out`` is valid after ``work.wait()``
     and ``inp`` must stay alive until then. ``detail``: a number every rank must agree on.
+    ``scope``: as :func:`all_gather`'s.
     """
-    _record(Collective.REDUCE_SCATTER, ch, inp, purpose, unit, to, detail, op)
+    scope = G.here() if scope is None else scope
+    _record(Collective.REDUCE_SCATTER, ch, inp, purpose, unit, to, scope, detail, op)
     with _range(Collective.REDUCE_SCATTER, purpose, unit):
-        if recording():
+        if scope.recording:
             work, finish = _reduce_scatter_recorded(out, inp.reshape(-1), ch, op), None
         else:
             work, finish = issue_reduce_scatter(out, inp, ch.group, op)
@@ -212,14 +216,15 @@ class _Works:
 
 
 def all_reduce(t: torch.Tensor, ch: G.Channel, purpose: Purpose, unit: str = "", op: ReduceOp = AVG,
-               async_op: bool = False, to: Any = None, detail: int = 0) -> Any:
+               async_op: bool = False, to: Any = None, detail: int = 0, scope: G.Scope | None = None) -> Any:
     """In-place all-reduce of ``t`` over ``ch``'s group (``AVG``, ``SUM`` or ``MAX``).
 
     ``detail``: a number every rank must agree on, checked with the collective's header
-    (the step's metrics all-reduce passes the batch's rows)."""
-    _record(Collective.ALL_REDUCE, ch, t, purpose, unit, to, detail, op)
+    (the step's metrics all-reduce passes the batch's rows). ``scope``: as :func:`all_gather`'s."""
+    scope = G.here() if scope is None else scope
+    _record(Collective.ALL_REDUCE, ch, t, purpose, unit, to, scope, detail, op)
     with _range(Collective.ALL_REDUCE, purpose, unit):
-        if recording():
+        if scope.recording:
             work = _Functional(t, _F.all_reduce(t, _OPS[op], ch.group.group_name))
         else:
             work = issue_all_reduce(t, ch.group, op)
@@ -228,7 +233,7 @@ def all_reduce(t: torch.Tensor, ch: G.Channel, purpose: Purpose, unit: str = "",
 
 def broadcast(t: torch.Tensor, group_src: int, ch: G.Channel, purpose: Purpose, unit: str = "") -> None:
     """``t`` on every rank of ``ch`` becomes the ``t`` of its rank ``group_src``."""
-    _record(Collective.BROADCAST, ch, t, purpose, unit, None)
+    _record(Collective.BROADCAST, ch, t, purpose, unit, None, G.here())
     with _range(Collective.BROADCAST, purpose, unit):
         work = dist.broadcast(t, group=ch.group, group_src=group_src, async_op=True)
     _done(work, ch, False, Collective.BROADCAST, purpose, unit)
@@ -237,7 +242,7 @@ def broadcast(t: torch.Tensor, group_src: int, ch: G.Channel, purpose: Purpose, 
 def scatter(out: torch.Tensor, inp: torch.Tensor | None, group_src: int, ch: G.Channel, purpose: Purpose,
             unit: str = "") -> None:
     """Rank ``r`` of ``ch`` receives row ``r`` of ``inp`` (``[group size, n]``, given on ``group_src``)."""
-    _record(Collective.SCATTER, ch, out, purpose, unit, None)
+    _record(Collective.SCATTER, ch, out, purpose, unit, None, G.here())
     with _range(Collective.SCATTER, purpose, unit):
         work = dist.scatter(out, list(inp.unbind(0)) if inp is not None else None, group=ch.group, group_src=group_src,
                             async_op=True)

@@ -46,12 +46,12 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
     the graph). Pass by keyword what is constant."""
     compiled: dict[str, Callable[..., Any]] = {}
 
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def under(rt: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn`` as the runtime ``rt`` (or None: none) runs it: a remat recompute, which runs
+        in backward, names its runtime ([Note: backward on device threads] in shardfn._guard)."""
         if traced is not None and recording():  # the scalars as values of the program ([Note: recording a step])
             return traced(*(torch.tensor(a, dtype=torch.float64) if isinstance(a, float) else a for a in args),
                           **kwargs)
-        rt = current()
         backend = rt.options.compile if rt is not None else None
         if not backend:
             return fn(*args, **kwargs)
@@ -61,6 +61,11 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
             args = tuple(torch.tensor(a, dtype=torch.float32) if isinstance(a, float) else a for a in args)
         return compiled[backend](*args, **kwargs)
 
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return under(current(), *args, **kwargs)
+
+    wrapped.under = under  # type: ignore[attr-defined]
     return wrapped
 
 

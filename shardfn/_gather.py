@@ -65,7 +65,7 @@ from ._layout import Layout, UnitLayout
 from ._offload import copy_stream, join_stream, to_device
 from ._packing import leaf_holding, leaves_by_storage, pack_shards, shard_buffer, unpack_unit
 from ._plan import RematMode
-from ._recording import recording, relative_view
+from ._recording import relative_view
 from ._reduce import UnitGrads
 from ._runtime import AfterForward, Runtime, invariant
 
@@ -252,7 +252,7 @@ class Unit:
             with torch.no_grad():
                 out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
                 work = C.all_gather(out.view(-1), self.secondary, group, purpose, self.unit.name, async_op=async_op,
-                                    to=self.runtime.observers)
+                                    to=self.runtime.observers, scope=self.runtime.scope)
             return InFlight(work, out, self.secondary)
         with torch.no_grad(), copy_stream(self.device) if self.layout.offloaded else nullcontext():
             out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
@@ -264,7 +264,7 @@ class Unit:
                 mine = out[self.rank]
                 pack_shards(mine, self.shards, self.layout.offloaded, self.runtime.observers, self.unit.name, offsets)
             work = C.all_gather(out.view(-1), mine, self.channel, purpose, self.unit.name, async_op=async_op,
-                                to=self.runtime.observers)
+                                to=self.runtime.observers, scope=self.runtime.scope)
         return InFlight(work, out, mine)
 
     def prefetchable(self, forward: bool) -> bool:
@@ -462,7 +462,7 @@ def saved_handles(units: list[Unit]) -> Any:
         for unit in units:
             index = leaf_holding(t, unit.full, unit.storages) if unit.storages else None
             if index is not None:
-                found = relative_view(t, unit.full) if recording() else (index, 0)
+                found = relative_view(t, unit.full) if unit.runtime.scope.recording else (index, 0)
                 if found is None:
                     return t
                 index, kind = found

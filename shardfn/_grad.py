@@ -143,12 +143,12 @@ class Grad:
         """Computes the gradients and metrics with ``buffers`` as the working buffers, and
         yields them while the runtime is still active (a step runs its optimizer there)."""
         layout = sharded.layout
-        rt = Runtime(self.mesh, self.options, order=self.order, owner=sharded, buffers=buffers)
         run = Run(self.schedule, self.mesh) if self.mesh.size > 1 else None
+        rt = Runtime(self.mesh, self.options, order=self.order, owner=sharded, buffers=buffers, run=run)
         rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None
         done = False
         try:
-            with active(rt, run):
+            with active(rt):
                 if run is not None:
                     run.open()
                 while True:  # once, or twice when every rank's schedule changed alike

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
 from . import _guard as G
 from ._batch import count_tokens
@@ -40,7 +40,7 @@ from ._errors import CommError, DivergenceError
 from ._events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe, observers
 from ._functionalize import apply_of
 from ._graph_key import ModelAttributes, agree_on_key, refuse_moved, what_changed
-from ._recording import Unrecordable, record, recording
+from ._recording import Unrecordable, record
 from ._replay import bounded, compile_error, note_failure, peer_failures
 from ._verdict import Verdict, check_verdict
 from .optim import hyperparams
@@ -120,12 +120,16 @@ class _NoHostReads(TorchDispatchMode):
 @contextlib.contextmanager
 def _no_host_copies() -> Any:
     """``.tolist()`` and ``.numpy()`` of a CPU tensor read its values without dispatching
-    (so :class:`_NoHostReads` cannot see them): refused while recording, as the rest."""
+    (so :class:`_NoHostReads` cannot see them): refused where :class:`_NoHostReads` is on
+    the dispatch-mode stack, as the rest. That stack is torch's thread-local state, which
+    autograd carries into backward's device threads, and the guard's headers set it aside
+    (shardfn._recording.untraced): no context variable is read ([Note: backward on device
+    threads] in shardfn._guard)."""
     saved = {how: getattr(torch.Tensor, how) for how in ("tolist", "numpy")}
 
     def refuse(how: str) -> Any:
         def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if recording():
+            if any(isinstance(mode, _NoHostReads) for mode in _get_current_dispatch_mode_stack()):
                 raise Unrecordable(f"Tensor.{how}() reads a tensor's values on the host",
                                    "keep the value on the device (metrics can be read after the step)")
             return saved[how](tensor, *args, **kwargs)

@@ -31,8 +31,9 @@ and counters. Which groups already know of an error travels with the error itsel
 keep their own counts, which only messages read; an error that broke the process group
 is known to the mesh that saw it, and another mesh finds out at its next wait. Collectives take a channel where torch
 takes a process group. What a rank is doing (the header's ``where``), whether it is
-inside a guarded region and the step in progress are context variables, set and reset
-by the ``with`` blocks that own them.
+inside a guarded region and the step in progress are one context variable (a
+:class:`Scope`), set and reset by the ``with`` blocks that own them and read on the
+calling thread only; backward gets its runtime's ([Note: backward on device threads]).
 
 Cost: one small all-reduce (112 bytes, whatever the world: [Note: a fixed-size agreement])
 per collective, waited before the collective starts — except inside a step whose collectives repeat the previous steps',
@@ -58,11 +59,12 @@ from ._header import (_CONTEXTS, _DTYPES, _KINDS, _PURPOSES, DETAIL, DIVERGED, F
                       POSITION, STATUS, UNIT, WHAT, WHERE, Failure, Where, describe_header, fix, label, unit_id)
 from ._events import Collective, Purpose
 from ._memory import on_host
-from ._recording import untraced
+from ._recording import recording, untraced
 
 __all__ = [
-    "Channel", "CommError", "DivergenceError", "Failure", "Guard", "PeerError", "Where", "agree", "agree_exit",
-    "agree_words", "current_run", "exchange", "fail", "failed_at", "guarded", "running", "wait", "words",
+    "Channel", "CommError", "DivergenceError", "Failure", "Guard", "PeerError", "Scope", "Where", "agree",
+    "agree_exit", "agree_words", "current_run", "exchange", "fail", "failed_at", "guarded", "here", "running", "wait",
+    "words",
 ]
 
 DEFAULT_STEP_TIMEOUT = 60.0
@@ -71,16 +73,35 @@ _POLL_S = 0.0005  # between looks at the collectives of exchanges run side by si
 
 
 
-class _Scope(NamedTuple):
+class Scope(NamedTuple):
     """Where the running code is, as the guard sees it: one value, set by :func:`guarded`
-    and :func:`running` as their blocks nest."""
+    and :func:`running` as their blocks nest, and read once, by :func:`here`, on the thread
+    that starts a step (or a call of ``apply``). Its runtime carries it to every collective
+    its units issue, in backward too: [Note: backward on device threads]."""
 
     guarded: bool = False  # inside a guarded region (the outermost reports errors to peers)
     where: int = Where.OTHER  # what the region is: its collectives' headers say so
     run: Any = None  # the step in progress, if it checks its schedule (a shardfn._pipelined.Run)
+    recording: bool = False  # a graph step is being recorded (filled in by here(): [Note: recording a step])
 
 
-_SCOPE: contextvars.ContextVar[_Scope] = contextvars.ContextVar("shardfn_guard", default=_Scope())
+_SCOPE: contextvars.ContextVar[Scope] = contextvars.ContextVar("shardfn_guard", default=Scope())
+
+
+def here() -> Scope:
+    """The scope of the calling thread, read from its context variables: for code that runs
+    there (a step's entry, its forward, a checkpoint), never for code that runs in backward.
+
+    [Note: backward on device threads]
+    On CUDA, autograd runs backward on its own device threads. torch copies its thread-local
+    state into them (grad mode, the dispatch modes ``make_fx`` records through), but not
+    Python's context: a ContextVar set by the caller reads its default there. So nothing
+    that backward runs (a unit's regather, its reduction, a bucket's collective, a
+    saved-tensor hook, a remat recompute) reads one: what it needs is a value carried by
+    the objects backward reaches, the runtime's :class:`Scope` (``Runtime.scope``) and
+    observers, passed to the collectives as arguments. tests/test_backward_threads.py runs
+    every backward under an empty context to hold this on the CPU."""
+    return _SCOPE.get()._replace(recording=recording())
 
 
 def current_run() -> Any:
@@ -157,11 +178,12 @@ class Channel:
 
 
 def words(kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0,
-          dtype: torch.dtype | None = None) -> list[int]:
-    """The first five words of a header (what, unit, bytes, detail, where)."""
+          dtype: torch.dtype | None = None, scope: Scope | None = None) -> list[int]:
+    """The first five words of a header (what, unit, bytes, detail, where); ``scope``: the
+    caller's (default: :func:`here`)."""
     code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
     return [code * 4096 + _KINDS.index(kind) * 64 + _PURPOSES.index(purpose), unit_id(unit), nbytes, detail,
-            _SCOPE.get().where]
+            (here() if scope is None else scope).where]
 
 
 def check_alive(what: str) -> None:
@@ -176,15 +198,17 @@ def check_alive(what: str) -> None:
 
 
 def agree(ch: Channel, kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0,
-          dtype: torch.dtype | None = None) -> None:
-    """Exchanges this collective's header on ``ch``; raises unless every rank's is the same."""
+          dtype: torch.dtype | None = None, scope: Scope | None = None) -> None:
+    """Exchanges this collective's header on ``ch``; raises unless every rank's is the same.
+    ``scope``: the caller's (default: :func:`here`)."""
     ch.guard.check_alive(f"{kind.value} ({purpose.value})")
     if ch.off:
         return
-    mine = words(kind, purpose, unit, nbytes, detail, dtype)
+    scope = here() if scope is None else scope
+    mine = words(kind, purpose, unit, nbytes, detail, dtype, scope)
     if unit:
         ch.guard.names.setdefault(mine[UNIT], unit)
-    agree_words(ch, mine, f"{kind.value} ({label(purpose, unit)})")
+    agree_words(ch, mine, f"{kind.value} ({label(purpose, unit)})", scope=scope)
 
 
 def agree_exit(ch: Channel, context: str) -> None:
@@ -194,20 +218,24 @@ def agree_exit(ch: Channel, context: str) -> None:
     agree(ch, Collective.BARRIER, Purpose.EXIT, context, 0)
 
 
-def agree_words(ch: Channel, mine: list[int], what: str, position: int = 0) -> list[list[int]]:
+def agree_words(ch: Channel, mine: list[int], what: str, position: int = 0,
+                scope: Scope | None = None) -> list[list[int]]:
     """Exchanges the header ``mine`` (five words) on ``ch``; raises DivergenceError
-    unless every rank's is the same; returns them all."""
-    headers = exchange(ch, [*mine, OK, position], what)
+    unless every rank's is the same; returns them all. ``scope``: the caller's (default:
+    :func:`here`)."""
+    scope = here() if scope is None else scope
+    headers = exchange(ch, [*mine, OK, position], what, scope)
     if any(h[:STATUS] != headers[0][:STATUS] or h[STATUS] != OK for h in headers):
-        run = current_run()
+        run = scope.run
         if run is not None and any(h[STATUS] == DIVERGED for h in headers):
             raise told(DivergenceError(run.explain(ch, headers)), ch)
         raise told(DivergenceError(_diverged(ch, headers)), ch)
     return headers
 
 
-def exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
+def exchange(ch: Channel, mine: list[int], what: str, scope: Scope | None = None) -> list[list[int]]:
     """All ranks' headers; raises PeerError when a peer's header says it failed.
+    ``scope``: the caller's (default: :func:`here`).
 
     A recorded step's headers are this call's host work, not its program's ([Note:
     recording a step]).
@@ -218,8 +246,9 @@ def exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
     and that is the answer. Otherwise (a divergence, a failure, a deviation: every rank sees
     it, so every rank goes on alike) an all-gather brings each rank's header for the message.
     """
-    with untraced():
-        return _exchange(ch, mine, what)
+    scope = here() if scope is None else scope
+    with untraced(scope.recording):
+        return _exchange(ch, mine, what, scope.run)
 
 
 def _exchange_all(channels: list[Channel], mine: list[int], what: str) -> list[list[list[int]]]:
@@ -283,12 +312,12 @@ def _side_by_side(exchanges: list[tuple[Channel, Generator[Any, None, list[list[
     return results
 
 
-def _exchange(ch: Channel, mine: list[int], what: str) -> list[list[int]]:
+def _exchange(ch: Channel, mine: list[int], what: str, run: Any) -> list[list[int]]:
     me = dist.get_rank()
     headers = _side_by_side([(ch, _rounds(ch, mine))], what)[0]
     failed = [(r, h[STATUS]) for r, h in zip(ch.ranks, headers) if h[STATUS] >= FAILED]
     if failed and mine[STATUS] < FAILED and any(h[DETAIL] != Failure.BEFORE for h in headers if h[STATUS] >= FAILED):
-        raise told(_failed_late(ch, headers), ch)
+        raise told(_failed_late(ch, headers, run), ch)
     if failed and mine[STATUS] < FAILED:
         origin, original = _read_failure(*failed[0])
         others = tuple(sorted({_read_failure(r, status)[0] for r, status in failed[1:]} - {origin}))
@@ -320,10 +349,10 @@ _WAY_BACK = ("These shards are unusable now: every rank refuses to step, save, e
              "opt_state).")
 
 
-def _failed_late(ch: Channel, headers: list[list[int]]) -> PeerError:
+def _failed_late(ch: Channel, headers: list[list[int]], run: Any) -> PeerError:
     """The PeerError for peers of which at least one failed after the step's point of no
     return: which ranks updated and which did not, never "nothing was updated"."""
-    me, run = dist.get_rank(), current_run()
+    me = dist.get_rank()
     mid = run is not None and not run.opening and not run.phase1  # this rank is in that same update
     late = {r: h[DETAIL] for r, h in zip(ch.ranks, headers) if h[STATUS] >= FAILED}
     texts = {r: _read_failure(r, h[STATUS]) for r, h in zip(ch.ranks, headers) if h[STATUS] >= FAILED}

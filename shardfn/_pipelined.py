@@ -129,14 +129,15 @@ class Run:
     # -- collectives ---------------------------------------------------------------------
 
     def collective(self, ch: G.Channel, kind: Collective, purpose: Purpose, unit: str, t: torch.Tensor, op: Any,
-                   detail: int) -> None:
-        """Called before each collective of the step (shardfn._collectives)."""
+                   detail: int, scope: G.Scope) -> None:
+        """Called before each collective of the step (shardfn._collectives), with the
+        caller's scope (in backward, its runtime's: [Note: backward on device threads])."""
         if ch.off:
             return
-        words = G.words(kind, purpose, unit, t.numel() * t.element_size(), detail, t.dtype)
+        words = G.words(kind, purpose, unit, t.numel() * t.element_size(), detail, t.dtype, scope)
         entry = Entry(ch, ch.axis, tuple(words), kind, t.dtype, t.device, t.numel(), op)
         if not (self.phase1 and self.pipelined):  # checked: a waited header (recorded until the metrics)
-            G.agree_words(ch, words, f"{kind.value} ({G.label(purpose, unit)})", self.position)
+            G.agree_words(ch, words, f"{kind.value} ({G.label(purpose, unit)})", self.position, scope)
             if self.phase1:
                 self.recorded.append(entry)
                 self.position += 1

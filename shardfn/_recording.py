@@ -43,7 +43,9 @@ class Unrecordable(RuntimeError):
 
 
 def recording() -> bool:
-    """Whether a graph step is being recorded in this context (see the note)."""
+    """Whether a graph step is being recorded in this context (see the note). Read on the
+    thread that runs the step; code that runs in backward takes it from its runtime
+    (``Runtime.scope.recording``: [Note: backward on device threads] in shardfn._guard)."""
     return _RECORDING.get()
 
 
@@ -57,10 +59,12 @@ def record() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def untraced() -> Iterator[None]:
+def untraced(recorded: bool | None = None) -> Iterator[None]:
     """Tensor work that is this call's, not the recorded program's (the guard's headers):
-    runs with every dispatch mode (the recorder's) set aside."""
-    if not _RECORDING.get():
+    runs with every dispatch mode (the recorder's) set aside. ``recorded``: whether the
+    caller's step is being recorded, as its runtime carries it (default: :func:`recording`,
+    on the calling thread only: [Note: backward on device threads] in shardfn._guard)."""
+    if not (_RECORDING.get() if recorded is None else recorded):
         yield
         return
     from torch.utils._python_dispatch import _disable_current_modes

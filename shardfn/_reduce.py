@@ -220,10 +220,10 @@ class UnitGrads:
         else:
             out = torch.empty(u.grad_numel, dtype=u.reduce_dtype, device=buf.device)
             work = C.reduce_scatter(out, buf.view(-1), unit.channel, Purpose.REDUCE, u.name, op=op,
-                                    async_op=asynchronous, to=rt.observers)
+                                    async_op=asynchronous, to=rt.observers, scope=rt.scope)
         if lay.reduction.all_reduces:  # NO_SHARD, and the hybrid strategies' replicate axis
             work = C.all_reduce(out, self.replicate, Purpose.REDUCE, u.name, op=op, async_op=asynchronous,
-                                to=rt.observers)
+                                to=rt.observers, scope=rt.scope)
         if asynchronous and work is not None:
             rt.add_pending(work, (buf, out))
         return out

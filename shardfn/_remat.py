@@ -18,6 +18,7 @@ original forward, not again by the recompute.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch.utils.checkpoint
 
 from ._events import Purpose
 from ._plan import RematMode
-from ._recording import Unrecordable, recording
+from ._recording import Unrecordable
 
 __all__ = ["remat_forward"]
 
@@ -42,6 +43,9 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
             return forward(*args, **kwargs)
         unit = units[0]
         selective = unit.unit.remat is RematMode.SELECTIVE
+        # The forward as its runtime runs it (compiled or not), in the recompute too, which
+        # runs in backward ([Note: backward on device threads] in shardfn._guard).
+        run = functools.partial(forward.under, unit.runtime) if hasattr(forward, "under") else forward
         # The unit's buffers as this forward finds them (functional_call has put the tree's in);
         # without grad there is no backward, so no recompute to keep them for.
         kept = [(sub, name, t.detach().clone()) for sub in module.modules() for name, t in sub._buffers.items()
@@ -56,14 +60,14 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
             for sub, name, t in kept if recompute else ():
                 sub._buffers[name] = t  # (no op here: selective remat replays the region's ops one for one)
             try:
-                return forward(*args, **kwargs)
+                return run(*args, **kwargs)
             finally:
                 for sub, name, t in swapped:
                     sub._buffers[name] = t
                 for u in reversed(units):
                     u.exit()  # the use ends; a kept unit holds its parameters (Unit.holds)
 
-        if selective and recording():
+        if selective and unit.runtime.scope.recording:
             raise Unrecordable("selective remat chooses what to save by dispatch modes that a recorded step cannot hold",
                                "full remat (Remat() without mode='selective')")
         context_fn = _selective(unit.layout.plan.remat.save) if selective else torch.utils.checkpoint.noop_context_fn

@@ -15,8 +15,11 @@ block. It owns, for that step and no longer:
 * the step's collective log (``metrics["comm_bytes"]``) and the observers to report to.
 
 The step in progress is found through one ``ContextVar`` (:func:`current`), by ``apply``
-and by :func:`shardfn.optim.psum`. Code that runs in backward (reductions, regathers)
-holds a reference to the runtime instead: on CUDA autograd runs it on a device thread.
+and by :func:`shardfn.optim.psum`, on the calling thread. Code that runs in backward
+(reductions, regathers, saved-tensor hooks, recomputes) holds a reference to the runtime
+instead, and takes from it all it would read from a context: the runtime's ``scope``
+(where it runs, its pipelined run, whether it is recorded) and ``observers``, fixed when
+the runtime is built ([Note: backward on device threads] in shardfn._guard).
 
 [Note: averaging gradients]
 One rule, owned here: inside a step every gradient reduction *sums* over the ranks, and
@@ -109,6 +112,8 @@ class Runtime:
         owner: Any = None,
         buffers: Any = None,
         after_forward: AfterForward | None = None,
+        run: Any = None,
+        where: int | None = None,
     ):
         self.mesh = mesh
         self.in_step = options is not None  # a step's (or jit_grad's) runtime, with the step's options
@@ -123,6 +128,10 @@ class Runtime:
         self.log = CollectiveLog()
         # A step reports to the observers active when it started, and to its own log.
         self.observers = (*observers(), self.log) if self.in_step else observers()
+        # What its collectives' headers say, the step's pipelined run (shardfn._pipelined) and
+        # whether it is recorded: read here, on the calling thread, for backward to use.
+        where = where if where is not None else _guard.Where.STEP if self.in_step else _guard.Where.APPLY
+        self.scope = _guard.here()._replace(guarded=True, where=where, run=run)
         self._trees: list[tuple[Any, dict[int, RunningUnit]]] = []  # (sharded tree, its units by unit index)
         self._pending: list[tuple[Any, Any]] = []  # the reduction in flight: (work, buffers to keep alive)
         self.reduced: list[tuple[RunningUnit, Any]] = []  # (unit, reduced shard gradient), in order
@@ -280,13 +289,12 @@ def current() -> Runtime | None:
 
 
 @contextmanager
-def active(rt: Runtime, run: Any = None) -> Iterator[Runtime]:
+def active(rt: Runtime) -> Iterator[Runtime]:
     """Makes ``rt`` the step in progress for the block; an error in it reaches every rank
-    (see [Note: the schedule guard]). ``run``: the step's shardfn._pipelined.Run."""
+    (see [Note: the schedule guard])."""
     token = _CURRENT.set(rt)
     try:
-        with _guard.running(run), _guard.guarded(rt.mesh, _guard.Where.STEP if rt.in_step else _guard.Where.APPLY), \
-                observe(rt.log):
+        with _guard.running(rt.scope.run), _guard.guarded(rt.mesh, rt.scope.where), observe(rt.log):
             yield rt
     finally:
         _CURRENT.reset(token)
