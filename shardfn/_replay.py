@@ -33,12 +33,13 @@ _KEY = "shardfn/replay-failed/{rank}"
 
 @contextlib.contextmanager
 def bounded(mesh: Any, on: bool) -> Iterator[None]:
-    """The block's collectives on ``mesh``'s groups wait at most the step timeout (``on``)."""
+    """The block's collectives on ``mesh``'s gloo groups wait at most the step timeout (``on``).
+    An NCCL group's timeout is its watchdog's, fixed when it was made ([Note: waiting on NCCL])."""
     backends = []
     if on:
         for axis in mesh.axis_names:
             ch = mesh.channel(axis)
-            if not ch.off:
+            if not ch.off and not ch.on_stream:  # NCCL: its watchdog, at the group's own timeout
                 backend = ch.group._get_backend(torch.device("cpu"))
                 backends.append((backend, backend.options._timeout))
                 backend.set_timeout(datetime.timedelta(seconds=ch.timeout))

@@ -280,3 +280,29 @@ def test_a_replay_that_raises_on_one_rank_ends_the_peers_within_the_step_timeout
     assert peer["error"] == "CommError", peer
     assert "rank 0 raised in its replay: RuntimeError: boom (a test)" in peer["message"], peer
     assert peer["seconds"] < 2.0 + 3.0  # the step timeout, and the roll call's few seconds at most
+
+
+def test_a_replay_leaves_an_nccl_groups_timeout_to_its_watchdog():
+    # bounded() sets gloo's timeout through the group's CPU backend, which an NCCL group does
+    # not have: there it must leave the group alone (its watchdog bounds the replay)
+    from types import SimpleNamespace
+
+    from shardfn._replay import bounded
+
+    class Group:
+        def __init__(self):
+            self.timeouts = []
+
+        def _get_backend(self, device):
+            backend = SimpleNamespace(options=SimpleNamespace(_timeout="before"))
+            backend.set_timeout = self.timeouts.append
+            return backend
+
+    gloo, nccl = Group(), Group()
+    nccl._get_backend = None  # calling it would raise TypeError, as a missing backend raises
+    channels = {"shard": SimpleNamespace(off=False, on_stream=False, group=gloo, timeout=7.0),
+                "replicate": SimpleNamespace(off=False, on_stream=True, group=nccl, timeout=7.0)}
+    mesh = SimpleNamespace(axis_names=("replicate", "shard"), channel=channels.__getitem__)
+    with bounded(mesh, True):
+        assert [t.total_seconds() for t in gloo.timeouts] == [7.0]
+    assert gloo.timeouts[-1] == "before" and nccl.timeouts == []
