@@ -35,13 +35,14 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
 from . import _guard as G
+from ._failures import describe
 from ._batch import count_tokens
 from ._errors import CommError, DivergenceError
 from ._events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe, observers
 from ._functionalize import apply_of
 from ._graph_key import ModelAttributes, agree_on_key, refuse_moved, what_changed
 from ._recording import Unrecordable, record
-from ._replay import bounded, compile_error, note_failure, peer_failures
+from ._replay import _COMPILE_FAILED, _HALF_RUN, _LOST, bounded, compile_error, note_failure, peer_failures
 from ._verdict import Verdict, check_verdict
 from .optim import hyperparams
 
@@ -62,29 +63,6 @@ _DIFFERENT = (
     "collectives (kind, group, size and dtype, in order) are {prints}. Each rank ran its step, checked collective by "
     "collective, but their programs differ elsewhere, so none is replayed. Every rank must record the same step: the "
     "same batch shapes and dtypes, plan, optimizer and loss_fn; or build the step with graph=False."
-)
-
-
-_LOST = (
-    "[rank {rank}] shardfn: jit_step(graph=True): a collective of the recorded program did not complete ({error}). A "
-    "replay waits for its peers as long as the step timeout (the process group's timeout in a program's first, "
-    "compiling run): a peer that raised in its replay, stopped or died ends a replay this way. The process group is "
-    "unusable now; restart the job (torchrun --max-restarts) and resume from shardfn.checkpoint.latest(...)."
-)
-
-
-_COMPILE_FAILED = (
-    "[rank {rank}] jit_step(graph=True): compiling the recorded program failed on this rank, before it ran. So that "
-    "the other ranks' collectives complete, this rank then ran the same program op by op: its state holds this "
-    "call's step, as theirs do, and they raise PeerError at their next call. Build the step with graph=\"eager\" "
-    "(the program op by op, no compiler) or graph=False."
-)
-
-
-_HALF_RUN = (
-    "[rank {rank}] shardfn: jit_step(graph=True): this rank's replay raised ({error}) after the program may have run "
-    "some of its collectives; the other ranks' replays time out. The process group is unusable now; restart the job "
-    "(torchrun --max-restarts) and resume from shardfn.checkpoint.latest(...)."
 )
 
 
@@ -326,7 +304,7 @@ class GraphStep:
                 raise
             if not lost and not compile_error(e):  # a program half run: the peers time out, and name this
                 note_failure(e)
-                self.mesh.guard.broken = _HALF_RUN.format(rank=self.mesh.rank, error=G.describe(e))
+                self.mesh.guard.broken = _HALF_RUN.format(rank=self.mesh.rank, error=describe(e))
                 raise
             if lost:  # the program's collectives: a timeout ends a replay nobody matches
                 peers = peer_failures(range(self.mesh.size))

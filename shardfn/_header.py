@@ -31,7 +31,7 @@ _DTYPES = [None, torch.float32, torch.bfloat16, torch.float16, torch.float64, to
 
 class Failure:
     """Where a rank that failed was (the ``detail`` of its failed header): before the step's
-    point of no return, or after it, when the others update (shardfn._step [Note: the point
+    point of no return, or after it, when the others update (shardfn._no_return [Note: the point
     of no return])."""
 
     BEFORE = 0  # nothing changed on any rank

@@ -24,11 +24,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _guard as G
+from ._failures import describe
 
 __all__ = ["bounded", "compile_error", "note_failure", "peer_failures"]
 
 _KEY = "shardfn/replay-failed/{rank}"
+
+_LOST = (
+    "[rank {rank}] shardfn: jit_step(graph=True): a collective of the recorded program did not complete ({error}). A "
+    "replay waits for its peers as long as the step timeout (the process group's timeout in a program's first, "
+    "compiling run): a peer that raised in its replay, stopped or died ends a replay this way. The process group is "
+    "unusable now; restart the job (torchrun --max-restarts) and resume from shardfn.checkpoint.latest(...)."
+)
+
+
+_COMPILE_FAILED = (
+    "[rank {rank}] jit_step(graph=True): compiling the recorded program failed on this rank, before it ran. So that "
+    "the other ranks' collectives complete, this rank then ran the same program op by op: its state holds this "
+    "call's step, as theirs do, and they raise PeerError at their next call. Build the step with graph=\"eager\" "
+    "(the program op by op, no compiler) or graph=False."
+)
+
+
+_HALF_RUN = (
+    "[rank {rank}] shardfn: jit_step(graph=True): this rank's replay raised ({error}) after the program may have run "
+    "some of its collectives; the other ranks' replays time out. The process group is unusable now; restart the job "
+    "(torchrun --max-restarts) and resume from shardfn.checkpoint.latest(...)."
+)
 
 
 @contextlib.contextmanager
@@ -58,7 +80,7 @@ def compile_error(exc: BaseException) -> bool:
 def note_failure(exc: BaseException) -> None:
     """Writes this rank's error to the store, for the peers' messages (never raises)."""
     try:
-        dist.distributed_c10d._get_default_store().set(_KEY.format(rank=dist.get_rank()), G.describe(exc))
+        dist.distributed_c10d._get_default_store().set(_KEY.format(rank=dist.get_rank()), describe(exc))
     except Exception:  # noqa: BLE001 - the store is gone with its host; the caller's error is the one to see
         pass
 

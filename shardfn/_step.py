@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
 from ._buffers import StepBuffers
 from ._compile import backend_of
 from ._deprecated import as_loss, old_options
 from ._grad import Grad
-from ._errors import CommError, DivergenceError, PeerError
-from ._guard import Failure, Where, describe, failed_at, guarded
+from ._errors import PeerError
+from ._failures import describe, failed_at
+from ._guard import Failure, Where, guarded
 from ._mesh import Mesh
+from ._no_return import after_agreement, check_outputs, quick as _quick, signature as _signature
 from ._options import Accumulate, Aux, OnNonfinite, StepOptions, check_options
 from ._offload import mark_host_trees, place_on_host, wait_for_device
 from ._recording import recording
@@ -121,7 +121,7 @@ class Step:
                 new = _with_buffers(sharded, buffers)
             else:
                 with torch.profiler.record_function("shardfn::optimizer"), \
-                        _after_agreement(None, buffers, inner):
+                        after_agreement(None, buffers, inner):
                     new, inner = self._update(self, sharded, grads, inner, buffers)
             # [Note: replicated parameters]; a recorded program keeps no replica between
             # replays (it gathers each unit in its forward), so it does not make one here
@@ -145,7 +145,7 @@ class Step:
         """Donation with an in-place optimizer (optim [Note: donation]): parameters and state
         are updated in place, the gradients serve as scratch."""
         self._quiet(sharded)
-        with _after_agreement(Failure.PARTLY):
+        with after_agreement(Failure.PARTLY):
             inner = self.optimizer.update_(grads, inner, sharded)
         return _with_buffers(sharded, buffers), inner
 
@@ -153,8 +153,8 @@ class Step:
         """Donation with an optimizer without ``update_``: its updates added into the shards."""
         self._quiet(sharded)
         new = self.optimizer.update(grads, inner, sharded)
-        updates, new_inner = _check_outputs(new, inner, sharded)  # before anything is written
-        with _after_agreement(Failure.PARTLY):
+        updates, new_inner = check_outputs(new, inner, sharded)  # before anything is written
+        with after_agreement(Failure.PARTLY):
             apply_updates_(sharded, updates)
         return _with_buffers(sharded, buffers), new_inner
 
@@ -162,7 +162,7 @@ class Step:
         """``donate=False``: new shards and buffers; the arguments stay untouched."""
         if sharded.layout.offloaded:
             self._quiet(sharded)
-        updates, inner = _check_outputs(self.optimizer.update(grads, inner, sharded), inner, sharded)
+        updates, inner = check_outputs(self.optimizer.update(grads, inner, sharded), inner, sharded)
         params = apply_updates(sharded.params(), updates)
         if sharded.layout.offloaded:  # new shards, in host memory like the old ones ([Note: offload])
             params = {n: place_on_host(t.detach(), self.mesh.device).requires_grad_(t.requires_grad)
@@ -224,99 +224,10 @@ class Step:
             "(or load it from a checkpoint into step.init(sharded)).")
 
 
-# [Note: the point of no return]
-# The metrics all-reduce is the ranks' last agreement in a step: after it every rank updates.
-# So what can fail there is made to fail before any write where it can: an optimizer without
-# an in-place update_ computes its updates and new state into new tensors, checked against
-# the shards and the old state (_check_outputs) before anything is added, and the built-in
-# update_ kernels advance their count last. What still fails after the agreement cannot be
-# taken back on the peers, which have updated (or are updating): the failing rank records
-# where it was (shardfn._guard.failed_at: its state as before the step, KEPT, its forward's
-# buffers put back; or PARTLY updated, in place), its failed header carries that to the peers,
-# and every rank raises saying which ranks updated and which did not, never "nothing was
-# updated". The trees then are not one model across the ranks: each rank marks the tree it
-# holds Unusable (shardfn._verdict), and step, checkpoint.save, save_pretrained and gather
-# refuse it, naming shardfn.checkpoint.latest, until checkpoint.load replaces its values.
-# docs/ranks-that-differ.md, "A failure after the point of no return".
-
-
-@contextmanager
-def _after_agreement(failure: int | None, buffers: StepBuffers | None = None, state: Any = None) -> Iterator[None]:
-    """An error raised in the block was raised after the step's point of no return, this rank's
-    state being ``failure`` (None: KEPT if the optimizer ``state`` is pure, else PARTLY; the
-    first record stands: an inner block knows better); with ``buffers`` and KEPT, the buffers
-    the forward changed are put back, so that it is so."""
-    try:
-        yield
-    except Exception as e:
-        if not isinstance(e, (PeerError, DivergenceError, CommError)):  # (those, the guard reports itself)
-            failure = failure if failure is not None else Failure.KEPT if _pure(state) else Failure.PARTLY
-            if failed_at(e, failure) == Failure.KEPT and buffers is not None:
-                buffers.restore()
-        raise
-
-
-def _pure(state: Any) -> bool:
-    """Whether ``state`` is tensors and plain values only: an update that returns a new one
-    leaves the one it was given as it was (from_torch's state object steps in place)."""
-    return all(isinstance(x, (torch.Tensor, int, float, bool, str, type(None))) for x in pytree.tree_leaves(state))
-
-
-def _check_outputs(out: Any, old: Any, sharded: ShardedParams) -> tuple[Any, Any]:
-    """``optimizer.update``'s ``(updates, new_state)``, checked before anything is written
-    ([Note: the point of no return]): an update per trainable shard, of its shape, on its
-    device, castable to its dtype; a new state with the old one's structure and placement."""
-    problems = []
-    updates, new = out if isinstance(out, tuple) and len(out) == 2 else (None, None)
-    if not isinstance(updates, Mapping):
-        problems.append(f"  update(...) returned a {type(out).__name__}, not (updates, new_state) with updates a "
-                        "mapping name -> tensor")
-        updates = {}
-    for k, u in updates.items():
-        p = sharded[k] if k in sharded.layout.leaves else None
-        if p is None or not p.requires_grad:
-            problems.append(f"  updates[{k!r}]: there is no trainable parameter {k!r} in these shards")
-        elif not isinstance(u, torch.Tensor):
-            problems.append(f"  updates[{k!r}]: a {type(u).__name__}, not a tensor")
-        elif u.shape != p.shape or u.device != p.device or not torch.can_cast(u.dtype, p.dtype):
-            problems.append(f"  updates[{k!r}]: {tuple(u.shape)} {u.dtype} on {u.device}, where the shard is "
-                            f"{tuple(p.shape)} {p.dtype} on {p.device}")
-    if isinstance(out, tuple) and len(out) == 2 and (_quick(new) != _quick(old) or _devices(new) != _devices(old)):
-        before, after = _signature(old, devices=True), _signature(new, devices=True)  # (dicts in another order pass)
-        problems += [f"  new_state{q}: {after.get(q, 'missing')}, where the state given had {before.get(q, 'nothing')}"
-                     for q in sorted(before.keys() | after.keys()) if before.get(q) != after.get(q)]
-    if problems:
-        raise ValueError(
-            "step: the optimizer's update(grads, state, params) returned outputs that do not fit these shards, so "
-            "nothing was written on this rank:\n" + "\n".join(problems[:10]) + ("\n  ..." if len(problems) > 10 else "")
-            + "\nReturn (updates, new_state): one update per trainable shard, of its shape, on its device and "
-            "castable to its dtype, and a new state of the same structure, shapes, dtypes and devices as the state.")
-    return updates, new
-
-
 def _with_buffers(sharded: ShardedParams, buffers: StepBuffers) -> ShardedParams:
     """``sharded`` with the buffers the forward replaced (rather than updated in place)."""
     replaced = buffers.replaced(sharded)
     return sharded.replace(replaced) if replaced else sharded
-
-
-def _quick(tree: Any) -> tuple[Any, list[Any]]:
-    """The structure, and each leaf's shape and dtype (a tensor) or type: cheap to compare."""
-    leaves, spec = pytree.tree_flatten(tree)
-    return spec, [(x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves]
-
-
-def _devices(tree: Any) -> list[torch.device | None]:
-    return [x.device if isinstance(x, torch.Tensor) else None for x in pytree.tree_leaves(tree)]
-
-
-def _signature(tree: Any, devices: bool = False) -> dict[str, str]:
-    """Path -> what is there (a tensor's shape and dtype, and with ``devices`` its device, else
-    the type), for comparing states."""
-    leaves, _ = pytree.tree_flatten_with_path(tree)
-    return {pytree.keystr(path): (f"tensor {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
-                                  + (f" on {x.device}" if devices else "")
-                                  if isinstance(x, torch.Tensor) else type(x).__name__) for path, x in leaves}
 
 
 def check_opt_state(opt_state: Any, sharded: ShardedParams) -> None:

@@ -61,7 +61,7 @@ _UNUSABLE = (
 
 
 class Unusable:
-    """The verdict of a step that failed after its point of no return (shardfn._step [Note:
+    """The verdict of a step that failed after its point of no return (shardfn._no_return [Note:
     the point of no return]): the tree's values are not one model across the ranks."""
 
     def __init__(self, what: str) -> None:
