@@ -157,7 +157,7 @@ class Unit:
         self.replica = replica  # SHARD_OPTIMIZER: the tree's kept full parameters, if still those of the shards
         self.state = State.SHARDED
         self.full: list[torch.Tensor] | None = None  # GATHERED: the full parameters
-        self.storages: dict[int, list[int]] = {}  # GATHERED: id() of their storages -> the leaves in each
+        self.storages: dict[int, Any] = {}  # GATHERED: id() of their storages -> where each leaf lies in it
         self.inflight: InFlight | None = None  # IN_FLIGHT: the all-gather started
         self.secondary: torch.Tensor | None = None  # resharded to k ranks: this rank's 1/k (see _issue)
         self.use: Use | None = None  # the use in progress

@@ -7,6 +7,7 @@ between the two, so that [Note: copies] can count every copy.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -56,26 +57,33 @@ def unpack_unit(gathered: torch.Tensor, leaves: Sequence[LeafLayout], world: int
     return [t.view(-1)[: math.prod(leaf.shape)].view(leaf.shape) for t, leaf in zip(outs, leaves)]
 
 
-def leaves_by_storage(full: Sequence[torch.Tensor]) -> dict[int, list[int]]:
-    """id() of each storage a unit's gathered parameters ``full`` live in -> the indices of
-    those in it: all of a flat unit's share one (id(), as fake tensors have no data_ptr)."""
-    out: dict[int, list[int]] = {}
+def leaves_by_storage(full: Sequence[torch.Tensor]) -> dict[int, tuple[list[int], list[tuple[int, int]]]]:
+    """id() of each storage a unit's gathered parameters ``full`` live in -> the storage
+    offsets where those in it start, in order, and each one's ``(end, index)``: all of a flat
+    unit's share one storage (id(), as fake tensors have no data_ptr)."""
+    spans: dict[int, list[tuple[int, int, int]]] = {}
     for i, t in enumerate(full):
-        out.setdefault(id(t.untyped_storage()), []).append(i)
-    return out
+        start = t.storage_offset()
+        end = start + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else start
+        spans.setdefault(id(t.untyped_storage()), []).append((start, end, i))
+    return {k: ([a for a, _, _ in sorted(v)], [(e, i) for _, e, i in sorted(v)]) for k, v in spans.items()}
 
 
-def leaf_holding(t: torch.Tensor, full: Sequence[torch.Tensor], by_storage: dict[int, list[int]]) -> int | None:
+def leaf_holding(t: torch.Tensor, full: Sequence[torch.Tensor],
+                 by_storage: dict[int, tuple[list[int], list[tuple[int, int]]]]) -> int | None:
     """The index of the gathered parameter whose elements ``t`` (a tensor autograd saves)
     starts in, None if none: a view of parameter i is made again from parameter i, at its
-    place in it, however a regather lays the unit's parameters out."""
-    at = t.storage_offset()
-    for i in by_storage.get(id(t.untyped_storage()), ()):
-        start, shape, stride = full[i].storage_offset(), full[i].shape, full[i].stride()
-        end = start + 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if full[i].numel() else start
-        if full[i].dtype == t.dtype and start <= at < end:
-            return i
-    return None
+    place in it, however a regather lays the unit's parameters out. One bisection of the
+    starts, not a look at every parameter: this runs for every tensor a unit's forward saves."""
+    found = by_storage.get(id(t.untyped_storage()))
+    if found is None:
+        return None
+    starts, ends = found
+    k = bisect.bisect_right(starts, t.storage_offset()) - 1  # the last leaf that starts at or before it
+    if k < 0:  # (the leaves of one storage are disjoint; an empty one sorts before its neighbour)
+        return None
+    end, i = ends[k]
+    return i if t.storage_offset() < end and full[i].dtype == t.dtype else None
 
 
 def _flat_views(flat: torch.Tensor, leaves: Sequence[LeafLayout]) -> list[torch.Tensor]:
