@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import _collectives as C
 from ._events import Purpose
-from ._recording import recording
+from ._recording import device_values, recording
 
 __all__ = ["StepBuffers"]
 
@@ -65,7 +65,7 @@ class StepBuffers:
         if recording() and self.floating:  # compared on the device: a recorded step reads nothing
             return torch.stack([_changed(self.work[n], self.before[n]) for n in self.floating]).to(device)
         out = [0.0 if _same(self.work[n], self.before[n]) else 1.0 for n in self.floating]
-        return torch.tensor(out, dtype=torch.float32, device=device)
+        return device_values(out, torch.float32, device)
 
     def sync(self, changed_anywhere: torch.Tensor, mesh) -> list[str]:
         """Averages the buffers some rank changed over the whole mesh; returns their names.

@@ -50,8 +50,9 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
         """``fn`` as the runtime ``rt`` (or None: none) runs it: a remat recompute, which runs
         in backward, names its runtime ([Note: backward on device threads] in shardfn._guard)."""
         if traced is not None and recording():  # the scalars as values of the program ([Note: recording a step])
-            return traced(*(torch.tensor(a, dtype=torch.float64) if isinstance(a, float) else a for a in args),
-                          **kwargs)
+            device = _device_of(args)  # made there: no host constant in a device program
+            return traced(*(torch.full((), a, dtype=torch.float64, device=device) if isinstance(a, float) else a
+                            for a in args), **kwargs)
         backend = rt.options.compile if rt is not None else None
         if not backend:
             return fn(*args, **kwargs)
@@ -67,6 +68,15 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
 
     wrapped.under = under  # type: ignore[attr-defined]
     return wrapped
+
+
+def _device_of(args: tuple[Any, ...]) -> torch.device:
+    """The device of the first tensor in ``args`` (lists of tensors included); the CPU if none."""
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else [a]:
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return torch.device("cpu")
 
 
 def backend_of(compile: bool | str, what: str) -> str | None:

@@ -54,6 +54,7 @@ from ._gradients import Gradients
 from ._options import Accumulate, Aux, StepOptions, check_options
 from ._pipelined import Deviated, Run, Schedule
 from ._psum import sum_of_squares
+from ._recording import device_values
 from ._runtime import Runtime, active
 from ._sharded import ShardedParams
 
@@ -280,8 +281,8 @@ class Grad:
         device = self.mesh.device
         head = [loss.detach().float(), sq.float()] + ([count] if count is not None else [])
         if tokens is not None:  # exact in fp32 sums: 12 low bits, and the rest ([Note: tokens over the ranks])
-            head += list(torch.tensor([tokens >> 12, tokens & 4095], dtype=torch.float32))
-        aux_flat, unflatten = _flat_aux(auxes) if self.options.aux is Aux.MEAN else (torch.zeros(0), None)
+            head += list(device_values([tokens >> 12, tokens & 4095], torch.float32, device))
+        aux_flat, unflatten = _flat_aux(auxes) if self.options.aux is Aux.MEAN else (torch.zeros(0, device=device), None)
         v = torch.cat([torch.stack([t.to(device) for t in head]), flags, aux_flat.to(device)])
         if self.mesh.size > 1:
             C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM, detail=rows)

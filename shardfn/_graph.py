@@ -40,6 +40,7 @@ from ._batch import count_tokens
 from ._errors import CommError, DivergenceError
 from ._events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe, observers
 from ._functionalize import apply_of
+from ._host import refuse_host_tensors
 from ._graph_key import ModelAttributes, agree_on_key, refuse_moved, what_changed
 from ._recording import Unrecordable, record
 from ._replay import _COMPILE_FAILED, _HALF_RUN, _LOST, bounded, compile_error, note_failure, peer_failures
@@ -161,6 +162,17 @@ def _bases(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         base = t._base if t._base is not None else t
         bases.setdefault(id(base), base)
     return list(bases.values())
+
+
+def _input_names(sharded: Any, opt_state: Any, state: list[torch.Tensor], inputs: list[Any]) -> list[str]:
+    """The program's inputs named: each state buffer by the first leaf it holds, then the batch's leaves."""
+    named: dict[int, str] = {}
+    leaves = [(f"params[{n!r}]", t) for n, t in sharded.items()]
+    leaves += [(f"opt_state{pytree.keystr(p)}", t) for p, t in pytree.tree_flatten_with_path(opt_state)[0]]
+    for name, leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            named.setdefault(id(leaf._base if leaf._base is not None else leaf), name)
+    return [named.get(id(t), "a hidden optimizer tensor") for t in state] + [f"batch leaf {i}" for i in range(len(inputs))]
 
 
 def _view_of_base(leaf: Any) -> Any:
@@ -350,7 +362,7 @@ class GraphStep:
                 yield
             refuse_moved(self.mesh.rank, attributes, before)
         except Unrecordable as e:
-            raise ValueError(_REFUSED.format(rank=self.mesh.rank, why=e.why, where=_where(e.__traceback__),
+            raise ValueError(_REFUSED.format(rank=self.mesh.rank, why=e.why, where=e.where or _where(e.__traceback__),
                                              fix=e.fix)) from None
 
     def _record(self, sharded: Any, opt_state: Any, batch: Any, state: list[torch.Tensor],
@@ -385,6 +397,7 @@ class GraphStep:
         self.recordings += 1
         with self._refusing(sharded):
             gm = make_fx(program, record_module_stack=False, record_stack_traces=True)(state, inputs)
+            refuse_host_tensors(gm, self.mesh.device, _input_names(sharded, opt_state, state, inputs))
         _strip(gm)
         _check_constants(gm, state, inputs)
         metrics = out["metrics"]

@@ -4,7 +4,7 @@
 A graph step is recorded by running the eager step once under ``make_fx``: every tensor
 operation the step dispatches (gathers, forward, backward, reductions, update, metrics)
 becomes a node of one graph, and everything decided in Python (which unit gathers when,
-buckets, prefetch) is decided once, at the recording. Five things differ while recording:
+buckets, prefetch) is decided once, at the recording. Six things differ while recording:
 
 * collectives are the functional ones (``torch.ops._c10d_functional``), which a graph can
   hold, writing the buffer the eager code writes in place (an all-gather) or copied into
@@ -18,7 +18,11 @@ buckets, prefetch) is decided once, at the recording. Five things differ while r
 * a value read on the host (``.item()``, ``bool(t)``, ``torch.equal``) would be baked
   into the program as a constant, so every such read refuses the recording
   (``shardfn._graph._NoHostReads``), and the built-in optimizers compute their step
-  scalars (learning rate, bias corrections) from the step count as tensors.
+  scalars (learning rate, bias corrections) from the step count as tensors;
+* nothing of the program lives on the host when the mesh is on a device: every input and
+  constant is on the mesh's device, and constants are made there (:func:`device_values`),
+  since a captured device program runs none of its host work again. A host tensor among
+  its inputs or constants refuses the recording, naming it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Unrecordable", "recording", "relative_view", "untraced"]
+__all__ = ["Unrecordable", "device_values", "recording", "relative_view", "untraced"]
 
 _RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_recording", default=False)
 
@@ -37,9 +41,9 @@ class Unrecordable(RuntimeError):
     """Raised while recording by what cannot be part of a recorded program:
     ``Unrecordable(why, fix)``; ``jit_step(graph=True)`` reports both and where it was."""
 
-    def __init__(self, why: str, fix: str) -> None:
+    def __init__(self, why: str, fix: str, where: str | None = None) -> None:
         super().__init__(why)
-        self.why, self.fix = why, fix
+        self.why, self.fix, self.where = why, fix, where  # where: None names the frame that raised
 
 
 def recording() -> bool:
@@ -47,6 +51,19 @@ def recording() -> bool:
     thread that runs the step; code that runs in backward takes it from its runtime
     (``Runtime.scope.recording``: [Note: backward on device threads] in shardfn._guard)."""
     return _RECORDING.get()
+
+
+def device_values(values: list[float], dtype: Any, device: Any) -> Any:
+    """``torch.tensor(values)`` on ``device``. While recording, made there by factories
+    (``full``): a tensor built on the host and copied over would be a host constant of the
+    program, which a captured device program cannot hold ([Note: recording a step])."""
+    import torch
+
+    if not recording():
+        return torch.tensor(values, dtype=dtype, device=device)
+    if not values:
+        return torch.zeros(0, dtype=dtype, device=device)
+    return torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values])
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -424,8 +425,9 @@ def _check_graph(graph: Any, mesh: Mesh, donate: bool, loss_scale: Any, on_nonfi
     elif on_nonfinite in (OnNonfinite.RAISE, OnNonfinite.SKIP):
         why = (f"on_nonfinite={on_nonfinite.value!r} reads the loss on the host before the update; a graph step reads "
                "nothing and reports as on_nonfinite=\"raise_next\" does: leave on_nonfinite out")
-    elif mesh.device.type != "cpu":
-        why = (f"the mesh is on {mesh.device.type}: this release records and replays steps on CPU meshes only (CUDA "
-               "graph capture is not built yet); use compile=True there")
+    elif mesh.device.type != "cpu" and os.environ.get("SHARDFN_CUDA_GRAPH") != "1":
+        why = (f"the mesh is on {mesh.device.type}: a recorded step on a device is unverified (it has never run on a "
+               "GPU, see docs/compile.md \"The CUDA path\"); set SHARDFN_CUDA_GRAPH=1 to run it anyway, and check it with "
+               "`python3 benchmarks/gpu_check.py --graph`; or use compile=True")
     if why is not None:
         raise ValueError(f"jit_step(graph={graph!r}): {why}. Or build the step with graph=False.")
