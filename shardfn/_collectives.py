@@ -178,7 +178,7 @@ class _Functional:
             done, self.result = _F.wait_tensor(self.result), None
             if self.then is not None:
                 self.out.copy_(self.then(done).view(self.out.shape))
-            elif done.data_ptr() != self.out.data_ptr():  # (an ``_out`` collective wrote ``out`` itself)
+            elif not torch._C._is_alias_of(done, self.out):  # (an ``_out`` collective wrote ``out`` itself)
                 self.out.copy_(done.view(self.out.shape))
         return True
 

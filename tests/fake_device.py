@@ -94,40 +94,71 @@ def _summary(gm: torch.fx.GraphModule, device: torch.device, axes: dict[str, str
     return {"host": host, "host_reads": reads, "collectives": collectives}
 
 
+def on_device(mesh, device: str):
+    """``mesh`` (over a fake-backend group), said to be on ``device`` (``DEVICE`` or "cpu")."""
+    install()
+    on = torch.device(device, 0) if device != "cpu" else torch.device("cpu")
+    object.__setattr__(mesh, "_device", on)  # a fake-backend mesh would be on the host
+    return mesh
+
+
+def record_on(mesh, model, plan, optimizer, batch: dict, **step_options):
+    """The program ``jit_step(graph="eager")`` records for ``model`` on ``mesh`` (made by
+    :func:`on_device`), on fake tensors: its GraphModule."""
+    import shardfn as sf
+
+    params, _ = sf.functionalize(model)
+    on = mesh.device
+    with FakeDeviceMode(allow_non_fake_inputs=True):
+        fake = sf.Params({n: torch.empty(p.shape, dtype=p.dtype, device=on).requires_grad_(p.requires_grad)
+                          for n, p in params.items()})
+        fake.module = params.module
+        sharded = sf.shard(fake, mesh, plan)
+        state = optimizer.init(sharded)
+        step = sf.jit_step(_loss, mesh, optimizer=optimizer, graph="eager", **step_options)
+        batch = {k: torch.empty(v.shape, dtype=v.dtype, device=on) for k, v in batch.items()}
+        for _ in range(2):  # the first call runs eagerly; the second records
+            sharded, state, _ = step(sharded, state, batch)
+        return next(iter(step.programs.values())).gm
+
+
+def to_host(gm: torch.fx.GraphModule, groups: dict[str, str]) -> torch.fx.GraphModule:
+    """``gm`` made to run on the host: every device argument that is ``DEVICE`` becomes the
+    CPU, and each process group name in ``groups`` its replacement; one pass over the graph."""
+    import torch.utils._pytree as pytree
+
+    def host(a):
+        if isinstance(a, torch.device) and a.type == DEVICE:
+            return torch.device("cpu")
+        return groups.get(a, a) if isinstance(a, str) else a
+
+    for node in gm.graph.nodes:
+        node.args = pytree.tree_map(host, node.args)
+        node.kwargs = pytree.tree_map(host, node.kwargs)
+    gm.recompile()
+    return gm
+
+
 def record(world: int, rank: int, strategy: str, optimizer: str, options: list[str], device: str,
            replicate: int | None = None) -> dict:
-    """The program ``jit_step(graph="eager")`` records on rank ``rank`` of a fake world, on
-    ``device`` (``DEVICE`` or ``"cpu"``), summarised: its host tensors, host reads, and its
-    collectives in order (kind, axis, shape, dtype, bytes); or the error that refused it."""
+    """The program recorded on rank ``rank`` of a fake world, on ``device`` (``DEVICE`` or
+    "cpu"), summarised: its host tensors, host reads, and its collectives in order (kind,
+    axis, shape, dtype, bytes); or the error that refused it."""
     import shardfn as sf
     from shardfn.testing.models import GPT, GPTConfig
 
-    install()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        mesh = sf.Mesh.from_group(replicate=replicate)
-        on = torch.device(device, 0) if device != "cpu" else torch.device("cpu")
-        object.__setattr__(mesh, "_device", on)  # a fake-backend mesh would be on the host
+        mesh = on_device(sf.Mesh.from_group(replicate=replicate), device)
         torch.manual_seed(0)
-        params, _ = sf.functionalize(GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2)))
-        with FakeDeviceMode(allow_non_fake_inputs=True):
-            fake = sf.Params({n: torch.empty(p.shape, dtype=p.dtype, device=on).requires_grad_(p.requires_grad)
-                              for n, p in params.items()})
-            fake.module = params.module
-            sharded = sf.shard(fake, mesh, _plan(strategy, options))
-            opt = _optimizer(optimizer)
-            state = opt.init(sharded)
-            step = sf.jit_step(_loss, mesh, optimizer=opt, graph="eager")
-            batch = {"x": torch.zeros(2, 8, dtype=torch.long, device=on),
-                     "y": torch.zeros(2, 8, dtype=torch.long, device=on)}
-            try:
-                for _ in range(2):  # the first call runs eagerly; the second records
-                    sharded, state, _ = step(sharded, state, batch)
-            except Exception as e:  # noqa: BLE001 (reported to the test)
-                return {"error": f"{type(e).__name__}: {e}"}
-            program = next(iter(step.programs.values()))
-            axes = {mesh.channel(a).group.group_name: a for a in mesh.axis_names}
-            return _summary(program.gm, on, axes)
+        model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2))
+        batch = {"x": torch.zeros(2, 8, dtype=torch.long), "y": torch.zeros(2, 8, dtype=torch.long)}
+        try:
+            gm = record_on(mesh, model, _plan(strategy, options), _optimizer(optimizer), batch)
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            return {"error": f"{type(e).__name__}: {e}"}
+        axes = {mesh.channel(a).group.group_name: a for a in mesh.axis_names}
+        return _summary(gm, mesh.device, axes)
     finally:
         dist.destroy_process_group()
 
