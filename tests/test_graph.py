@@ -481,3 +481,31 @@ def test_batchnorm_statistics_are_averaged_in_the_program(clusters):
         for n, p in ep.items():
             torch.testing.assert_close(gp[n], p, rtol=1e-5, atol=1e-6)
     assert all(torch.equal(graph[0][0][n], graph[1][0][n]) for n in graph[0][0])
+
+
+def _kept(graph):
+    """Each step's loss and norm as read right after it, and the same tensors read at the end."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, sf.Plan("FULL_SHARD"))
+
+    def loss_fn(apply, params, batch):
+        loss = gpt_loss(apply, params, batch)
+        return loss, {"twice": 2 * loss.detach()}
+
+    step = sf.jit_step(loss_fn, mesh, optimizer=ADAMW(), graph=graph, aux="mean")
+    state = step.init(sharded)
+    kept, read = [], []
+    for b in gpt_batches(5):
+        sharded, state, metrics = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+        kept.append((metrics["loss"], metrics["grad_norm"], metrics["aux"]["twice"]))
+        read.append([float(t) for t in kept[-1]])
+    return read, [[float(t) for t in k] for k in kept]
+
+
+@pytest.mark.parametrize("graph", ["eager", True])
+def test_what_a_step_returned_still_reads_the_same_after_later_replays(clusters, graph):
+    for read, later in clusters[2].run(_kept, graph):
+        assert later == read
+        assert len({r[0] for r in read}) == 5  # five different steps
