@@ -407,10 +407,15 @@ def _init_from_env(timeout: datetime.timedelta, device: str | None = None) -> No
     if missing:
         raise ValueError(_NO_ENV.format(missing=", ".join(missing)))
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
-    if use_cuda:
-        _check_gpus("Mesh.from_env()")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    if not use_cuda:
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    _check_gpus("Mesh.from_env()")
+    gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(gpu)
+    # device_id: NCCL makes its communicator now, not at the first collective, which may
+    # be inside a CUDA graph's capture (docs/compile.md, "The CUDA path")
+    dist.init_process_group("nccl", timeout=timeout, device_id=gpu)
 
 
 def _divisors(n: int) -> list[int]:

@@ -225,3 +225,20 @@ def test_hybrid_needs_a_two_dimensional_mesh(clusters):
     assert "FULL_SHARD runs on a 1-D mesh" in out["full_on_2d"] and "Mesh(replicate=2, shard=2" in out["full_on_2d"]
     assert "replicate=3 must be a positive divisor of the world size 4" in out["bad_replicate"]
     assert out["grid"].startswith("Mesh(replicate=2, shard=2, device=cpu, backend=gloo, rank=")
+
+
+def test_nccl_makes_its_communicator_when_the_mesh_is_made(one_gpu, monkeypatch):
+    # device_id= makes NCCL's communicator at init_process_group, not at the first
+    # collective, which a graph step may run inside a CUDA graph's capture.
+    one_gpu(0, WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    made = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: made.append(("set_device", device)))
+
+    def init(backend, **kwargs):
+        made.append((backend, kwargs.get("device_id")))
+        raise one_gpu.Started(backend)
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    with pytest.raises(one_gpu.Started):
+        sf.Mesh.from_env()
+    assert made == [("set_device", torch.device("cuda", 0)), ("nccl", torch.device("cuda", 0))]
