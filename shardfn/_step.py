@@ -425,6 +425,9 @@ def _check_graph(graph: Any, mesh: Mesh, donate: bool, loss_scale: Any, on_nonfi
     elif on_nonfinite in (OnNonfinite.RAISE, OnNonfinite.SKIP):
         why = (f"on_nonfinite={on_nonfinite.value!r} reads the loss on the host before the update; a graph step reads "
                "nothing and reports as on_nonfinite=\"raise_next\" does: leave on_nonfinite out")
+    elif mesh.device.type == "cuda" and mesh.backend != "nccl":
+        why = (f"the mesh runs {mesh.backend} over CUDA tensors: its collectives go through the host, which a CUDA "
+               "graph cannot capture; use NCCL (Mesh.from_env(device=\"cuda\")), or a CPU mesh")
     elif mesh.device.type != "cpu" and os.environ.get("SHARDFN_CUDA_GRAPH") != "1":
         why = (f"the mesh is on {mesh.device.type}: a recorded step on a device is unverified (it has never run on a "
                "GPU, see docs/compile.md \"The CUDA path\"); set SHARDFN_CUDA_GRAPH=1 to run it anyway, and check it with "

@@ -12,6 +12,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from procs import run_in_session
 
@@ -63,3 +64,30 @@ def test_a_program_recorded_for_a_device_holds_nothing_of_the_host(recorded, wor
     assert on_device["host_reads"] == []
     assert on_device["collectives"], "a program of a world > 1 communicates"
     assert on_device["collectives"] == on_cpu["collectives"]  # kind, axis, shape, dtype and bytes, in order
+
+
+class _Mesh:
+    """What jit_step(graph=...) asks of a mesh when it is built."""
+
+    def __init__(self, device, backend):
+        self.device, self.backend = torch.device(device), backend
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_graph_steps_on_cuda_are_refused_as_unverified_unless_asked_for(monkeypatch, backend):
+    from shardfn._step import _check_graph
+
+    monkeypatch.delenv("SHARDFN_CUDA_GRAPH", raising=False)
+    with pytest.raises(ValueError) as caught:
+        _check_graph(True, _Mesh("cuda", backend), True, None, None, False)
+    if backend == "gloo":  # refused whatever the variable says
+        assert "the mesh runs gloo over CUDA tensors" in str(caught.value)
+        monkeypatch.setenv("SHARDFN_CUDA_GRAPH", "1")
+        with pytest.raises(ValueError, match="which a CUDA graph cannot capture"):
+            _check_graph(True, _Mesh("cuda", backend), True, None, None, False)
+        return
+    assert "a recorded step on a device is unverified" in str(caught.value)
+    assert "SHARDFN_CUDA_GRAPH=1" in str(caught.value) and "benchmarks/gpu_check.py --graph" in str(caught.value)
+    monkeypatch.setenv("SHARDFN_CUDA_GRAPH", "1")
+    _check_graph(True, _Mesh("cuda", backend), True, None, None, False)  # built
+    _check_graph(True, _Mesh("cpu", "gloo"), True, None, None, False)  # the CPU needs no variable
