@@ -287,8 +287,9 @@ class GraphStep:
         return self._attributes.values()
 
     def _replay(self, program: _Program, state: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
-        if program.fn is program.gm and self.backend is not None:
-            program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False)
+        if program.fn is program.gm and self.backend is not None:  # [Note: random ops in a program] in _remat
+            options = {"fallback_random": True} if self.backend == "inductor" else None
+            program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False, options=options)
         # Under a dispatch mode of the caller's (an op counter, a memory tracker) dynamo runs
         # nothing compiled: the recorded graph runs op by op, so the mode sees each op.
         fn = program.gm if _get_current_dispatch_mode() is not None else program.fn
