@@ -57,6 +57,7 @@ from ._psum import sum_of_squares
 from ._recording import device_values
 from ._runtime import Runtime, active
 from ._sharded import ShardedParams
+from ._verdict import agreed_error
 
 __all__ = ["Grad", "GradOut", "jit_grad"]
 
@@ -140,9 +141,13 @@ class Grad:
             raise ValueError(_OTHER_LAYOUT.format(what=self.options.what, first=self.layout, got=sharded.layout))
 
     @contextmanager
-    def run(self, sharded: ShardedParams, batch: Any, buffers: StepBuffers, scale: float = 1.0) -> Iterator[GradOut]:
+    def run(self, sharded: ShardedParams, batch: Any, buffers: StepBuffers, scale: float = 1.0,
+            nonfinite: bool = False) -> Iterator[GradOut]:
         """Computes the gradients and metrics with ``buffers`` as the working buffers, and
-        yields them while the runtime is still active (a step runs its optimizer there)."""
+        yields them while the runtime is still active (a step runs its optimizer there).
+        ``nonfinite``: this rank read a verdict of ``sharded`` that is not finite (shardfn._verdict
+        [Note: reading a verdict when it is ready]); told in the opening header, and if any
+        rank's is True, every rank raises there."""
         layout = sharded.layout
         run = Run(self.schedule, self.mesh) if self.mesh.size > 1 else None
         rt = Runtime(self.mesh, self.options, order=self.order, owner=sharded, buffers=buffers, run=run)
@@ -150,8 +155,8 @@ class Grad:
         done = False
         try:
             with active(rt):
-                if run is not None:
-                    run.open()
+                if run is not None and run.open(nonfinite):
+                    raise run.told(agreed_error(sharded, self.options.what))
                 while True:  # once, or twice when every rank's schedule changed alike
                     try:
                         loss, count, grads, auxes = self._grads(rt, sharded, batch, scale)

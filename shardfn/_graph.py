@@ -44,7 +44,7 @@ from ._host import refuse_host_tensors
 from ._graph_key import ModelAttributes, agree_on_key, refuse_moved, what_changed
 from ._recording import Unrecordable, record
 from ._replay import _COMPILE_FAILED, _HALF_RUN, _LOST, bounded, compile_error, note_failure, peer_failures
-from ._verdict import Verdict, check_verdict
+from ._verdict import Verdict, agreed_error, check_verdict, read_ready
 from .optim import hyperparams
 
 __all__ = ["GraphStep"]
@@ -242,7 +242,7 @@ class GraphStep:
         return self._program.workspace if self._program is not None else None
 
     def __call__(self, sharded: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
-        check_verdict(sharded, "step")
+        nonfinite = read_ready(sharded, "step")  # [Note: reading a verdict when it is ready]
         last = self._last
         if last is not None and last[0] is sharded and last[1] is opt_state:  # the trees the last call returned
             state, shape = last[2], last[3]
@@ -250,7 +250,8 @@ class GraphStep:
             with G.guarded(self.mesh, G.Where.STEP):
                 self.step._check(sharded, opt_state)
             leaves, spec = pytree.tree_flatten((sharded, opt_state))
-            if not self.warm:
+            if not self.warm:  # (the eager step it runs leaves the verdicts to this call: read them all)
+                check_verdict(sharded, "step")
                 self.warm = True
                 self._key = (None, *self._batch_key(batch), self._model_key(sharded))
                 return self._warm_up(sharded, opt_state, batch)
@@ -264,7 +265,8 @@ class GraphStep:
             last, recorded = self._key, self._program is not None
             with G.guarded(self.mesh, G.Where.STEP):
                 agree_on_key(self.mesh, program.number if program else len(self.programs) + 1, program is not None,
-                             lambda: what_changed(self.mesh.rank, key, last, recorded, self._attributes))
+                             lambda: what_changed(self.mesh.rank, key, last, recorded, self._attributes), nonfinite,
+                             lambda: agreed_error(sharded, "step"))
         self._key = key
         metrics = hyperparams(self.step.optimizer, opt_state)  # the learning rate, read on the host
         if program is None:
@@ -273,7 +275,7 @@ class GraphStep:
             self.programs[key] = program
         else:
             aux = self._replay(program, state, inputs)
-        sharded = sharded._with_verdict(Verdict(aux[0], aux[1]))  # the same tensors, updated in place
+        sharded = sharded._with_verdict(Verdict(aux[0], aux[1], sharded._verdict))  # the same tensors, updated in place
         self._last = (sharded, opt_state, state, shape)
         self._program = program
         # [Note: tokens over the ranks]: summed in the program (Mean), or agreed when recorded
@@ -299,8 +301,9 @@ class GraphStep:
         return self._attributes.values()
 
     def _replay(self, program: _Program, state: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
-        if program.fn is program.gm and self.backend is not None:
-            program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False)
+        if program.fn is program.gm and self.backend is not None:  # [Note: random ops in a program] in _remat
+            options = {"fallback_random": True} if self.backend == "inductor" else None
+            program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False, options=options)
         # Under a dispatch mode of the caller's (an op counter, a memory tracker) dynamo runs
         # nothing compiled: the recorded graph runs op by op, so the mode sees each op.
         fn = program.gm if _get_current_dispatch_mode() is not None else program.fn

@@ -143,25 +143,38 @@ def what_changed(rank: int, key: Any, last: Any, recorded: bool, attributes: Mod
     return "; ".join(parts)
 
 
-def agree_on_key(mesh: Any, number: int, has_program: bool, change: Any) -> None:
+def agree_on_key(mesh: Any, number: int, has_program: bool, change: Any, nonfinite: bool = False,
+                 error: Any = None) -> None:
     """Every rank of ``mesh`` runs its program ``number`` (programs are numbered as the ranks
     recorded them, together), or records it (``has_program`` False), or every rank raises the
     same DivergenceError naming the ranks whose key changed (``change()``: this rank's, from
-    :func:`what_changed`); see [Note: agreeing on the key]. Call it inside ``G.guarded``, so
-    that an axis that raises tells the others."""
+    :func:`what_changed`); see [Note: agreeing on the key]. ``nonfinite``: this rank read a
+    verdict that is not finite; the header's unit word carries it on, axis after axis, and if
+    any rank's is True every rank raises ``error()`` after the last axis (shardfn._verdict
+    [Note: reading a verdict when it is ready]). Call it inside ``G.guarded``, so that an axis
+    that raises tells the others."""
+    told = []
     for axis in mesh.axis_names:
         ch = mesh.channel(axis)
         if ch.off:
             continue
         what = "the key of jit_step(graph=True)'s program"
         mine = G.words(Collective.BARRIER, Purpose.STEP, "", int(has_program), number)
+        mine[G.UNIT] = int(nonfinite)
         position = ch.position
         headers = G.exchange(ch, [*mine, G.OK, 0], what)
-        if all(h[:G.STATUS] == headers[0][:G.STATUS] for h in headers):
-            continue
+        told.append(ch)
         if not all(h[G.WHAT] == mine[G.WHAT] and h[G.WHERE] == mine[G.WHERE] for h in headers):
             raise G.told(DivergenceError(G._diverged(ch, headers)), ch)  # a peer doing something else
+        nonfinite = nonfinite or any(h[G.UNIT] for h in headers)
+        if nonfinite or all(h[G.UNIT + 1:G.STATUS] == headers[0][G.UNIT + 1:G.STATUS] for h in headers):
+            continue
         raise G.told(DivergenceError(_differ(ch, position, change(), headers)), ch)
+    if nonfinite:
+        exc = error()
+        for ch in told:
+            G.told(exc, ch)
+        raise exc
 
 
 def _differ(ch: Any, position: int, change: str, headers: list[list[int]]) -> str:

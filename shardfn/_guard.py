@@ -218,13 +218,14 @@ def agree_exit(ch: Channel, context: str) -> None:
 
 
 def agree_words(ch: Channel, mine: list[int], what: str, position: int = 0,
-                scope: Scope | None = None) -> list[list[int]]:
+                scope: Scope | None = None, free: int | None = None) -> list[list[int]]:
     """Exchanges the header ``mine`` (five words) on ``ch``; raises DivergenceError
-    unless every rank's is the same; returns them all. ``scope``: the caller's (default:
-    :func:`here`)."""
+    unless every rank's is the same (but for word ``free``, a flag the caller reads);
+    returns them all. ``scope``: the caller's (default: :func:`here`)."""
     scope = here() if scope is None else scope
     headers = exchange(ch, [*mine, OK, position], what, scope)
-    if any(h[:STATUS] != headers[0][:STATUS] or h[STATUS] != OK for h in headers):
+    same = (lambda h: h[:STATUS]) if free is None else (lambda h: h[:free] + h[free + 1:STATUS])
+    if any(same(h) != same(headers[0]) or h[STATUS] != OK for h in headers):
         run = scope.run
         if run is not None and any(h[STATUS] == DIVERGED for h in headers):
             raise told(DivergenceError(run.explain(ch, headers)), ch)

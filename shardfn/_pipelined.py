@@ -111,14 +111,25 @@ class Run:
     def _groups(self) -> list[G.Channel]:
         return [self.mesh.channel(a) for a in self.mesh.axis_names if not self.mesh.channel(a).off]
 
-    def open(self) -> None:
-        """The step's opening header, on every axis: the schedule every rank is about to run."""
+    def open(self, nonfinite: bool = False) -> bool:
+        """The step's opening header, on every axis: the schedule every rank is about to run,
+        and in its detail whether this rank, or a rank it heard on an earlier axis, read a
+        verdict that is not finite (shardfn._verdict [Note: reading a verdict when it is
+        ready]). Returns whether any rank did: then every rank raises, the step still opening."""
         fp = self.schedule.fingerprint()
         n = len(self.schedule.verified) if fp else 0
         for ch in self._groups():
-            G.agree_words(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", n)[:1], fp, n, 0,
-                                             G.Where.STEP], "the start of a step")
-        self.opening = False
+            headers = G.agree_words(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", n)[:1], fp, n,
+                                         int(nonfinite), G.Where.STEP], "the start of a step", free=G.DETAIL)
+            nonfinite = nonfinite or any(h[G.DETAIL] for h in headers)
+        self.opening = nonfinite
+        return nonfinite
+
+    def told(self, exc: BaseException) -> BaseException:
+        """``exc``, raised on every rank after the opening header said so: no peer needs telling."""
+        for ch in self._groups():
+            G.told(exc, ch)
+        return exc
 
     def rerun(self) -> None:
         """Every rank deviated alike: the step runs again, checked."""

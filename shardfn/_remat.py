@@ -14,6 +14,19 @@ tree's meta buffers back. The region keeps copies of the unit's buffers as the o
 forward found them and runs the recompute on those: it computes what the forward computed,
 and a running statistic it updates (BatchNorm in train mode) is updated once, by the
 original forward, not again by the recompute.
+
+[Note: random ops in a program]
+A recorded step holds each random op (dropout's ``bernoulli_``, ``rand_like``) as an op on
+torch's generator, so every replay draws fresh values, the ones the eager step draws from
+the same generator state. Inductor would generate its own random numbers (other values):
+a graph step compiles with ``fallback_random`` (shardfn._graph), for that compile only.
+Remat: an eager recompute draws the forward's values again because the checkpoint resets
+the generator first, a host action that a recording cannot hold; recorded, the recompute
+would draw new values and backward would use another mask than the forward. So while a
+step is recorded, a rematerialised unit's forward keeps a copy of each random op's result
+and its recompute takes those copies, in order, instead of drawing (:class:`_SameDraws`):
+as compilers do with random ops (they save them, not recompute), at the cost of holding
+them from forward to backward. An attention op with ``dropout_p=0`` draws nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +36,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._events import Purpose
 from ._plan import RematMode
@@ -51,6 +66,8 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
         kept = [(sub, name, t.detach().clone()) for sub in module.modules() for name, t in sub._buffers.items()
                 if t is not None] if torch.is_grad_enabled() else []
 
+        draws = _SameDraws() if unit.runtime.scope.recording else None  # [Note: random ops in a program]
+
         def region(*args: Any, **kwargs: Any) -> Any:
             recompute = torch._C._current_graph_task_id() != -1
             for u in units:
@@ -60,7 +77,10 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
             for sub, name, t in kept if recompute else ():
                 sub._buffers[name] = t  # (no op here: selective remat replays the region's ops one for one)
             try:
-                return run(*args, **kwargs)
+                if draws is None:
+                    return run(*args, **kwargs)
+                with draws.again() if recompute else draws:
+                    return run(*args, **kwargs)
             finally:
                 for sub, name, t in swapped:
                     sub._buffers[name] = t
@@ -85,3 +105,49 @@ def _selective(save: tuple[str, ...]):
         return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     return lambda: create_selective_checkpoint_contexts(policy)
+
+
+class _SameDraws(TorchDispatchMode):
+    """While recording: keeps a copy of each random op's result in a unit's forward; in
+    :meth:`again` (its recompute) returns those copies, in order, and draws nothing
+    ([Note: random ops in a program])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[tuple[Any, Any]] = []  # (op, copies of its results)
+        self.replaying = False
+        self.next = 0
+
+    def again(self) -> _SameDraws:
+        self.replaying, self.next = True, 0
+        return self
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if not _draws(func, args, kwargs):
+            return func(*args, **kwargs)
+        if not self.replaying:
+            out = func(*args, **kwargs)
+            self.kept.append((func, pytree.tree_map_only(torch.Tensor, torch.clone, out)))
+            return out
+        if self.next >= len(self.kept) or self.kept[self.next][0] is not func:
+            raise AssertionError(f"shardfn internal error: a rematerialised unit's recompute drew {func} as its random "
+                                 f"op {self.next}; its forward drew {[f for f, _ in self.kept]}")
+        kept = self.kept[self.next][1]
+        self.next += 1
+        if not func._schema.is_mutable:
+            return pytree.tree_map_only(torch.Tensor, torch.clone, kept)
+        given = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs  # in place or out=: written into
+        written = [given[a.name] for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        for target, value in zip(written, kept if isinstance(kept, (list, tuple)) else [kept]):
+            target.copy_(value)
+        return written[0] if len(written) == 1 else tuple(written)
+
+
+def _draws(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` draws from a generator: a seeded op, unless its ``dropout_p`` is 0."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    names = [a.name for a in func._schema.arguments]
+    given = dict(zip(names, args)) | kwargs
+    return given.get("dropout_p", 1.0) != 0

@@ -25,7 +25,7 @@ from ._replica import refresh
 from ._precision import DynamicLossScale, LossScaleState
 from ._runtime import current
 from ._sharded import ShardedParams, unit_views
-from ._verdict import Unusable, Verdict, check_usable, check_verdict, unusable_on_failure
+from ._verdict import Unusable, Verdict, check_usable, read_ready, unusable_on_failure
 from .optim import GradientTransformation, apply_updates, apply_updates_, hyperparams
 from .optim._protocol import param_leaves
 
@@ -90,9 +90,13 @@ class Step:
             self._check(sharded, opt_state)
         inner = opt_state.opt_state if self.loss_scale is not None else opt_state
         scale = float(opt_state.scale) if self.loss_scale is not None else 1.0
+        # [Note: reading a verdict when it is ready]: at world 1 this raises; else the opening header tells
+        # (a graph step reads its verdicts itself, before it runs or records this step)
+        nonfinite = (self.options.on_nonfinite is OnNonfinite.RAISE_NEXT and not recording()
+                     and read_ready(sharded, "step"))
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=self.options.donate,
                                track=self.options.sync_buffers)
-        with self.grad.run(sharded, batch, buffers, scale) as (_, grads, metrics):
+        with self.grad.run(sharded, batch, buffers, scale, nonfinite) as (_, grads, metrics):
             if not recording():  # a graph step reads them on the host, for each replay
                 metrics.update(hyperparams(self.optimizer, inner))
             skip = False
@@ -102,13 +106,7 @@ class Step:
                 skip = not is_fake(norm) and not bool(torch.isfinite(norm))
                 metrics.update(loss_scale=scale, skipped=skip)
                 opt_state = LossScaleState(inner, *self.loss_scale.next(opt_state, not skip))
-            elif self.options.on_nonfinite is OnNonfinite.RAISE_NEXT:  # [Note: a step that does not wait]
-                try:
-                    check_verdict(sharded, "step")
-                except FloatingPointError:
-                    buffers.restore()
-                    raise
-            elif "nonfinite" in metrics:  # the same on every rank (see Grad._nonfinite_ranks)
+            elif "nonfinite" in metrics:  # (raise_next: the verdicts were read when the step began)  # the same on every rank (see Grad._nonfinite_ranks)
                 if self.options.on_nonfinite is OnNonfinite.RAISE:
                     buffers.restore()
                     bad = metrics["nonfinite"]
@@ -129,7 +127,7 @@ class Step:
             if sharded.layout.keeps_replica and not recording():
                 new = refresh(new, current().observers, donated=self.options.donate)
             if not self.options.read_metrics and not is_fake(metrics["loss"]):
-                new = new._with_verdict(Verdict(metrics["loss"], metrics["grad_norm"]))
+                new = new._with_verdict(Verdict(metrics["loss"], metrics["grad_norm"], sharded._verdict))
         opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner
         return new, opt_state, metrics
 
