@@ -70,7 +70,7 @@ _DIFFERENT = (
 def _where(tb: Any) -> str:
     """The innermost frame of ``tb`` outside torch and this module: the code that asked."""
     for frame in reversed(traceback.extract_tb(tb)):
-        if not frame.filename.startswith(_TORCH) and frame.filename != __file__:
+        if not frame.filename.startswith(_TORCH) and frame.filename != __file__ and frame.name != "__torch_dispatch__":
             name = frame.filename
             if name.startswith(_PACKAGE):
                 name = os.path.relpath(name, os.path.dirname(_PACKAGE))

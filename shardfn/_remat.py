@@ -18,12 +18,14 @@ original forward, not again by the recompute.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._events import Purpose
 from ._plan import RematMode
@@ -60,7 +62,8 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
             for sub, name, t in kept if recompute else ():
                 sub._buffers[name] = t  # (no op here: selective remat replays the region's ops one for one)
             try:
-                return run(*args, **kwargs)
+                with _NoRandom() if unit.runtime.scope.recording else contextlib.nullcontext():
+                    return run(*args, **kwargs)
             finally:
                 for sub, name, t in swapped:
                     sub._buffers[name] = t
@@ -74,6 +77,40 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
         return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return wrapped
+
+
+class _NoRandom(TorchDispatchMode):
+    """While a step is recorded: refuses a random op in a rematerialised unit. Eagerly,
+    ``torch.utils.checkpoint`` sets the generator back before the recompute, so that it
+    draws the forward's values; a recording cannot hold that (the generator's state is
+    host Python, [Note: capturing a step] in shardfn._capture), so a replayed recompute
+    would draw other values than its forward did: a wrong gradient."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if _draws(func, args, kwargs or {}):
+            raise Unrecordable(
+                f"{func._overloadpacket.__name__} draws random values in a rematerialised unit, and a recorded "
+                "recompute would draw other values than its forward did",
+                "leave this unit out of remat, or turn its randomness off (dropout p=0, apply.eval())")
+        return func(*args, **(kwargs or {}))
+
+
+def _draws(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` on these arguments gives a result that depends on random draws: a
+    seeded op, unless its probability leaves nothing to chance (attention's ``dropout_p``
+    0, dropout's ``p`` 0 or not training, a Bernoulli ``p`` of 0 or 1: what dropout with
+    ``p=0`` runs as on the CPU)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    given = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    name = func._overloadpacket.__name__
+    if "dropout_p" in given:
+        return given["dropout_p"] != 0
+    if name == "native_dropout":
+        return given.get("p") != 0 and given.get("train") is not False
+    if name.startswith("bernoulli") and isinstance(given.get("p"), (int, float)):
+        return 0 < given["p"] < 1
+    return True
 
 
 def _selective(save: tuple[str, ...]):

@@ -253,3 +253,54 @@ def test_a_graph_step_captures_each_program_once(clusters):
     # programs recorded at calls 2 and 6, run eagerly at calls 3 and 7, captured at 4 and 8
     assert got["captures"] == [1, 1] and got["graphs"] == 2
     assert got["destroyed"] == [True, True] and got["held"] == [None, None]  # step.close() dropped them
+
+
+class _DropBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(torch.tanh(self.lin(x)))
+
+
+class _DropNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_DropBlock(), _DropBlock()])
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _dropout_under_remat(remat):
+    """The first call of a graph step whose units draw random values: refused (and the
+    state untouched) when those units are rematerialised; else its loss."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(_DropNet())
+    sharded = sf.shard(params, mesh, sf.Plan("FULL_SHARD", units=sf.by_module_type(_DropBlock),
+                                             remat=sf.Remat() if remat else None))
+    before = {k: v.clone() for k, v in sf.gather(sharded).items()}
+    opt = sf.optim.sgd(0.1)
+    step = sf.jit_step(lambda apply, p, b: apply(p, b).pow(2).mean(), mesh, optimizer=opt, graph="eager")
+    try:
+        step(sharded, opt.init(sharded), torch.ones(4, 8))
+    except ValueError as e:
+        after = sf.gather(sharded)
+        return {"error": str(e), "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+    return {"error": None}
+
+
+def test_a_random_op_in_a_rematerialised_unit_is_refused_when_recording(clusters):
+    # A recorded recompute cannot restore the generator as torch.utils.checkpoint does
+    # eagerly: its dropout would draw another mask than the forward's (a wrong gradient).
+    got = clusters[1].run(_dropout_under_remat, True)[0]
+    assert got["error"] is not None and got["unchanged"], got
+    assert "draws random values in a rematerialised unit" in got["error"] and "graph=False" in got["error"]
+    assert "test_capture.py" in got["error"], got["error"]  # where: the user's forward
+    assert clusters[1].run(_dropout_under_remat, False)[0] == {"error": None}  # no remat: random ops are fine
