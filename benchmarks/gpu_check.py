@@ -53,8 +53,8 @@ offload (``Offload(params=True, optimizer=True)``, fp32). For each row:
   under ``torch.autocast``): the "plain torch" rows, and the "x plain" column. On CUDA,
   the plain step is also captured as one CUDA graph (variants ``fp32 cg`` and ``bf16 cg``,
   :func:`graphed_step`): the floor a whole-step program can reach, its "x plain" against
-  the eager plain step. ``jit_step(graph=True)`` is refused on CUDA in this release
-  (docs/compile.md), so it has no rows yet.
+  the eager plain step. ``jit_step(graph=True)`` on CUDA has its own run, ``--graph``
+  (benchmarks/gpu_graph.py).
 
 World 2 on one GPU: NCCL first (which normally refuses two ranks on one GPU: "Duplicate GPU
 detected"), then gloo over CUDA tensors; a backend counts as usable when the process group
@@ -71,6 +71,7 @@ Run::
     python benchmarks/gpu_check.py                    # on a CUDA machine: GPT d_model 1024, 8 layers, seq 1024
     python benchmarks/gpu_check.py --d-model 512 --layers 4 --batch 4
     python benchmarks/gpu_check.py --device cpu       # smoke run of the logic on CPU (gloo, tiny GPT)
+    python benchmarks/gpu_check.py --graph            # jit_step(graph=True) captured: benchmarks/gpu_graph.py
 """
 
 from __future__ import annotations
@@ -815,6 +816,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s for MFU, every row (default: by device name)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one world's run may take once started")
     p.add_argument("--worlds", default="1,2", help="the world sizes to run (1, 2 or both: 1,2)")
+    p.add_argument("--graph", action="store_true",
+                   help="jit_step(graph=True) captured as one CUDA graph against shardfn eager, plain eager and the "
+                        "plain CUDA-graph floor, on three models (benchmarks/gpu_graph.py); one process, under 8 "
+                        "minutes on one H100/H200; the other options are not used")
     p.add_argument("--on-nonfinite", choices=("raise", "raise_next"), default="raise",
                    help="jit_step's on_nonfinite for shardfn's timed steps: raise_next reads nothing from the device "
                         "(no synchronisation in the step; the sync column shows it)")
@@ -841,6 +846,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     """Runs world 1 and world 2, prints the table; returns the exit status."""
     args = parse_args()
+    if args.graph:  # [Note: capturing a step] in shardfn._capture: the GPU check of the CUDA path
+        import gpu_graph
+
+        return gpu_graph.main(args.device, gpu_graph.ROWS if args.device == "cuda" else gpu_graph.CPU_ROWS)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 2

@@ -34,6 +34,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
+from . import _capture
 from . import _guard as G
 from ._failures import describe
 from ._batch import count_tokens
@@ -70,7 +71,7 @@ _DIFFERENT = (
 def _where(tb: Any) -> str:
     """The innermost frame of ``tb`` outside torch and this module: the code that asked."""
     for frame in reversed(traceback.extract_tb(tb)):
-        if not frame.filename.startswith(_TORCH) and frame.filename != __file__:
+        if not frame.filename.startswith(_TORCH) and frame.filename != __file__ and frame.name != "__torch_dispatch__":
             name = frame.filename
             if name.startswith(_PACKAGE):
                 name = os.path.relpath(name, os.path.dirname(_PACKAGE))
@@ -285,6 +286,13 @@ class GraphStep:
             metrics["aux"] = pytree.tree_unflatten(list(aux[2 + program.tokens:]), program.aux_spec)
         return sharded, opt_state, metrics
 
+    def close(self) -> None:
+        """Destroys the step's CUDA graphs ([Note: capturing a step]): call it (or let the
+        process exit) before ``dist.destroy_process_group()``. A later call captures again."""
+        for program in self.programs.values():
+            if isinstance(program.fn, _capture.Captured):
+                program.fn.close()
+
     @staticmethod
     def _batch_key(batch: Any) -> tuple[Any, Any]:
         inputs, bspec = pytree.tree_flatten(batch)
@@ -304,6 +312,9 @@ class GraphStep:
         if program.fn is program.gm and self.backend is not None:  # [Note: random ops in a program] in _remat
             options = {"fallback_random": True} if self.backend == "inductor" else None
             program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False, options=options)
+        if self.mesh.device.type in _capture.DEVICES and not isinstance(program.fn, _capture.Captured):
+            _capture.check_capturable(self.mesh, program.gm, state, inputs)  # [Note: capturing a step]
+            program.fn = _capture.Captured(program.fn, self.mesh.device)
         # Under a dispatch mode of the caller's (an op counter, a memory tracker) dynamo runs
         # nothing compiled: the recorded graph runs op by op, so the mode sees each op.
         fn = program.gm if _get_current_dispatch_mode() is not None else program.fn

@@ -96,6 +96,24 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
     return wrapped
 
 
+def _draws(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` on these arguments gives a result that depends on random draws: a
+    seeded op, unless its probability leaves nothing to chance (attention's ``dropout_p``
+    0, dropout's ``p`` 0 or not training, a Bernoulli ``p`` of 0 or 1: what dropout with
+    ``p=0`` runs as on the CPU)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    given = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    name = func._overloadpacket.__name__
+    if "dropout_p" in given:
+        return given["dropout_p"] != 0
+    if name == "native_dropout":
+        return given.get("p") != 0 and given.get("train") is not False
+    if name.startswith("bernoulli") and isinstance(given.get("p"), (int, float)):
+        return 0 < given["p"] < 1
+    return True
+
+
 def _selective(save: tuple[str, ...]):
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -142,12 +160,3 @@ class _SameDraws(TorchDispatchMode):
         for target, value in zip(written, kept if isinstance(kept, (list, tuple)) else [kept]):
             target.copy_(value)
         return written[0] if len(written) == 1 else tuple(written)
-
-
-def _draws(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether ``func`` draws from a generator: a seeded op, unless its ``dropout_p`` is 0."""
-    if torch.Tag.nondeterministic_seeded not in func.tags:
-        return False
-    names = [a.name for a in func._schema.arguments]
-    given = dict(zip(names, args)) | kwargs
-    return given.get("dropout_p", 1.0) != 0

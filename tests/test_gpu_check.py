@@ -61,3 +61,33 @@ def test_the_cpu_run_passes_for_shardfn_and_its_peers():
     rows = re.findall(r"^\s+[12]\s+(FULL_SHARD|SHARD_GRAD_OP|NO_SHARD)\s+\w+\s+PASS\s+\S+\s+(\S+)\s+.*\s+PASS\s+(\S+)",
                       proc.stdout, re.M)
     assert len(rows) == 18 and all(float(a) <= 1 and float(b) <= 1 for _, a, b in rows), proc.stdout
+
+
+def test_the_graph_run_without_cuda_says_so_and_runs_nothing():
+    # (this machine's torch has no CUDA; the run's rows need one: docs/compile.md, "The CUDA path")
+    assert not torch.cuda.is_available()
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--graph"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "gpu_check.py --graph needs a CUDA device" in proc.stderr and proc.stdout == ""
+
+
+def test_the_graph_run_judges_equal_losses_by_its_bounds():
+    _gpu_check()
+    spec = importlib.util.spec_from_file_location("gpu_graph", ROOT / "benchmarks" / "gpu_graph.py")
+    gg = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gg
+    spec.loader.exec_module(gg)
+    small, big = gg.ROWS[0], gg.ROWS[1]
+    assert (small.dims["d_model"], small.dims["layers"], small.seq, small.batch, small.dtype) == (64, 24, 16, 1, "fp32")
+    cells = {(small.name, "shardfn eager"): {"losses": [2.0, 1.0]},
+             (small.name, "graph=True"): {"losses": [2.0, 1.0 + 0.5e-5]},
+             (small.name, "graph=eager"): {"losses": [2.0, 1.0 + 2e-5]},
+             (big.name, "shardfn eager"): {"losses": [2.0]}, (big.name, "graph=True"): {"losses": [2.0 * (1 + 2**-8)]}}
+    assert gg.equality(small, "graph=True", cells)[1] == "PASS"
+    assert gg.equality(small, "graph=eager", cells)[1] == "FAIL"
+    assert gg.equality(big, "graph=True", cells)[1] == "PASS"  # bf16: 2**-7
+    assert gg.equality(small, "plain eager", cells) == (None, "-")
+    lines = gg.table((small, big), cells)
+    assert sum("not run" in line for line in lines) == 2 * len(gg.COLUMNS) - 5

@@ -1,0 +1,180 @@
+"""A recorded step replayed as one CUDA graph (``jit_step(graph=True)`` on a CUDA mesh).
+
+[Note: capturing a step]
+A recorded program ``fn(state, inputs)`` ([Note: a graph step] in shardfn._graph) becomes one
+CUDA graph in three uses. First: ``fn`` runs eagerly on a side stream, fenced both ways,
+a real step of the call that also starts every process group and kernel it uses (a
+capture must not be the first use of an NCCL communicator). Second: the batch is copied
+into static buffers, ``fn(state, static)`` is captured on that stream into a memory pool
+of the graph's own (capture only records), and the graph is replayed for this call's step.
+Later: copy the batch in, replay. The state is updated in place by each replay; the
+outputs (loss, norm, tokens, aux: a few 0-d tensors) are static, rewritten by the next
+replay, so the caller gets clones. Where the allocator maps expandable segments, NCCL's
+registration of a captured collective's buffers assumes one allocation per buffer, which
+does not hold: ``NCCL_GRAPH_REGISTER=0`` is set unless the user chose. A graph must be
+destroyed before the process group (its NCCL registrations die with it): ``close()``,
+``GraphStep.close()`` and an ``atexit`` hook do it. Randomness: ``torch.cuda.graph``
+registers the default CUDA generator, so a random op draws fresh values at each replay.
+Reading a generator's state (``torch.cuda.get_rng_state``: remat's checkpoint, the pipelined
+guard's rerun) is illegal while capturing (torch raises, it is not silent), and never
+happens: those reads are Python of the eager and recording calls, and a capture runs only
+the recorded ops. A recompute, though, cannot replay its forward's draws from a recording:
+shardfn._remat refuses a random op in a rematerialised unit while recording.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["Captured", "check_capturable", "close_all"]
+
+DEVICES: tuple[str, ...] = ("cuda",)  # the mesh device types whose programs are captured (tests add "cpu")
+
+_EXPANDABLE = re.compile(r"expandable_segments\s*:\s*true", re.I)
+
+_HOST = (
+    "[rank {rank}] jit_step(graph=True) on {device}: {what} is on {where}. A CUDA graph replays device work "
+    "only: a host tensor would be read once, when the graph is captured, and replayed as that value. Fix: {fix}, "
+    "or build the step with graph=False."
+)
+
+_GLOO = (
+    "[rank {rank}] jit_step(graph=True) on {device}: the mesh axis {axis!r} runs its collectives on gloo, which "
+    "copies CUDA tensors through the host and waits there: a CUDA graph cannot hold that. Fix: start the process "
+    "group with NCCL (Mesh.from_env() on a GPU does), or build the step with graph=False."
+)
+
+
+class _Cuda:
+    """The pieces of ``torch.cuda`` a capture uses (a test replaces :data:`CUDA` with fakes)."""
+
+    def side_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def on_stream(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def new_pool(self, device: torch.device) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, body: Any, stream: Any, pool: Any) -> tuple[Any, Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            outputs = body()
+        return graph, outputs
+
+
+CUDA: Any = _Cuda()
+_LIVE: weakref.WeakSet[Captured] = weakref.WeakSet()
+
+
+class Captured:
+    """``fn(state, inputs)`` replayed as one CUDA graph; see [Note: capturing a step].
+
+    Args:
+        fn: a recorded program (the op-by-op graph module, or inductor's compiled one).
+        device: the mesh's device.
+        cuda: the pieces of ``torch.cuda`` to use (default: :data:`CUDA`).
+    """
+
+    def __init__(self, fn: Any, device: torch.device, cuda: Any = None) -> None:
+        self.fn = fn
+        self.device = device
+        self.cuda = cuda if cuda is not None else CUDA
+        self.stream: Any = None
+        self.graph: Any = None
+        self.pool: Any = None
+        self.static_inputs: list[Any] | None = None
+        self.static_outputs: list[torch.Tensor] | None = None
+        self.warm = False  # whether fn ran eagerly on the side stream
+        self.captures = 0
+        self.clone_bytes = 0  # what a replayed call copies out for its caller
+        _LIVE.add(self)
+
+    def __call__(self, state: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
+        if self.stream is None:
+            self.stream = self.cuda.side_stream(self.device)
+        if not self.warm:
+            out = self._on_side_stream(lambda: self.fn(state, inputs))
+            self.warm = True  # (a first use that raised, a compile error, is run eagerly again)
+            return out
+        if self.graph is None:
+            self._capture(state, inputs)
+        else:
+            for static, t in zip(self.static_inputs, inputs):
+                if isinstance(static, torch.Tensor):
+                    static.copy_(t)
+        self.graph.replay()
+        out = [t.clone() for t in self.static_outputs]
+        self.clone_bytes = sum(t.nbytes for t in out)
+        return out
+
+    def _on_side_stream(self, run: Any) -> Any:
+        current = self.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with self.cuda.on_stream(self.stream):
+            out = run()
+        current.wait_stream(self.stream)
+        return out
+
+    def _capture(self, state: list[torch.Tensor], inputs: list[Any]) -> None:
+        if _EXPANDABLE.search(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")):
+            os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
+        self.static_inputs = [torch.empty_like(t).copy_(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+        self.pool = self.cuda.new_pool(self.device)
+        static = self.static_inputs
+        self.graph, self.static_outputs = self.cuda.capture(lambda: self.fn(state, static), self.stream, self.pool)
+        self.captures += 1
+
+    def close(self) -> None:
+        """Destroys the graph and its buffers (before the process group); a later call
+        runs eagerly and captures again."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = self.pool = self.static_inputs = self.static_outputs = self.stream = None
+        self.warm = False
+
+
+def close_all() -> None:
+    """Destroys every live graph: at exit, before torch tears the process groups down."""
+    for captured in list(_LIVE):
+        captured.close()
+
+
+atexit.register(close_all)
+
+
+def check_capturable(mesh: Any, gm: torch.fx.GraphModule, state: list[torch.Tensor], inputs: list[Any]) -> None:
+    """Raises ``ValueError`` for what a CUDA graph of ``gm`` on ``mesh`` cannot hold: a tensor
+    of the state, the batch or the program's constants that is not on the mesh's device,
+    and collectives over gloo."""
+    device = mesh.device
+    for axis in mesh.axis_names:
+        ch = mesh.channel(axis)
+        if not ch.off and not ch.on_stream:
+            raise ValueError(_GLOO.format(rank=mesh.rank, device=device, axis=axis))
+    fix = {"state buffer": "shard onto the mesh's device, without offload",
+           "batch leaf": "move the batch to the device before the step (batch.to(mesh.device))"}
+    for what, tensors in (("state buffer", state), ("batch leaf", inputs)):
+        for i, t in enumerate(tensors):
+            if isinstance(t, torch.Tensor) and t.device.type != device.type:
+                raise ValueError(_HOST.format(rank=mesh.rank, device=device, where=t.device, fix=fix[what],
+                                              what=f"{what} [{i}] of {len(tensors)} (shape {tuple(t.shape)})"))
+    for node in gm.graph.nodes:
+        value = getattr(gm, node.target) if node.op == "get_attr" else None
+        if isinstance(value, torch.Tensor) and value.device.type != device.type:
+            traces = [u.meta.get("stack_trace", "").strip() for u in node.users]
+            used = f", used at {traces[0].splitlines()[-1]}" if traces and traces[0] else ""
+            raise ValueError(_HOST.format(
+                rank=mesh.rank, device=device, where=value.device,
+                what=f"the program's constant {node.target!r} (shape {tuple(value.shape)}{used})",
+                fix="make the tensor on the device (torch.tensor(..., device=...)) or pass it in the batch"))

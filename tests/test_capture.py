@@ -1,0 +1,255 @@
+"""jit_step(graph=True) on CUDA: the recorded program replayed as one CUDA graph
+([Note: capturing a step] in shardfn._capture), checked on the CPU with fakes of the pieces of
+``torch.cuda`` it uses: a fake graph whose capture records the callable and whose replay
+calls it, writing the same static output tensors each time, and fake streams that log what
+waits on what. No GPU is needed; the GPU run is ``python benchmarks/gpu_check.py --graph``.
+"""
+
+import contextlib
+import os
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import shardfn as sf
+from shardfn import _capture
+from test_equivalence import gpt_batches, gpt_loss, gpt_model
+
+
+class FakeStream:
+    def __init__(self, name):
+        self.name = name
+
+    def wait_stream(self, other):
+        FakeCuda.log.append(("wait", self.name, other.name))
+
+
+class FakeGraph:
+    def __init__(self, body, outputs):
+        self.body, self.outputs = body, outputs  # capture records the callable; nothing runs
+        self.replays = 0
+        self.destroyed = False
+
+    def replay(self):  # writes the same static output tensors every time, as a real graph does
+        assert not self.destroyed, "replay of a destroyed graph"
+        FakeCuda.log.append(("replay", FakeCuda.on[-1].name))
+        new = self.body()
+        if not self.outputs:
+            self.outputs.extend(t.clone() for t in new)
+        for static, t in zip(self.outputs, new):
+            static.copy_(t)
+        self.replays += 1
+
+    def reset(self):
+        self.destroyed = True
+
+
+class FakeCuda:
+    """The pieces of torch.cuda that shardfn._capture uses, on the CPU."""
+
+    log: list = []
+    on: list = []
+
+    def __init__(self):
+        FakeCuda.log = []
+        FakeCuda.on = [FakeStream("current")]
+        self.graphs = []
+        self.pools = []
+
+    def side_stream(self, device):
+        return FakeStream(f"side{len(self.pools)}")
+
+    def current_stream(self, device):
+        return FakeCuda.on[-1]
+
+    @contextlib.contextmanager
+    def on_stream(self, stream):
+        FakeCuda.on.append(stream)
+        FakeCuda.log.append(("on", stream.name))
+        try:
+            yield
+        finally:
+            FakeCuda.on.pop()
+
+    def new_pool(self, device):
+        self.pools.append(object())
+        return self.pools[-1]
+
+    def capture(self, body, stream, pool):
+        assert pool in self.pools and FakeCuda.on[-1] is not stream
+        FakeCuda.log.append(("capture", stream.name))
+        self.graphs.append(FakeGraph(body, []))
+        return self.graphs[-1], self.graphs[-1].outputs
+
+
+def _program(calls):
+    """A stand-in for a recorded program: updates the state in place, returns new 0-d outputs."""
+
+    def fn(state, inputs):
+        calls.append(FakeCuda.on[-1].name)
+        state[0].add_(inputs[0].sum())
+        return [state[0].sum() * 2, inputs[0].mean()]
+
+    return fn
+
+
+def test_first_use_runs_eagerly_on_a_side_stream_then_captures_once_and_replays():
+    fake, calls = FakeCuda(), []
+    state = [torch.zeros(3)]
+    captured = _capture.Captured(_program(calls), torch.device("cpu"), cuda=fake)
+    outs = []
+    for i in range(4):
+        outs.append(captured(state, [torch.full((2,), float(i + 1))]))
+    # 1: eager on the side stream, fenced both ways; 2: captured (recorded, not run), then
+    # replayed once for this call's step; 3, 4: replays only.
+    assert calls[0] == "side0" and FakeCuda.log[:3] == [("wait", "side0", "current"), ("on", "side0"),
+                                                        ("wait", "current", "side0")]
+    assert len(fake.graphs) == 1 and fake.graphs[0].replays == 3 and captured.captures == 1
+    assert [e for e in FakeCuda.log if e[0] in ("capture", "replay")] == [
+        ("capture", "side0"), ("replay", "current"), ("replay", "current"), ("replay", "current")]
+    # Every call is a real step: the state holds 2 * (1 + 2 + 3 + 4)
+    assert state[0].tolist() == [20.0] * 3
+    # What a user keeps is not overwritten by the next replay, and each call's own value
+    assert [o[1].item() for o in outs] == [1.0, 2.0, 3.0, 4.0]
+    assert [o[0].item() for o in outs] == [2 * 3 * 2.0, 2 * 3 * 6.0, 2 * 3 * 12.0, 2 * 3 * 20.0]
+    static = fake.graphs[0].outputs
+    assert all(t.data_ptr() != s.data_ptr() for o in outs[1:] for t in o for s in static)
+    assert captured.clone_bytes == 2 * 4  # two fp32 0-d outputs copied out per replayed call
+
+
+def test_each_replay_copies_the_batch_into_the_same_static_buffers():
+    fake, calls = FakeCuda(), []
+    captured = _capture.Captured(_program(calls), torch.device("cpu"), cuda=fake)
+    state = [torch.zeros(3)]
+    seen = []
+    for i in range(5):
+        batch = [torch.full((2,), float(i))]
+        captured(state, batch)
+        if i >= 1:
+            seen.append(captured.static_inputs[0].data_ptr())
+            assert captured.static_inputs[0] is not batch[0] and captured.static_inputs[0].tolist() == [float(i)] * 2
+    assert len(set(seen)) == 1
+
+
+def test_close_destroys_the_graph_and_a_later_call_captures_again():
+    fake, calls = FakeCuda(), []
+    captured = _capture.Captured(_program(calls), torch.device("cpu"), cuda=fake)
+    state = [torch.zeros(3)]
+    for _ in range(3):
+        captured(state, [torch.ones(2)])
+    _capture.close_all()  # what runs at exit, before the process group's own teardown
+    assert fake.graphs[0].destroyed and captured.graph is None and captured.static_inputs is None
+    captured(state, [torch.ones(2)])  # eager again, then a new capture
+    captured(state, [torch.ones(2)])
+    assert len(fake.graphs) == 2 and not fake.graphs[1].destroyed
+
+
+def test_nccl_graph_register_is_turned_off_where_segments_expand(monkeypatch):
+    for conf, expect in (("expandable_segments:True", "0"), ("max_split_size_mb:64", None)):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+        monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+        captured = _capture.Captured(_program([]), torch.device("cpu"), cuda=FakeCuda())
+        captured([torch.zeros(1)], [torch.ones(1)])
+        assert os.environ.get("NCCL_GRAPH_REGISTER") is None  # not before the first capture
+        captured([torch.zeros(1)], [torch.ones(1)])
+        assert os.environ.get("NCCL_GRAPH_REGISTER") == expect
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "1")  # the user's own choice is kept
+    captured = _capture.Captured(_program([]), torch.device("cpu"), cuda=FakeCuda())
+    for _ in range(2):
+        captured([torch.zeros(1)], [torch.ones(1)])
+    assert os.environ["NCCL_GRAPH_REGISTER"] == "1"
+
+
+class _Channel:
+    def __init__(self, off, on_stream):
+        self.off, self.on_stream = off, on_stream
+
+
+class _Mesh:
+    device = torch.device("cuda", 0)
+    rank = 0
+    axis_names = ("shard",)
+
+    def __init__(self, channel):
+        self._channel = channel
+
+    def channel(self, axis):
+        return self._channel
+
+
+def test_what_a_cuda_graph_cannot_hold_is_refused():
+    nccl, gloo, alone = _Channel(False, True), _Channel(False, False), _Channel(True, False)
+    gm = torch.fx.symbolic_trace(lambda state, inputs: [state[0] * 2])
+    with FakeTensorMode():  # CUDA tensors without a GPU
+        state, batch = [torch.zeros(4, device="cuda")], [torch.zeros(2, device="cuda")]
+    _capture.check_capturable(_Mesh(nccl), gm, state, batch)
+    _capture.check_capturable(_Mesh(alone), gm, state, batch)  # a world of one: no collective
+    with pytest.raises(ValueError, match=r"\[rank 0\].*on cuda:0.*'shard'.*gloo.*NCCL"):
+        _capture.check_capturable(_Mesh(gloo), gm, state, batch)
+    with pytest.raises(ValueError, match=r"batch leaf \[1\] of 2 .*\(3,\).* on cpu.*to\(mesh.device\)"):
+        _capture.check_capturable(_Mesh(nccl), gm, state, [batch[0], torch.zeros(3)])
+    with pytest.raises(ValueError, match=r"state buffer \[0\] of 1 .* on cpu"):
+        _capture.check_capturable(_Mesh(nccl), gm, [torch.zeros(4)], batch)
+    gm.register_buffer("host", torch.ones(2))
+    gm.graph.get_attr("host")
+    gm.recompile()
+    with pytest.raises(ValueError, match=r"constant 'host' .*\(2,\).* on cpu"):
+        _capture.check_capturable(_Mesh(nccl), gm, state, batch)
+
+
+def _graph_step_captured(steps):
+    """A graph step on a world-1 CPU mesh with CUDA's pieces replaced by the fakes: the
+    device types that capture include the CPU's here. Losses and per-program captures."""
+    fake = FakeCuda()
+    saved = _capture.CUDA, _capture.DEVICES
+    _capture.CUDA, _capture.DEVICES = fake, ("cuda", "cpu")
+    try:
+        out = _graph_step(steps)
+        step = out.pop("step")
+        out["captured"] = [p.fn for p in step.programs.values()]
+        out["captures"] = [c.captures for c in out["captured"]]
+        out["graphs"] = len(fake.graphs)
+        step.close()
+        out["destroyed"] = [g.destroyed for g in fake.graphs]
+        out["held"] = [c.graph for c in out.pop("captured")]
+        return out
+    finally:
+        _capture.CUDA, _capture.DEVICES = saved
+
+
+def _graph_step(steps):
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(gpt_model())
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    opt = sf.optim.adamw(1e-3)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt, graph="eager")
+    state = opt.init(sharded)
+    losses, kept = [], []
+    for batch in steps:
+        sharded, state, metrics = step(sharded, state, batch)
+        kept.append(metrics["loss"])
+        losses.append(float(metrics["loss"]))
+    return {"losses": losses, "kept": [float(t) for t in kept], "step": step}
+
+
+def _graph_step_plain(steps):
+    """The same graph step, its program replayed uncaptured."""
+    out = _graph_step(steps)
+    out.pop("step").close()
+    return out
+
+
+def test_a_graph_step_captures_each_program_once(clusters):
+    batches = gpt_batches(5)
+    short = [{k: v[:, :4] for k, v in b.items()} for b in gpt_batches(3, seed=3)]
+    steps = batches + short  # a new batch shape: a new program, a new Captured
+    got = clusters[1].run(_graph_step_captured, steps)[0]
+    plain = clusters[1].run(_graph_step_plain, steps)[0]
+    assert got["losses"] == plain["losses"]  # the same program on the same batches, bit for bit
+    assert got["kept"] == got["losses"]  # each call's loss still reads the same after later replays
+    # programs recorded at calls 2 and 6, run eagerly at calls 3 and 7, captured at 4 and 8
+    assert got["captures"] == [1, 1] and got["graphs"] == 2
+    assert got["destroyed"] == [True, True] and got["held"] == [None, None]  # step.close() dropped them
