@@ -18,8 +18,8 @@ registers the default CUDA generator, so a random op draws fresh values at each 
 Reading a generator's state (``torch.cuda.get_rng_state``: remat's checkpoint, the pipelined
 guard's rerun) is illegal while capturing (torch raises, it is not silent), and never
 happens: those reads are Python of the eager and recording calls, and a capture runs only
-the recorded ops. A recompute, though, cannot replay its forward's draws from a recording:
-shardfn._remat refuses a random op in a rematerialised unit while recording.
+the recorded ops. A remat recompute takes its forward's draws from the recording instead
+([Note: random ops in a program] in shardfn._remat).
 """
 
 from __future__ import annotations
