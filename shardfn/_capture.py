@@ -38,12 +38,6 @@ DEVICES: tuple[str, ...] = ("cuda",)  # the mesh device types whose programs are
 
 _EXPANDABLE = re.compile(r"expandable_segments\s*:\s*true", re.I)
 
-_HOST = (
-    "[rank {rank}] jit_step(graph=True) on {device}: {what} is on {where}. A CUDA graph replays device work "
-    "only: a host tensor would be read once, when the graph is captured, and replayed as that value. Fix: {fix}, "
-    "or build the step with graph=False."
-)
-
 _GLOO = (
     "[rank {rank}] jit_step(graph=True) on {device}: the mesh axis {axis!r} runs its collectives on gloo, which "
     "copies CUDA tensors through the host and waits there: a CUDA graph cannot hold that. Fix: start the process "
@@ -153,28 +147,11 @@ def close_all() -> None:
 atexit.register(close_all)
 
 
-def check_capturable(mesh: Any, gm: torch.fx.GraphModule, state: list[torch.Tensor], inputs: list[Any]) -> None:
-    """Raises ``ValueError`` for what a CUDA graph of ``gm`` on ``mesh`` cannot hold: a tensor
-    of the state, the batch or the program's constants that is not on the mesh's device,
-    and collectives over gloo."""
+def check_capturable(mesh: Any) -> None:
+    """Raises ``ValueError`` for collectives over gloo, which a CUDA graph cannot capture (a
+    host tensor in the program was refused when it was recorded: shardfn._host)."""
     device = mesh.device
     for axis in mesh.axis_names:
         ch = mesh.channel(axis)
         if not ch.off and not ch.on_stream:
             raise ValueError(_GLOO.format(rank=mesh.rank, device=device, axis=axis))
-    fix = {"state buffer": "shard onto the mesh's device, without offload",
-           "batch leaf": "move the batch to the device before the step (batch.to(mesh.device))"}
-    for what, tensors in (("state buffer", state), ("batch leaf", inputs)):
-        for i, t in enumerate(tensors):
-            if isinstance(t, torch.Tensor) and t.device.type != device.type:
-                raise ValueError(_HOST.format(rank=mesh.rank, device=device, where=t.device, fix=fix[what],
-                                              what=f"{what} [{i}] of {len(tensors)} (shape {tuple(t.shape)})"))
-    for node in gm.graph.nodes:
-        value = getattr(gm, node.target) if node.op == "get_attr" else None
-        if isinstance(value, torch.Tensor) and value.device.type != device.type:
-            traces = [u.meta.get("stack_trace", "").strip() for u in node.users]
-            used = f", used at {traces[0].splitlines()[-1]}" if traces and traces[0] else ""
-            raise ValueError(_HOST.format(
-                rank=mesh.rank, device=device, where=value.device,
-                what=f"the program's constant {node.target!r} (shape {tuple(value.shape)}{used})",
-                fix="make the tensor on the device (torch.tensor(..., device=...)) or pass it in the batch"))

@@ -313,7 +313,7 @@ class GraphStep:
             options = {"fallback_random": True} if self.backend == "inductor" else None
             program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False, options=options)
         if self.mesh.device.type in _capture.DEVICES and not isinstance(program.fn, _capture.Captured):
-            _capture.check_capturable(self.mesh, program.gm, state, inputs)  # [Note: capturing a step]
+            _capture.check_capturable(self.mesh)  # [Note: capturing a step]
             program.fn = _capture.Captured(program.fn, self.mesh.device)
         # Under a dispatch mode of the caller's (an op counter, a memory tracker) dynamo runs
         # nothing compiled: the recorded graph runs op by op, so the mode sees each op.
@@ -411,6 +411,7 @@ class GraphStep:
         self.recordings += 1
         with self._refusing(sharded):
             gm = make_fx(program, record_module_stack=False, record_stack_traces=True)(state, inputs)
+        with G.guarded(self.mesh, G.Where.STEP), self._refusing(sharded):  # every rank learns it
             refuse_host_tensors(gm, self.mesh.device, _input_names(sharded, opt_state, state, inputs))
         _strip(gm)
         _check_constants(gm, state, inputs)

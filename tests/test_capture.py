@@ -181,22 +181,48 @@ class _Mesh:
 
 def test_what_a_cuda_graph_cannot_hold_is_refused():
     nccl, gloo, alone = _Channel(False, True), _Channel(False, False), _Channel(True, False)
-    gm = torch.fx.symbolic_trace(lambda state, inputs: [state[0] * 2])
-    with FakeTensorMode():  # CUDA tensors without a GPU
-        state, batch = [torch.zeros(4, device="cuda")], [torch.zeros(2, device="cuda")]
-    _capture.check_capturable(_Mesh(nccl), gm, state, batch)
-    _capture.check_capturable(_Mesh(alone), gm, state, batch)  # a world of one: no collective
+    _capture.check_capturable(_Mesh(nccl))
+    _capture.check_capturable(_Mesh(alone))  # a world of one: no collective
     with pytest.raises(ValueError, match=r"\[rank 0\].*on cuda:0.*'shard'.*gloo.*NCCL"):
-        _capture.check_capturable(_Mesh(gloo), gm, state, batch)
-    with pytest.raises(ValueError, match=r"batch leaf \[1\] of 2 .*\(3,\).* on cpu.*to\(mesh.device\)"):
-        _capture.check_capturable(_Mesh(nccl), gm, state, [batch[0], torch.zeros(3)])
-    with pytest.raises(ValueError, match=r"state buffer \[0\] of 1 .* on cpu"):
-        _capture.check_capturable(_Mesh(nccl), gm, [torch.zeros(4)], batch)
-    gm.register_buffer("host", torch.ones(2))
-    gm.graph.get_attr("host")
-    gm.recompile()
-    with pytest.raises(ValueError, match=r"constant 'host' .*\(2,\).* on cpu"):
-        _capture.check_capturable(_Mesh(nccl), gm, state, batch)
+        _capture.check_capturable(_Mesh(gloo))
+
+
+def _program(constant=None, host_op=False):
+    """A recorded-like program ``(state, batch) -> [state[0] * 2, batch[0] * 3]`` (a host scalar added to the first)."""
+
+    def fn(state, batch):
+        out = state[0] * 2
+        if constant is not None:
+            out = out + constant  # a 0-d host tensor may meet device tensors
+        if host_op:
+            out = out + torch.ones(4).sum()
+        return [out, batch[0] * 3]
+
+    return fn
+
+
+def test_a_host_tensor_in_a_device_program_is_refused_naming_it():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from shardfn._host import refuse_host_tensors
+    from shardfn._recording import Unrecordable
+
+    cuda = torch.device("cuda", 0)
+    names = ["params['w']", "batch leaf 0"]
+    with FakeTensorMode():  # CUDA tensors without a GPU (no autograd: a CPU build cannot run it on them)
+        state, batch = [torch.zeros(4, device="cuda")], [torch.zeros(2, device="cuda")]
+        refuse_host_tensors(make_fx(_program())(state, batch), cuda, names)  # all on the device
+        refuse_host_tensors(make_fx(_program())([torch.zeros(4)], batch), torch.device("cpu"), names)  # the host
+        cases = [
+            (make_fx(_program())([torch.zeros(4)], batch), r"input params\['w'\] is a \(4,\) torch.float32 tensor on cpu"),
+            (make_fx(_program())(state, [torch.zeros(2)]), r"input batch leaf 0 is a \(2,\) .* on cpu, not on the mesh's cuda:0"),
+            (make_fx(_program(constant=torch.tensor(1.0)))(state, batch), r"holds a constant \(\) torch.float32 tensor on cpu"),
+            (make_fx(_program(host_op=True))(state, batch), r"aten\.\w+\.\w+ makes a \(\d*,?\) torch.float32 tensor on cpu, .*cuda:0"),
+        ]
+        for gm, message in cases:
+            with pytest.raises(Unrecordable, match=message) as caught:
+                refuse_host_tensors(gm, cuda, names)
+            assert "cuda:0" in caught.value.fix
 
 
 def _graph_step_captured(steps):
