@@ -45,6 +45,7 @@ from ._recording import Unrecordable, record
 from ._replay import _COMPILE_FAILED, _HALF_RUN, _LOST, bounded, compile_error, note_failure, peer_failures
 from ._verdict import Verdict, check_verdict
 from .optim import hyperparams
+from .optim._count import forget
 
 __all__ = ["GraphStep"]
 
@@ -212,7 +213,8 @@ class GraphStep:
         self.programs: dict[Any, _Program] = {}
         self.warm = False  # whether the first call ran (eagerly, see _warm_up)
         self.recordings = 0
-        self._last: tuple[Any, Any, list[torch.Tensor], Any] | None = None  # (sharded, opt_state, inputs, key)
+        # (sharded, opt_state, the state's inputs, its key, their step counts)
+        self._last: tuple[Any, Any, list[torch.Tensor], Any, list[torch.Tensor]] | None = None
         self._program: _Program | None = None  # the last one run
         self._key: Any = None  # the key of the last call ([Note: a program's key])
         self._attributes: ModelAttributes | None = None
@@ -233,7 +235,7 @@ class GraphStep:
         check_verdict(sharded, "step")
         last = self._last
         if last is not None and last[0] is sharded and last[1] is opt_state:  # the trees the last call returned
-            state, shape = last[2], last[3]
+            state, shape, counts = last[2:]
         else:
             with G.guarded(self.mesh, G.Where.STEP):
                 self.step._check(sharded, opt_state)
@@ -245,6 +247,7 @@ class GraphStep:
             hidden = _hidden(leaves)
             state = _bases([t for t in leaves if isinstance(t, torch.Tensor)] + hidden)
             shape = (spec, tuple(_what(t) for t in leaves), tuple(_what(t) for t in hidden))
+            counts = [t for t in state if t.dim() == 0]  # ([Note: step counts] in shardfn.optim._count)
         inputs, bspec = pytree.tree_flatten(batch)
         key = (shape, bspec, tuple(_what(t) for t in inputs), self._model_key(sharded))
         program = self.programs.get(key)
@@ -261,8 +264,9 @@ class GraphStep:
             self.programs[key] = program
         else:
             aux = self._replay(program, state, inputs)
+        forget(counts)  # written by the program, perhaps without a trace ([Note: step counts])
         sharded = sharded._with_verdict(Verdict(aux[0], aux[1]))  # the same tensors, updated in place
-        self._last = (sharded, opt_state, state, shape)
+        self._last = (sharded, opt_state, state, shape, counts)
         self._program = program
         # [Note: tokens over the ranks]: summed in the program (Mean), or agreed when recorded
         tokens = aux[2] if program.tokens else count_tokens(batch) * self.mesh.size
