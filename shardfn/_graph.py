@@ -176,8 +176,12 @@ class _Program:
     """One recorded step: its graph, what it is run by, and what a replay reports."""
 
     def __init__(self, gm: torch.fx.GraphModule, calls: list[CollectiveCall], comm_bytes: dict[str, int],
-                 aux_spec: Any, axes: dict[str, str], tokens: bool) -> None:
+                 aux_spec: Any, axes: dict[str, str], tokens: bool, hyper: dict[str, Any]) -> None:
         self.gm = gm
+        # the optimizer's hyperparams: a value its recording computed from the state (None) is
+        # the program's output, in order after the others; any other value is a constant of it
+        self.hyper = hyper
+        self.hyper_outputs = sum(v is None for v in hyper.values())
         self.tokens = tokens  # whether the tokens summed over the ranks are an output (after loss and norm)
         self.fn: Any = gm
         self.calls = calls
@@ -257,7 +261,6 @@ class GraphStep:
                 agree_on_key(self.mesh, program.number if program else len(self.programs) + 1, program is not None,
                              lambda: what_changed(self.mesh.rank, key, last, recorded, self._attributes))
         self._key = key
-        metrics = hyperparams(self.step.optimizer, opt_state)  # the learning rate, read on the host
         if program is None:
             program, aux = self._record(sharded, opt_state, batch, state, inputs)
             program.number = len(self.programs) + 1
@@ -268,6 +271,10 @@ class GraphStep:
         sharded = sharded._with_verdict(Verdict(aux[0], aux[1]))  # the same tensors, updated in place
         self._last = (sharded, opt_state, state, shape, counts)
         self._program = program
+        # the learning rate: computed by the program from the count, or a constant of it
+        computed = iter(aux[len(aux) - program.hyper_outputs:])
+        metrics = {k: next(computed) if v is None else v for k, v in program.hyper.items()}
+        aux = aux[:len(aux) - program.hyper_outputs]
         # [Note: tokens over the ranks]: summed in the program (Mean), or agreed when recorded
         tokens = aux[2] if program.tokens else count_tokens(batch) * self.mesh.size
         metrics.update(loss=aux[0], grad_norm=aux[1], tokens=tokens, comm_bytes=dict(program.comm_bytes))
@@ -374,6 +381,8 @@ class GraphStep:
             before = [_view_of_base(t) for t in leaves]
             trees = pytree.tree_unflatten(before, spec)
             with record(), _NoHostReads(), observe(seen):
+                # what the update will use, from the state before it (a schedule: from the count)
+                hyper = hyperparams(self.step.optimizer, trees[1])
                 new, new_state, metrics = self.step(*trees, batch)
             after = pytree.tree_leaves((new, new_state))
             with torch.no_grad():
@@ -384,7 +393,11 @@ class GraphStep:
             aux = metrics.get("aux")
             leaves, out["aux_spec"] = pytree.tree_flatten(aux) if "aux" in metrics else ([], None)
             tokens = [metrics["tokens"]] if isinstance(metrics["tokens"], torch.Tensor) else []
-            return [metrics["loss"].detach(), metrics["grad_norm"].detach(), *tokens, *[a.detach() for a in leaves]]
+            out["hyper"] = {k: None if isinstance(v, torch.Tensor) else v for k, v in hyper.items()}
+            computed = [v.detach() for v in hyper.values() if isinstance(v, torch.Tensor)]
+            out["outputs"] = [metrics["loss"].detach(), metrics["grad_norm"].detach(), *tokens,
+                              *[a.detach() for a in leaves], *computed]
+            return out["outputs"]
 
         self.recordings += 1
         with self._refusing(sharded):
@@ -394,7 +407,7 @@ class GraphStep:
         metrics = out["metrics"]
         axes = {self.mesh.channel(a).group.group_name: a for a in self.mesh.axis_names}
         prog = _Program(gm, seen.calls, metrics["comm_bytes"], out["aux_spec"], axes,
-                        isinstance(metrics["tokens"], torch.Tensor))
+                        isinstance(metrics["tokens"], torch.Tensor), out["hyper"])
         for axis in self.mesh.axis_names:  # every rank recorded the same collectives, or every rank raises
             ch = self.mesh.channel(axis)
             if ch.off:
@@ -406,11 +419,9 @@ class GraphStep:
             if len(set(prints)) > 1:
                 raise G.told(DivergenceError(_DIFFERENT.format(rank=self.mesh.rank, ranks=list(ch.ranks), prints=prints,
                                                                what=what)), ch)
+        outputs = out["outputs"]
         gc.collect()  # the recording's tracer and proxies form cycles that hold the step's intermediates
-        aux = [metrics["loss"], metrics["grad_norm"]] + ([metrics["tokens"]] if prog.tokens else [])
-        if prog.aux_spec is not None:
-            aux += pytree.tree_leaves(metrics["aux"])
-        return prog, aux
+        return prog, outputs
 
 
 _UNMARKED_ALIASES = (torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten._unsafe_view.default)

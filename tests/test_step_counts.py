@@ -180,3 +180,35 @@ def test_an_old_checkpoint_count_loads_into_the_count_and_past_its_mirror(cluste
         # bumps its version, so the mirror's 0 is not used after the load
         assert same and on_device
         assert (before, after) == (_decay(1e-2, 0), _decay(1e-2, 1))
+
+
+# -- 3. the learning rate of a graph step -------------------------------------------------------
+
+
+def _graph_lrs(name):
+    """Per call of a graph step (op by op): the learning rate and the host reads of the count;
+    and an eager run's learning rates."""
+    mesh = sf.Mesh.from_group()
+    out = {}
+    for graph in (False, "eager"):
+        torch.manual_seed(0)
+        params, _ = sf.functionalize(_MLP())
+        sharded = sf.shard(params, mesh, "FULL_SHARD")
+        step = sf.jit_step(_mse, mesh, optimizer=OPTIMIZERS[name](), graph=graph)
+        state = step.init(sharded)
+        lrs, reads = [], []
+        for b in _batches(7):
+            with count_ops() as ops:
+                sharded, state, m = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+            reads.append(sum(1 for _, t in ops.reads if t is state.count))
+            lrs.append(float(m["learning_rate"]))
+        out[graph] = lrs, reads
+    return out
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_graph_step_reports_the_eager_learning_rate_without_reading_the_count(clusters, name):
+    for out in clusters[2].run(_graph_lrs, name):
+        (eager, _), (graph, reads) = out[False], out["eager"]
+        assert graph == eager  # [_decay]: the same float at every one of 7 calls, 5 of them replays
+        assert reads == [0] * 7, reads
