@@ -40,7 +40,7 @@ from ._batch import count_tokens
 from ._errors import CommError, DivergenceError
 from ._events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe, observers
 from ._functionalize import apply_of
-from ._graph_key import ModelAttributes, agree_on_key, refuse_moved, what_changed
+from ._graph_key import ModelAttributes, agree_on_key, group_values, refuse_moved, what_changed
 from ._recording import Unrecordable, record
 from ._replay import _COMPILE_FAILED, _HALF_RUN, _LOST, bounded, compile_error, note_failure, peer_failures
 from ._verdict import Verdict, check_verdict
@@ -136,19 +136,22 @@ def _what(x: Any) -> Any:
     return x
 
 
-def _hidden(leaves: list[Any]) -> list[torch.Tensor]:
+def _torch_optimizers(leaves: list[Any]) -> list[torch.optim.Optimizer]:
+    """The torch optimizers of ``from_torch`` states among ``leaves``."""
+    from .optim._torch import TorchOptimizerState
+
+    return [leaf.optimizer for leaf in leaves if isinstance(leaf, TorchOptimizerState) and leaf.optimizer is not None]
+
+
+def _hidden(optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The tensors of a state that is not a pytree (``from_torch``'s: its optimizer's private
     parameters and per-parameter state), which the program must take as inputs too. The
     first call, eager, has made that state (a parameter it made none for keeps none)."""
-    from .optim._torch import TorchOptimizerState
-
     hidden: list[torch.Tensor] = []
-    for leaf in leaves:
-        if isinstance(leaf, TorchOptimizerState) and leaf.optimizer is not None:
-            params = leaf.optimizer.param_groups[0]["params"]
-            hidden += params
-            hidden += [v for p in params for v in leaf.optimizer.state.get(p, {}).values()
-                       if isinstance(v, torch.Tensor)]
+    for optimizer in optimizers:
+        params = optimizer.param_groups[0]["params"]
+        hidden += params
+        hidden += [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
     return hidden
 
 
@@ -217,8 +220,8 @@ class GraphStep:
         self.programs: dict[Any, _Program] = {}
         self.warm = False  # whether the first call ran (eagerly, see _warm_up)
         self.recordings = 0
-        # (sharded, opt_state, the state's inputs, its key, their step counts)
-        self._last: tuple[Any, Any, list[torch.Tensor], Any, list[torch.Tensor]] | None = None
+        # (sharded, opt_state, the state's inputs, its key, their step counts, the from_torch optimizers)
+        self._last: tuple[Any, Any, list[torch.Tensor], Any, list[torch.Tensor], list[Any]] | None = None
         self._program: _Program | None = None  # the last one run
         self._key: Any = None  # the key of the last call ([Note: a program's key])
         self._attributes: ModelAttributes | None = None
@@ -239,21 +242,22 @@ class GraphStep:
         check_verdict(sharded, "step")
         last = self._last
         if last is not None and last[0] is sharded and last[1] is opt_state:  # the trees the last call returned
-            state, shape, counts = last[2:]
+            state, shape, counts, optimizers = last[2:]
         else:
             with G.guarded(self.mesh, G.Where.STEP):
                 self.step._check(sharded, opt_state)
             leaves, spec = pytree.tree_flatten((sharded, opt_state))
+            optimizers = _torch_optimizers(leaves)
             if not self.warm:
                 self.warm = True
-                self._key = (None, *self._batch_key(batch), self._model_key(sharded))
+                self._key = (None, *self._batch_key(batch), self._model_key(sharded), group_values(optimizers))
                 return self._warm_up(sharded, opt_state, batch)
-            hidden = _hidden(leaves)
+            hidden = _hidden(optimizers)
             state = _bases([t for t in leaves if isinstance(t, torch.Tensor)] + hidden)
             shape = (spec, tuple(_what(t) for t in leaves), tuple(_what(t) for t in hidden))
             counts = [t for t in state if t.dim() == 0]  # ([Note: step counts] in shardfn.optim._count)
         inputs, bspec = pytree.tree_flatten(batch)
-        key = (shape, bspec, tuple(_what(t) for t in inputs), self._model_key(sharded))
+        key = (shape, bspec, tuple(_what(t) for t in inputs), self._model_key(sharded), group_values(optimizers))
         program = self.programs.get(key)
         if self.mesh.size > 1:  # [Note: agreeing on the key]
             last, recorded = self._key, self._program is not None
@@ -269,7 +273,7 @@ class GraphStep:
             aux = self._replay(program, state, inputs)
         forget(counts)  # written by the program, perhaps without a trace ([Note: step counts])
         sharded = sharded._with_verdict(Verdict(aux[0], aux[1]))  # the same tensors, updated in place
-        self._last = (sharded, opt_state, state, shape, counts)
+        self._last = (sharded, opt_state, state, shape, counts, optimizers)
         self._program = program
         # the learning rate: computed by the program from the count, or a constant of it
         computed = iter(aux[len(aux) - program.hyper_outputs:])

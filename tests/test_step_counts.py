@@ -212,3 +212,46 @@ def test_a_graph_step_reports_the_eager_learning_rate_without_reading_the_count(
         (eager, _), (graph, reads) = out[False], out["eager"]
         assert graph == eager  # [_decay]: the same float at every one of 7 calls, 5 of them replays
         assert reads == [0] * 7, reads
+
+
+# -- 4. a from_torch optimizer's host hyperparameters ---------------------------------------------
+
+
+def _torch_lr_changed(graph):
+    """from_torch(SGD) with its lr changed between calls 3 and 4: losses and parameters."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(_MLP())
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    step = sf.jit_step(_mse, mesh, optimizer=optim.from_torch(torch.optim.SGD, lr=0.1, momentum=0.5), graph=graph)
+    state = step.init(sharded)
+    losses, lrs = [], []
+    for i, b in enumerate(_batches(6)):
+        if i == 3:
+            state.optimizer.param_groups[0]["lr"] = 0.01
+        sharded, state, m = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+        losses.append(float(m["loss"]))
+        lrs.append(float(m["learning_rate"]))
+    return losses, lrs, sf.gather(sharded), getattr(step, "recordings", None)
+
+
+def test_a_changed_torch_learning_rate_records_a_new_program(clusters):
+    eager = clusters[2].run(_torch_lr_changed, False)
+    graph = clusters[2].run(_torch_lr_changed, "eager")
+    for (losses, lrs, params, _), (g_losses, g_lrs, g_params, recordings) in zip(eager, graph):
+        assert g_lrs == lrs == [0.1] * 3 + [0.01] * 3
+        # the recorded program replays torch's SGD op by op: the same ops, the same floats
+        assert g_losses == losses
+        assert all(torch.equal(g_params[n], p) for n, p in params.items())
+        assert recordings == 2  # lr 0.1's program, then lr 0.01's
+
+
+def test_a_rank_whose_param_groups_changed_is_named():
+    from shardfn._graph_key import group_values, what_changed
+
+    sgd = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1, momentum=0.5)
+    last = ("state", "bspec", (), (), group_values([sgd]))
+    sgd.param_groups[0]["lr"] = 0.01
+    key = ("state", "bspec", (), (), group_values([sgd]))
+    assert what_changed(1, key, last, True, None) == (
+        "rank 1's optimizer hyperparameters changed (param_groups[0]['lr']: 0.1 -> 0.01)")
