@@ -42,11 +42,12 @@ from ._errors import CommError, DivergenceError
 from ._events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe, observers
 from ._functionalize import apply_of
 from ._host import refuse_host_tensors
-from ._graph_key import ModelAttributes, agree_on_key, refuse_moved, what_changed
+from ._graph_key import ModelAttributes, agree_on_key, group_values, refuse_moved, what_changed
 from ._recording import Unrecordable, record
 from ._replay import _COMPILE_FAILED, _HALF_RUN, _LOST, bounded, compile_error, note_failure, peer_failures
 from ._verdict import Verdict, agreed_error, check_verdict, read_ready
 from .optim import hyperparams
+from .optim._count import forget
 
 __all__ = ["GraphStep"]
 
@@ -137,19 +138,22 @@ def _what(x: Any) -> Any:
     return x
 
 
-def _hidden(leaves: list[Any]) -> list[torch.Tensor]:
+def _torch_optimizers(leaves: list[Any]) -> list[torch.optim.Optimizer]:
+    """The torch optimizers of ``from_torch`` states among ``leaves``."""
+    from .optim._torch import TorchOptimizerState
+
+    return [leaf.optimizer for leaf in leaves if isinstance(leaf, TorchOptimizerState) and leaf.optimizer is not None]
+
+
+def _hidden(optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The tensors of a state that is not a pytree (``from_torch``'s: its optimizer's private
     parameters and per-parameter state), which the program must take as inputs too. The
     first call, eager, has made that state (a parameter it made none for keeps none)."""
-    from .optim._torch import TorchOptimizerState
-
     hidden: list[torch.Tensor] = []
-    for leaf in leaves:
-        if isinstance(leaf, TorchOptimizerState) and leaf.optimizer is not None:
-            params = leaf.optimizer.param_groups[0]["params"]
-            hidden += params
-            hidden += [v for p in params for v in leaf.optimizer.state.get(p, {}).values()
-                       if isinstance(v, torch.Tensor)]
+    for optimizer in optimizers:
+        params = optimizer.param_groups[0]["params"]
+        hidden += params
+        hidden += [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
     return hidden
 
 
@@ -188,8 +192,12 @@ class _Program:
     """One recorded step: its graph, what it is run by, and what a replay reports."""
 
     def __init__(self, gm: torch.fx.GraphModule, calls: list[CollectiveCall], comm_bytes: dict[str, int],
-                 aux_spec: Any, axes: dict[str, str], tokens: bool) -> None:
+                 aux_spec: Any, axes: dict[str, str], tokens: bool, hyper: dict[str, Any]) -> None:
         self.gm = gm
+        # the optimizer's hyperparams: a value its recording computed from the state (None) is
+        # the program's output, in order after the others; any other value is a constant of it
+        self.hyper = hyper
+        self.hyper_outputs = sum(v is None for v in hyper.values())
         self.tokens = tokens  # whether the tokens summed over the ranks are an output (after loss and norm)
         self.fn: Any = gm
         self.calls = calls
@@ -225,7 +233,8 @@ class GraphStep:
         self.programs: dict[Any, _Program] = {}
         self.warm = False  # whether the first call ran (eagerly, see _warm_up)
         self.recordings = 0
-        self._last: tuple[Any, Any, list[torch.Tensor], Any] | None = None  # (sharded, opt_state, inputs, key)
+        # (sharded, opt_state, the state's inputs, its key, their step counts, the from_torch optimizers)
+        self._last: tuple[Any, Any, list[torch.Tensor], Any, list[torch.Tensor], list[Any]] | None = None
         self._program: _Program | None = None  # the last one run
         self._key: Any = None  # the key of the last call ([Note: a program's key])
         self._attributes: ModelAttributes | None = None
@@ -246,21 +255,23 @@ class GraphStep:
         nonfinite = read_ready(sharded, "step")  # [Note: reading a verdict when it is ready]
         last = self._last
         if last is not None and last[0] is sharded and last[1] is opt_state:  # the trees the last call returned
-            state, shape = last[2], last[3]
+            state, shape, counts, optimizers = last[2:]
         else:
             with G.guarded(self.mesh, G.Where.STEP):
                 self.step._check(sharded, opt_state)
             leaves, spec = pytree.tree_flatten((sharded, opt_state))
+            optimizers = _torch_optimizers(leaves)
             if not self.warm:  # (the eager step it runs leaves the verdicts to this call: read them all)
                 check_verdict(sharded, "step")
                 self.warm = True
-                self._key = (None, *self._batch_key(batch), self._model_key(sharded))
+                self._key = (None, *self._batch_key(batch), self._model_key(sharded), group_values(optimizers))
                 return self._warm_up(sharded, opt_state, batch)
-            hidden = _hidden(leaves)
+            hidden = _hidden(optimizers)
             state = _bases([t for t in leaves if isinstance(t, torch.Tensor)] + hidden)
             shape = (spec, tuple(_what(t) for t in leaves), tuple(_what(t) for t in hidden))
+            counts = [t for t in state if t.dim() == 0]  # ([Note: step counts] in shardfn.optim._count)
         inputs, bspec = pytree.tree_flatten(batch)
-        key = (shape, bspec, tuple(_what(t) for t in inputs), self._model_key(sharded))
+        key = (shape, bspec, tuple(_what(t) for t in inputs), self._model_key(sharded), group_values(optimizers))
         program = self.programs.get(key)
         if self.mesh.size > 1:  # [Note: agreeing on the key]
             last, recorded = self._key, self._program is not None
@@ -269,16 +280,20 @@ class GraphStep:
                              lambda: what_changed(self.mesh.rank, key, last, recorded, self._attributes), nonfinite,
                              lambda: agreed_error(sharded, "step"))
         self._key = key
-        metrics = hyperparams(self.step.optimizer, opt_state)  # the learning rate, read on the host
         if program is None:
             program, aux = self._record(sharded, opt_state, batch, state, inputs)
             program.number = len(self.programs) + 1
             self.programs[key] = program
         else:
             aux = self._replay(program, state, inputs)
+        forget(counts)  # written by the program, perhaps without a trace ([Note: step counts])
         sharded = sharded._with_verdict(Verdict(aux[0], aux[1], sharded._verdict))  # the same tensors, updated in place
-        self._last = (sharded, opt_state, state, shape)
+        self._last = (sharded, opt_state, state, shape, counts, optimizers)
         self._program = program
+        # the learning rate: computed by the program from the count, or a constant of it
+        computed = iter(aux[len(aux) - program.hyper_outputs:])
+        metrics = {k: next(computed) if v is None else v for k, v in program.hyper.items()}
+        aux = aux[:len(aux) - program.hyper_outputs]
         # [Note: tokens over the ranks]: summed in the program (Mean), or agreed when recorded
         tokens = aux[2] if program.tokens else count_tokens(batch) * self.mesh.size
         metrics.update(loss=aux[0], grad_norm=aux[1], tokens=tokens, comm_bytes=dict(program.comm_bytes))
@@ -396,6 +411,8 @@ class GraphStep:
             before = [_view_of_base(t) for t in leaves]
             trees = pytree.tree_unflatten(before, spec)
             with record(), _NoHostReads(), observe(seen):
+                # what the update will use, from the state before it (a schedule: from the count)
+                hyper = hyperparams(self.step.optimizer, trees[1])
                 new, new_state, metrics = self.step(*trees, batch)
             after = pytree.tree_leaves((new, new_state))
             with torch.no_grad():
@@ -406,7 +423,11 @@ class GraphStep:
             aux = metrics.get("aux")
             leaves, out["aux_spec"] = pytree.tree_flatten(aux) if "aux" in metrics else ([], None)
             tokens = [metrics["tokens"]] if isinstance(metrics["tokens"], torch.Tensor) else []
-            return [metrics["loss"].detach(), metrics["grad_norm"].detach(), *tokens, *[a.detach() for a in leaves]]
+            out["hyper"] = {k: None if isinstance(v, torch.Tensor) else v for k, v in hyper.items()}
+            computed = [v.detach() for v in hyper.values() if isinstance(v, torch.Tensor)]
+            out["outputs"] = [metrics["loss"].detach(), metrics["grad_norm"].detach(), *tokens,
+                              *[a.detach() for a in leaves], *computed]
+            return out["outputs"]
 
         self.recordings += 1
         with self._refusing(sharded):
@@ -418,7 +439,7 @@ class GraphStep:
         metrics = out["metrics"]
         axes = {self.mesh.channel(a).group.group_name: a for a in self.mesh.axis_names}
         prog = _Program(gm, seen.calls, metrics["comm_bytes"], out["aux_spec"], axes,
-                        isinstance(metrics["tokens"], torch.Tensor))
+                        isinstance(metrics["tokens"], torch.Tensor), out["hyper"])
         for axis in self.mesh.axis_names:  # every rank recorded the same collectives, or every rank raises
             ch = self.mesh.channel(axis)
             if ch.off:
@@ -430,11 +451,9 @@ class GraphStep:
             if len(set(prints)) > 1:
                 raise G.told(DivergenceError(_DIFFERENT.format(rank=self.mesh.rank, ranks=list(ch.ranks), prints=prints,
                                                                what=what)), ch)
+        outputs = out["outputs"]
         gc.collect()  # the recording's tracer and proxies form cycles that hold the step's intermediates
-        aux = [metrics["loss"], metrics["grad_norm"]] + ([metrics["tokens"]] if prog.tokens else [])
-        if prog.aux_spec is not None:
-            aux += pytree.tree_leaves(metrics["aux"])
-        return prog, aux
+        return prog, outputs
 
 
 _UNMARKED_ALIASES = (torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten._unsafe_view.default)

@@ -6,8 +6,10 @@ holds what of that the step can see: the structure, shapes, dtypes and devices o
 state and the batch, each batch leaf that is not a tensor (by value), and the plain
 attributes of every module of the model (``training``, a dropout's ``p``: values of type
 bool, int, float, str or None, or tuples of them, in each module's ``__dict__`` at the
-step's first call), read per call from a list made once. A call whose key has no program
-records one. A forward that changes such an attribute itself (a call counter) would need a
+step's first call), read per call from a list made once, and the plain values of a
+``from_torch`` optimizer's param groups (``lr``, ``betas``: a torch LR scheduler changes them
+between calls; a value of another kind, a tensor, by its identity). A call whose key has no
+program records one. A forward that changes such an attribute itself (a call counter) would need a
 program per call: refused when recorded. What the key cannot see (a global, a closure, an
 attribute holding an object, one added later) is listed in docs/compile.md.
 
@@ -35,7 +37,7 @@ from . import _guard as G
 from ._errors import DivergenceError
 from ._events import Collective, Purpose
 
-__all__ = ["ModelAttributes", "agree_on_key", "what_changed"]
+__all__ = ["ModelAttributes", "agree_on_key", "group_values", "what_changed"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -49,13 +51,30 @@ _MOVED = (
 _DIFFER = (
     "[rank {rank}] shardfn: jit_step(graph=True): the ranks on {ranks} would run different programs, so none "
     "runs and nothing was updated: {changes}. The ranks run one program per call and record new ones "
-    "together: change the batch shapes (pad batches to one shape, or drop the last one) and the model's mode "
-    "(apply.eval() / apply.train()) on every rank alike, in the same call; or build the step with graph=False."
+    "together: change the batch shapes (pad batches to one shape, or drop the last one), the model's mode "
+    "(apply.eval() / apply.train()) and a from_torch optimizer's param groups (its lr) on every rank alike, in "
+    "the same call; or build the step with graph=False."
 )
 
 
 def _plain(value: Any) -> bool:
     return type(value) in _PLAIN or (type(value) is tuple and all(type(v) in _PLAIN for v in value))
+
+
+def group_values(optimizers: list[Any]) -> tuple[Any, ...]:
+    """Per param group of each torch optimizer, its values but ``params`` (see [Note: a
+    program's key]): ``((name, value), ...)``, a value that is not plain as its type and id."""
+    return tuple(tuple((k, v if _plain(v) else (type(v), id(v))) for k, v in group.items() if k != "params")
+                 for optimizer in optimizers for group in optimizer.param_groups)
+
+
+def _groups_changed(before: tuple[Any, ...], after: tuple[Any, ...], most: int = 4) -> str:
+    """``param_groups[0]['lr']: 0.1 -> 0.01, ...``: what changed between two group_values."""
+    if len(before) != len(after):
+        return f"{len(before)} param groups -> {len(after)}"
+    moved = [f"param_groups[{i}][{k!r}]: {a!r} -> {dict(b).get(k)!r}" for i, (g, b) in enumerate(zip(before, after))
+             for k, a in g if dict(b).get(k) != a]
+    return ", ".join(moved[:most] + ([f"{len(moved) - most} more"] if len(moved) > most else []))
 
 
 class ModelAttributes:
@@ -117,7 +136,7 @@ def refuse_moved(rank: int, attributes: ModelAttributes | None, before: tuple[An
 
 def _batch(key: Any) -> str:
     """The batch part of a key in words: ``x: (4, 8) int64, y: ...``."""
-    _, bspec, leaves, _ = key
+    bspec, leaves = key[1], key[2]
     paths = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(len(leaves))), bspec))[0]
     words = []
     for (path, _), leaf in zip(paths, leaves):
@@ -138,6 +157,8 @@ def what_changed(rank: int, key: Any, last: Any, recorded: bool, attributes: Mod
         parts.append(f"rank {rank}'s batch changed shape ({_batch(key)}); {was} ({_batch(last)})")
     if key[3] != last[3] and attributes is not None:
         parts.append(f"rank {rank}'s model changed ({', '.join(attributes.changes(last[3], key[3]))})")
+    if key[4] != last[4]:
+        parts.append(f"rank {rank}'s optimizer hyperparameters changed ({_groups_changed(last[4], key[4])})")
     if key[0] != last[0] and last[0] is not None:  # (None: the first call, whose state was not keyed)
         parts.append(f"rank {rank}'s state (the shards or the optimizer state) changed structure, shape or dtype")
     return "; ".join(parts)

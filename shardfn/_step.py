@@ -97,7 +97,7 @@ class Step:
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=self.options.donate,
                                track=self.options.sync_buffers)
         with self.grad.run(sharded, batch, buffers, scale, nonfinite) as (_, grads, metrics):
-            if not recording():  # a graph step reads them on the host, for each replay
+            if not recording():  # a graph step's program computes them itself (shardfn._graph)
                 metrics.update(hyperparams(self.optimizer, inner))
             skip = False
             if self.loss_scale is not None:

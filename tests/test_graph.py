@@ -103,7 +103,7 @@ def _train(plan, graph, steps=4, schedule=False, batches=None):
             sharded, state, metrics = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
         out["losses"].append(float(metrics["loss"]))
         out["collectives"].append(dict(ops.collectives))
-        out["reads"].append(len(ops.device_reads(host=[state.count, *verdict], world=mesh.size)))
+        out["reads"].append(len(ops.device_reads(host=verdict, world=mesh.size)))
         out["headers"].append(mesh.guard.headers - headers)
         out["recordings"].append(getattr(step, "recordings", None))
         out["comm"].append((dict(log.counts()), dict(metrics["comm_bytes"])))

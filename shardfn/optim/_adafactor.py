@@ -8,12 +8,20 @@ from typing import NamedTuple
 import torch
 
 from .._psum import psum
-from ._checks import _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _trainable
+from .._recording import recording
+from ._count import advance, host_count, incremented as _next
+from ._checks import _count, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _trainable
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from ._whole import full_shape, local_elements
 
 __all__ = ["AdafactorState", "adafactor"]
+
+
+def _done(count: torch.Tensor) -> int:
+    """The updates done, as a number: Adafactor computes its step sizes on the host. While a
+    graph step records, read from the tensor here, which the recording refuses."""
+    return int(count) if recording() else host_count(count)
 
 
 class AdafactorState(NamedTuple):
@@ -71,7 +79,7 @@ def adafactor(
                                  device=trainable[n].device) for n in factored)
         cols = tuple(torch.zeros((*full_shape(params, n)[:-2], 1, full_shape(params, n)[-1]), dtype=trainable[n].dtype,
                                  device=trainable[n].device) for n in factored)
-        return AdafactorState(_new_count(), rows, cols, zeros_like_views({n: trainable[n] for n in plain}))
+        return AdafactorState(_new_count(params), rows, cols, zeros_like_views({n: trainable[n] for n in plain}))
 
     def compute(grads: Params, state: AdafactorState, params: Params, done: int) -> tuple[dict, float]:
         """Each parameter's (real elements, update, step size) for the update after ``done``
@@ -140,11 +148,12 @@ def adafactor(
     def update(grads: Params, state: AdafactorState, params: Params | None = None) -> tuple[Updates, AdafactorState]:
         _check_state(state, AdafactorState, "adafactor")
         params = _check_params(grads, params, "adafactor")
-        new = AdafactorState(state.count + 1, tuple(t.clone() for t in state.row_var),
+        done = _done(state.count)
+        new = AdafactorState(_next(state.count, done), tuple(t.clone() for t in state.row_var),
                              tuple(t.clone() for t in state.col_var), {k: t.clone() for k, t in state.variance.items()})
         updates: Updates = {}
         with torch.no_grad():
-            steps, lr = compute(grads, new, params, int(state.count))
+            steps, lr = compute(grads, new, params, done)
             for n, (p_elems, update, step_size) in steps.items():
                 u = torch.zeros_like(params[n])
                 new_p = p_elems * (1 - lr * weight_decay) if weight_decay else p_elems.clone()
@@ -157,8 +166,10 @@ def adafactor(
         _check_state(state, AdafactorState, "adafactor")
         params = _check_params(grads, params, "adafactor")
         with torch.no_grad():
-            steps, lr = compute(grads, state, params, int(state.count))
+            done = _done(state.count)
+            steps, lr = compute(grads, state, params, done)
             state.count.add_(1)
+            advance(state.count, done)
             for n, (p_elems, update, step_size) in steps.items():  # torch's order: decay, then the step
                 if weight_decay:
                     p_elems.mul_(1 - lr * weight_decay)
@@ -167,6 +178,6 @@ def adafactor(
 
     def adafactor_hyperparams(state: AdafactorState) -> dict[str, float]:
         _check_state(state, AdafactorState, "adafactor")
-        return {"learning_rate": _resolve_learning_rate(learning_rate, int(state.count))}
+        return {"learning_rate": _resolve_learning_rate(learning_rate, _count(state.count))}
 
     return GradientTransformation(init, update, adafactor_hyperparams, update_)

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._count import advance, incremented as _next
 from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
 from .._compile import compilable
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
@@ -20,7 +21,8 @@ class AdamWState(NamedTuple):
     """State of :func:`adamw`.
 
     Attributes:
-        count: 0-d int64 CPU tensor, the number of updates done so far. One count
+        count: 0-d int64 tensor on the params' device, the number of updates done so
+            far ([Note: step counts]). One count
             for all leaves (as optax): a leaf missing from ``grads`` for a step keeps
             its moments, but its next bias correction still uses the global count,
             where ``torch.optim.AdamW`` would count steps per parameter.
@@ -92,7 +94,7 @@ def adamw(
         trainable = _trainable(params)
         decays(trainable)  # a Mapping mask that lacks a name fails here, not mid-training
         # laid out like the shards, so that update_ can run on a flat unit's buffers ([Note: fused updates])
-        return AdamWState(_new_count(), zeros_like_views(trainable), zeros_like_views(trainable))
+        return AdamWState(_new_count(params), zeros_like_views(trainable), zeros_like_views(trainable))
 
     def update(
         grads: Params, state: AdamWState, params: Params | None = None
@@ -112,7 +114,7 @@ def adamw(
 
         keys = list(grads)
         if not keys:
-            return {}, AdamWState(state.count + 1, dict(state.mu), dict(state.nu))
+            return {}, AdamWState(_next(state.count, count), dict(state.mu), dict(state.nu))
         with torch.no_grad():
             # One foreach kernel per operation over all leaves (fewer, larger launches than
             # a Python loop per leaf); new tensors, so the state passed in is untouched.
@@ -124,7 +126,7 @@ def adamw(
                     ups[i] = ups[i].add_(params[k].to(mus[i].dtype) * -(lr * weight_decay))
         mu = {**state.mu, **dict(zip(keys, mus))}
         nu = {**state.nu, **dict(zip(keys, nus))}
-        return dict(zip(keys, ups)), AdamWState(state.count + 1, mu, nu)
+        return dict(zip(keys, ups)), AdamWState(_next(state.count, count), mu, nu)
 
     def update_(grads: Params, state: AdamWState, params: Params | None = None) -> AdamWState:
         # [Note: in-place adamw] torch.optim.AdamW's foreach step, op for op: decay the
@@ -144,6 +146,7 @@ def adamw(
         with torch.no_grad():
             if not keys:
                 state.count.add_(1)
+                advance(state.count, count)
                 return state
             # a flat unit's leaves as one tensor each where that is exact ([Note: fused updates])
             groups, rest = fused_groups(keys, params, grads, [state.mu, state.nu], state.mu[keys[0]].dtype)
@@ -157,11 +160,12 @@ def adamw(
             _adamw_kernel(ps, to_decay, mus, nus, gs, 1 - lr * weight_decay, 1 - b1, b2, bias_correction2_sqrt, eps,
                           -step_size)
             state.count.add_(1)  # last: a kernel that raised leaves the count of the moments it did not finish
+            advance(state.count, count)
         return state
 
     def adamw_hyperparams(state: AdamWState) -> dict[str, float]:
         _check_state(state, AdamWState, "adamw")
-        return {"learning_rate": _resolve_learning_rate(learning_rate, int(state.count))}
+        return {"learning_rate": _resolve_learning_rate(learning_rate, _count(state.count))}
 
     return GradientTransformation(init, update, adamw_hyperparams, update_)
 

@@ -9,6 +9,7 @@ from typing import Any, Union
 import torch
 
 from .._recording import Unrecordable, recording
+from ._count import host_count, new_count as _new_count  # noqa: F401 - the optimizers' one import
 
 Params = Mapping[str, torch.Tensor]
 ScalarOrSchedule = Union[float, Callable[[int], float]]
@@ -124,10 +125,11 @@ def _check_hyper(name: str, value: float, opt: str, *, lo: float, hi: float | No
 
 
 def _count(count: torch.Tensor) -> Any:
-    """The updates done so far, for an update's scalars: an int; while a graph step records
-    (see [Note: recording a step]), the count itself as a float64 tensor, so that the
-    scalars are computed by the program from the state, not baked into it."""
-    return count.double() if recording() else int(count)
+    """The updates done so far, for an update's scalars: an int, read through the mirror
+    ([Note: step counts]); while a graph step records (see [Note: recording a step]), the
+    count itself as a float64 tensor on its device, so that the scalars are computed by the
+    program from the state, not baked into it."""
+    return count.double() if recording() else host_count(count)
 
 
 def _resolve_learning_rate(learning_rate: ScalarOrSchedule, count: Any, tensor_ok: bool = True) -> Any:
@@ -158,15 +160,6 @@ def _resolve_learning_rate(learning_rate: ScalarOrSchedule, count: Any, tensor_o
             f"count={count}; a schedule must return a float."
         )
     return float(value)
-
-
-def _new_count() -> torch.Tensor:
-    # The count lives on the CPU whatever the params' device (as torch.optim keeps
-    # its "step"): schedules and bias correction need it as a Python number every
-    # step, and reading it from an accelerator would sync the stream. torch.tensor
-    # (not zeros) makes it a constant under FakeTensorMode, so the simulated step of
-    # shardfn.explain can read it too.
-    return torch.tensor(0, dtype=torch.int64)
 
 
 def _scratch(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

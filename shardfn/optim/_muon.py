@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._count import advance, incremented as _next
 from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _trainable
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
@@ -119,7 +120,7 @@ def muon(
             rows = ", ".join(f"{n} {list(full_shape(params, n))}" for n in bad[:8]) + (" ..." if len(bad) > 8 else "")
             raise ValueError(_NOT_MATRIX.format(n=len(bad), rows=rows))
         require_whole(params, trainable, "muon", "Newton-Schulz orthogonalises the whole matrix")
-        return MuonState(_new_count(), zeros_like_views(trainable))
+        return MuonState(_new_count(params), zeros_like_views(trainable))
 
     def step(grads: Params, state: MuonState, params: Params, lr: float) -> dict[str, torch.Tensor]:
         """The new momentum in place, and each whole matrix's orthogonalised update (not yet scaled)."""
@@ -138,8 +139,9 @@ def muon(
         _check_state(state, MuonState, "muon")
         _check_grads(grads, state.momentum_buffer, "muon")
         params = _check_params(grads, params, "muon")
-        lr = _resolve_learning_rate(learning_rate, int(state.count))
-        new = MuonState(state.count + 1, {k: b.clone() for k, b in state.momentum_buffer.items()})
+        done = _count(state.count)
+        lr = _resolve_learning_rate(learning_rate, done, tensor_ok=False)
+        new = MuonState(_next(state.count, done), {k: b.clone() for k, b in state.momentum_buffer.items()})
         updates: Updates = {}
         with torch.no_grad():
             orthogonal = step(grads, new, params, lr)
@@ -157,7 +159,8 @@ def muon(
         _check_state(state, MuonState, "muon")
         _check_grads(grads, state.momentum_buffer, "muon")
         params = _check_params(grads, params, "muon")
-        lr = _resolve_learning_rate(learning_rate, _count(state.count), tensor_ok=False)
+        done = _count(state.count)
+        lr = _resolve_learning_rate(learning_rate, done, tensor_ok=False)
         with torch.no_grad():
             orthogonal = step(grads, state, params, lr)
             for k, o in orthogonal.items():  # torch's order: decay, then the scaled update
@@ -165,10 +168,11 @@ def muon(
                 p.mul_(1 - lr * weight_decay)
                 p.add_(o.reshape(p.shape), alpha=-_adjusted(lr, adjust_lr_fn, full_shape(params, k)))
             state.count.add_(1)  # last: an update that raised leaves the count as it was
+            advance(state.count, done)
         return state
 
     def muon_hyperparams(state: MuonState) -> dict[str, float]:
         _check_state(state, MuonState, "muon")
-        return {"learning_rate": _resolve_learning_rate(learning_rate, int(state.count))}
+        return {"learning_rate": _resolve_learning_rate(learning_rate, _count(state.count))}
 
     return GradientTransformation(init, update, muon_hyperparams, update_)

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._count import advance, incremented as _next
 from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
 from ._combinators import _add_
 from ._fused import fused_groups, zeros_like_views
@@ -17,8 +18,8 @@ class SgdState(NamedTuple):
     """State of :func:`sgd`.
 
     Attributes:
-        count: 0-d int64 CPU tensor, the number of updates done so far (read by
-            a learning-rate schedule).
+        count: 0-d int64 tensor on the params' device, the number of updates done
+            so far (read by a learning-rate schedule; [Note: step counts]).
         momentum_buffer: name -> buffer (param dtype and device) for each trainable
             param; empty when ``momentum == 0``.
     """
@@ -81,7 +82,7 @@ def sgd(
         trainable = _trainable(params)
         # laid out like the shards, so that update_ can run on a flat unit's buffers ([Note: fused updates])
         buffers = zeros_like_views(trainable) if momentum else {}
-        return SgdState(_new_count(), buffers)
+        return SgdState(_new_count(params), buffers)
 
     def update(
         grads: Params, state: SgdState, params: Params | None = None
@@ -92,7 +93,8 @@ def sgd(
         if weight_decay or params is not None:
             # Without momentum this is the only check of keys and shapes.
             params = _check_params(grads, params, "sgd")
-        lr = _resolve_learning_rate(learning_rate, int(state.count))
+        done = _count(state.count)
+        lr = _resolve_learning_rate(learning_rate, done)
 
         updates: Updates = {}
         buffers = dict(state.momentum_buffer)
@@ -106,7 +108,7 @@ def sgd(
                     buffers[k] = buf
                     g = g.add(buf, alpha=momentum) if nesterov else buf
                 updates[k] = g * -lr
-        return updates, SgdState(state.count + 1, buffers)
+        return updates, SgdState(_next(state.count, done), buffers)
 
     def update_(grads: Params, state: SgdState, params: Params | None = None) -> SgdState:
         # torch.optim.SGD's foreach step, op for op, in place; the weight decay and the
@@ -115,11 +117,13 @@ def sgd(
         if momentum:
             _check_grads(grads, state.momentum_buffer, "sgd")
         params = _check_params(grads, params, "sgd")
-        lr = _resolve_learning_rate(learning_rate, _count(state.count))
+        done = _count(state.count)
+        lr = _resolve_learning_rate(learning_rate, done)
         keys = list(grads)
         with torch.no_grad():
             if not keys:
                 state.count.add_(1)
+                advance(state.count, done)
                 return state
             states = [state.momentum_buffer] if momentum else []
             dtype = state.momentum_buffer[keys[0]].dtype if momentum else params[keys[0]].dtype
@@ -129,11 +133,12 @@ def sgd(
             bufs = ([b[2] for _, b in groups] + [state.momentum_buffer[k] for k in rest]) if momentum else []
             _sgd_kernel(ps, gs, bufs, -lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
             state.count.add_(1)  # last: a kernel that raised leaves the count as it was
+            advance(state.count, done)
         return state
 
     def sgd_hyperparams(state: SgdState) -> dict[str, float]:
         _check_state(state, SgdState, "sgd")
-        return {"learning_rate": _resolve_learning_rate(learning_rate, int(state.count))}
+        return {"learning_rate": _resolve_learning_rate(learning_rate, _count(state.count))}
 
     return GradientTransformation(init, update, sgd_hyperparams, update_)
 

@@ -15,8 +15,8 @@ launch a kernel on a GPU are all of them except
 * the reads of a tensor's values by the host (``.item()``, ``float(t)``, ``bool(t)``: the op
   ``_local_scalar_dense``; ``torch.equal``; ``.tolist()`` and ``.numpy()``, which a CPU tensor
   answers without dispatching, so the block patches them): on a GPU each is a copy to the
-  host and a synchronisation, unless the tensor lives on the host anyway (an optimizer's
-  step count). They are listed apart, with the tensor read, as ``reads``;
+  host and a synchronisation, unless the tensor lives on the host anyway (the schedule
+  guard's headers). They are listed apart, with the tensor read, as ``reads``;
 * the collectives (namespaces ``c10d``, and ``_c10d_functional`` in a recorded graph
   step, whose ``wait_tensor`` is not counted), counted apart as ``collectives``: what one
   costs depends on the backend, not on the dispatcher.
@@ -62,8 +62,7 @@ class OpCount:
 
     def device_reads(self, host: Sequence[torch.Tensor] = (), world: int = 1) -> list[tuple[str, torch.Tensor]]:
         """The reads that synchronise on a GPU: all but those of the tensors in ``host``
-        (host tensors by design: an optimizer's step counts, a raise_next step's pinned
-        verdict) and of shardfn's schedule-guard headers at this ``world``, which travel over
+        (host tensors by design: a raise_next step's pinned verdict) and of shardfn's schedule-guard headers at this ``world``, which travel over
         gloo in host memory on any device."""
         headers = {(world, HEADER), (2 * HEADER,)}  # every rank's headers; the agreed extremes
         return [(how, t) for how, t in self.reads if not any(t is h for h in host)
