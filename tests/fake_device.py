@@ -96,7 +96,10 @@ def _summary(gm: torch.fx.GraphModule, device: torch.device, axes: dict[str, str
 
 def on_device(mesh, device: str):
     """``mesh`` (over a fake-backend group), said to be on ``device`` (``DEVICE`` or "cpu")."""
+    import os
+
     install()
+    os.environ["SHARDFN_CUDA_GRAPH"] = "1"  # what a device program is refused without: it is what is tested
     on = torch.device(device, 0) if device != "cpu" else torch.device("cpu")
     object.__setattr__(mesh, "_device", on)  # a fake-backend mesh would be on the host
     return mesh

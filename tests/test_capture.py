@@ -187,7 +187,7 @@ def test_what_a_cuda_graph_cannot_hold_is_refused():
         _capture.check_capturable(_Mesh(gloo))
 
 
-def _program(constant=None, host_op=False):
+def _host_program(constant=None, host_op=False):
     """A recorded-like program ``(state, batch) -> [state[0] * 2, batch[0] * 3]`` (a host scalar added to the first)."""
 
     def fn(state, batch):
@@ -211,13 +211,13 @@ def test_a_host_tensor_in_a_device_program_is_refused_naming_it():
     names = ["params['w']", "batch leaf 0"]
     with FakeTensorMode():  # CUDA tensors without a GPU (no autograd: a CPU build cannot run it on them)
         state, batch = [torch.zeros(4, device="cuda")], [torch.zeros(2, device="cuda")]
-        refuse_host_tensors(make_fx(_program())(state, batch), cuda, names)  # all on the device
-        refuse_host_tensors(make_fx(_program())([torch.zeros(4)], batch), torch.device("cpu"), names)  # the host
+        refuse_host_tensors(make_fx(_host_program())(state, batch), cuda, names)  # all on the device
+        refuse_host_tensors(make_fx(_host_program())([torch.zeros(4)], batch), torch.device("cpu"), names)  # the host
         cases = [
-            (make_fx(_program())([torch.zeros(4)], batch), r"input params\['w'\] is a \(4,\) torch.float32 tensor on cpu"),
-            (make_fx(_program())(state, [torch.zeros(2)]), r"input batch leaf 0 is a \(2,\) .* on cpu, not on the mesh's cuda:0"),
-            (make_fx(_program(constant=torch.tensor(1.0)))(state, batch), r"holds a constant \(\) torch.float32 tensor on cpu"),
-            (make_fx(_program(host_op=True))(state, batch), r"aten\.\w+\.\w+ makes a \(\d*,?\) torch.float32 tensor on cpu, .*cuda:0"),
+            (make_fx(_host_program())([torch.zeros(4)], batch), r"input params\['w'\] is a \(4,\) torch.float32 tensor on cpu"),
+            (make_fx(_host_program())(state, [torch.zeros(2)]), r"input batch leaf 0 is a \(2,\) .* on cpu, not on the mesh's cuda:0"),
+            (make_fx(_host_program(constant=torch.tensor(1.0)))(state, batch), r"holds a constant \(\) torch.float32 tensor on cpu"),
+            (make_fx(_host_program(host_op=True))(state, batch), r"aten\.\w+\.\w+ makes a \(\d*,?\) torch.float32 tensor on cpu, .*cuda:0"),
         ]
         for gm, message in cases:
             with pytest.raises(Unrecordable, match=message) as caught:

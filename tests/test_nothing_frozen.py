@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+import fake_device
 import shardfn as sf
 from shardfn.testing import Cluster
 
 STEPS = 20
-DEVICE = "cpu"  # XXX dev
+DEVICE = fake_device.DEVICE
 MICRO = 2
 # A program replayed op by op next to the eager step: the same ops on the same values, but
 # the program's reduce-scatter on gloo is an all-to-all and a sum in rank order where the
