@@ -21,7 +21,7 @@ verdict on ([Note: what a tree carries] in shardfn._sharded).
 What else reads the device in such a step follows one rule: a value computed on the device
 is read only where it must become a Python number to decide what the host does next. So a
 ``Mean`` loss's count is checked on the device (the verdict reports a bad one), step counts
-live on the host, and what remains reads because a decision needs it: which floating-point
+are known on the host without a read ([Note: step counts] in shardfn.optim._count), and what remains reads because a decision needs it: which floating-point
 buffers the forward changed (``sync_buffers``), and an optimizer whose step sizes are
 Python numbers computed from device values. Which trees and optimizers do what:
 docs/training.md, "Metrics".
