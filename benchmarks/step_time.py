@@ -36,7 +36,11 @@ shardfn (``shardfn.shard`` with default units: one per Block, plus the root;
   dim 0: a copy into and out of every all-gather) where the others use shardfn's default
   flat placement; ``shardfn_full`` is compared with it;
 * ``shardfn_no_shard_nobuckets``: ``shardfn_no_shard`` with ``Plan(bucket_bytes=0)``, one
-  all-reduce per unit (``shardfn_no_shard`` is compared with it: what buckets buy).
+  all-reduce per unit (``shardfn_no_shard`` is compared with it: what buckets buy);
+* ``shardfn_full_graph`` / ``shardfn_no_shard_graph`` / ``shardfn_w1_graph``:
+  ``jit_step(graph=True)``, the whole step recorded once and replayed compiled by inductor;
+  ``shardfn_full_graph_ops``: ``graph="eager"``, the recorded ops replayed one by one (no
+  compile). Peer: ``shardfn_full`` (and ``fsdp2``, ``ddp``).
 
 ``--preset small`` trains the latency-bound regime instead (d_model 64, 24 layers, seq 16,
 batch 1 per rank, vocab 64: 25 units of ~50k parameters), with its own pairs and targets.
@@ -152,7 +156,7 @@ class Spec:
     compiled: bool = False  # shardfn: jit_step(compile=True); fsdp2: each Block's forward compiled (regional)
     placement: str = "flat"  # shardfn: Plan(placement=...); "flat" is shardfn's default
     buckets: bool = True  # shardfn: Plan(bucket_bytes=0) when False (each unit reduces alone)
-    graph: bool = False  # shardfn: jit_step(graph=True), the whole step recorded and replayed compiled
+    graph: bool | str = False  # shardfn: jit_step(graph=...): True compiled by inductor, "eager" op by op
 
 
 SPECS = {
@@ -174,6 +178,7 @@ SPECS = {
     "shardfn_full_graph": Spec("shardfn", graph=True),
     "shardfn_no_shard_graph": Spec("shardfn", strategy="NO_SHARD", graph=True),
     "shardfn_w1_graph": Spec("shardfn", world1=True, graph=True),
+    "shardfn_full_graph_ops": Spec("shardfn", graph="eager"),
 }
 CONFIGS = tuple(SPECS)
 # The compared pairs (configuration, peer) and the target for each: the largest
@@ -204,7 +209,8 @@ PRESETS = {
                           ("shardfn_full", "ddp"): 1.50, ("shardfn_grad_op", "fsdp2_noreshard"): None,
                           ("shardfn_no_shard", "shardfn_no_shard_nobuckets"): None,
                           ("shardfn_no_shard_graph", "ddp"): 0.80, ("shardfn_full_graph", "ddp"): 1.00,
-                          ("shardfn_full_graph", "shardfn_full"): None}},
+                          ("shardfn_full_graph", "shardfn_full"): None,
+                          ("shardfn_full_graph_ops", "shardfn_full"): None}},
 }
 WARMUP = 3  # a graph step: eager, then it records, then it compiles
 LOSS_TOL = 1e-4  # fp32 configurations among themselves
@@ -347,7 +353,7 @@ def build_shardfn_step(spec: Spec, model: torch.nn.Module, lr: float):
     del params  # the full parameters are not part of the trained state
     state["opt"] = opt.init(state["sharded"])
     compiled = {"compile": True} if spec.compiled else {}  # (so that an older shardfn can be measured too)
-    compiled.update({"graph": True} if spec.graph else {})
+    compiled.update({"graph": spec.graph} if spec.graph else {})
     jstep = sf.jit_step(lambda apply, p, b: lm_loss(apply(p, b[0]), b[1]), mesh, optimizer=opt, prefetch=spec.prefetch,
                         **compiled)
 
