@@ -209,7 +209,7 @@ def measure(make: Callable[[], Callable], data: list, device: torch.device, firs
 def cell(row: Row, column: str, mesh: Any, data: list) -> dict:
     device = mesh.device
     if column == "graph=True":
-        return measure(lambda: shardfn_step(row, mesh, True), data, device, 4)
+        return measure(lambda: shardfn_step(row, mesh, "inductor"), data, device, 4)
     if column == "graph=eager":
         return measure(lambda: shardfn_step(row, mesh, "eager"), data, device, 4)
     if column == "shardfn eager":

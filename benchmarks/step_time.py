@@ -38,7 +38,7 @@ shardfn (``shardfn.shard`` with default units: one per Block, plus the root;
 * ``shardfn_no_shard_nobuckets``: ``shardfn_no_shard`` with ``Plan(bucket_bytes=0)``, one
   all-reduce per unit (``shardfn_no_shard`` is compared with it: what buckets buy);
 * ``shardfn_full_graph`` / ``shardfn_no_shard_graph`` / ``shardfn_w1_graph``:
-  ``jit_step(graph=True)``, the whole step recorded once and replayed compiled by inductor;
+  ``jit_step(graph="inductor")``, the whole step recorded once and replayed compiled;
   ``shardfn_full_graph_ops``: ``graph="eager"``, the recorded ops replayed one by one (no
   compile). Peer: ``shardfn_full`` (and ``fsdp2``, ``ddp``).
 
@@ -156,7 +156,7 @@ class Spec:
     compiled: bool = False  # shardfn: jit_step(compile=True); fsdp2: each Block's forward compiled (regional)
     placement: str = "flat"  # shardfn: Plan(placement=...); "flat" is shardfn's default
     buckets: bool = True  # shardfn: Plan(bucket_bytes=0) when False (each unit reduces alone)
-    graph: bool | str = False  # shardfn: jit_step(graph=...): True compiled by inductor, "eager" op by op
+    graph: bool | str = False  # shardfn: jit_step(graph=...): "inductor" compiled, "eager" op by op
 
 
 SPECS = {
@@ -175,9 +175,9 @@ SPECS = {
     "shardfn_full_compiled": Spec("shardfn", compiled=True),
     "shardfn_full_rows": Spec("shardfn", placement="rows"),
     "shardfn_no_shard_nobuckets": Spec("shardfn", strategy="NO_SHARD", buckets=False),
-    "shardfn_full_graph": Spec("shardfn", graph=True),
-    "shardfn_no_shard_graph": Spec("shardfn", strategy="NO_SHARD", graph=True),
-    "shardfn_w1_graph": Spec("shardfn", world1=True, graph=True),
+    "shardfn_full_graph": Spec("shardfn", graph="inductor"),
+    "shardfn_no_shard_graph": Spec("shardfn", strategy="NO_SHARD", graph="inductor"),
+    "shardfn_w1_graph": Spec("shardfn", world1=True, graph="inductor"),
     "shardfn_full_graph_ops": Spec("shardfn", graph="eager"),
 }
 CONFIGS = tuple(SPECS)

@@ -363,13 +363,15 @@ def jit_step(
             with :func:`shardfn.compile_stats`). Results equal eager's to float
             reassociation (docs/compile.md). ``apply`` outside the step runs eagerly.
         graph: ``True`` records the whole step once, on the first call, and from then on
-            runs it as one compiled program (inductor): every gather, the forward, the
-            backward, the reductions, the update and the metrics, with no Python per unit
-            or leaf and one header exchange per step ([Note: a graph step]). The step then
-            reports as ``on_nonfinite="raise_next"`` does and updates in place
-            (``donate``). ``"eager"`` runs the recorded program op by op (for finding
-            whether a problem is the compiler's). Refused, with the reason, where a step
-            cannot be one program: see docs/compile.md.
+            runs it as one program: every gather, the forward, the backward, the
+            reductions, the update and the metrics, with no Python per unit or leaf and
+            one header exchange per step ([Note: a graph step]). On the CPU its ops run
+            one by one, on CUDA compiled by inductor ([Note: which kernels a program
+            runs]); ``"eager"`` (ops one by one) or a ``torch.compile`` backend name
+            (``"inductor"``) chooses. The step then reports as
+            ``on_nonfinite="raise_next"`` does and updates in place (``donate``).
+            Refused, with the reason, where a step cannot be one program: see
+            docs/compile.md.
 
     ``metrics`` holds ``loss`` (global mean), ``grad_norm`` (global L2 norm of the
     gradients, before any clipping), ``learning_rate`` (when the optimizer reports it),
@@ -407,8 +409,23 @@ def jit_step(
     if graph:
         from ._graph import GraphStep
 
-        return GraphStep(step, None if graph == "eager" else backend_of(graph, "jit_step(graph=...)"))
+        return GraphStep(step, _program_backend(graph, mesh))
     return step
+
+
+def _program_backend(graph: Any, mesh: Mesh) -> str | None:
+    """What runs a recorded program: None, its ops one by one; else a ``torch.compile`` backend.
+
+    [Note: which kernels a program runs]
+    ``graph=True`` picks by the mesh's device, from measured step times: on the CPU the
+    recorded ops one by one (as fast as inductor's program on big units, faster on small
+    ones, where inductor packs buckets slowly, and nothing to compile), on CUDA inductor's
+    (fused kernels inside the captured graph; unverified). A string names the backend:
+    ``"eager"`` the ops one by one, ``"inductor"`` inductor everywhere. docs/compile.md has
+    the figures."""
+    if graph == "eager" or (graph is True and mesh.device.type == "cpu"):
+        return None
+    return backend_of(graph, "jit_step(graph=...)")
 
 
 def _check_graph(graph: Any, mesh: Mesh, donate: bool, loss_scale: Any, on_nonfinite: Any, compile: Any) -> None:

@@ -80,7 +80,7 @@ def test_recorded_step_with_remat_precision_and_micro_batches(clusters):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_compiled_program_matches_single_process(clusters, strategy):
     report = check_equivalence(gpt_model, gpt_loss, gpt_batches(), optimizer=ADAMW, strategies=[strategy],
-                               world_sizes=[2], clusters=clusters, step_options={"graph": True})
+                               world_sizes=[2], clusters=clusters, step_options={"graph": "inductor"})
     assert report.failures() == []
 
 
@@ -504,7 +504,7 @@ def _kept(graph):
     return read, [[float(t) for t in k] for k in kept]
 
 
-@pytest.mark.parametrize("graph", ["eager", True])
+@pytest.mark.parametrize("graph", ["eager", "inductor"])
 def test_what_a_step_returned_still_reads_the_same_after_later_replays(clusters, graph):
     for read, later in clusters[2].run(_kept, graph):
         assert later == read

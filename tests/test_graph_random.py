@@ -90,6 +90,6 @@ def test_dropout_in_a_replay_draws_the_eager_masks(clusters, world, remat):
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
 def test_dropout_in_a_compiled_replay_draws_the_eager_masks(clusters, remat):
     eager = clusters[2].run(_train, False, remat)
-    graph = clusters[2].run(_train, True, remat)
+    graph = clusters[2].run(_train, "inductor", remat)
     for g, e in zip(graph, eager):
         _check_same(g, e, exact=False)
