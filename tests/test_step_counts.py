@@ -69,14 +69,19 @@ def test_every_optimizer_makes_its_count_on_the_params_device(name):
 # -- 2. no host read of a count in eager steps ----------------------------------------------------
 
 
+def _built(mesh, name, strategy, **options):
+    """A step of the test MLP with optimizer ``name``, its shards and its optimizer state."""
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(_MLP())
+    sharded = sf.shard(params, mesh, strategy)
+    step = sf.jit_step(_mse, mesh, optimizer=OPTIMIZERS[name](), **options)
+    return step, sharded, step.init(sharded)
+
+
 def _count_reads(name, donate):
     """Per eager step, the reads of a step count (a 0-d int64 tensor) by the host."""
     mesh = sf.Mesh.from_group()
-    torch.manual_seed(0)
-    params, _ = sf.functionalize(_MLP())
-    sharded = sf.shard(params, mesh, "NO_SHARD")
-    step = sf.jit_step(_mse, mesh, optimizer=OPTIMIZERS[name](), donate=donate)
-    state = step.init(sharded)
+    step, sharded, state = _built(mesh, name, "NO_SHARD", donate=donate)
     reads, lrs = [], []
     for b in _batches(4):
         with count_ops() as ops:
@@ -191,11 +196,7 @@ def _graph_lrs(name):
     mesh = sf.Mesh.from_group()
     out = {}
     for graph in (False, "eager"):
-        torch.manual_seed(0)
-        params, _ = sf.functionalize(_MLP())
-        sharded = sf.shard(params, mesh, "FULL_SHARD")
-        step = sf.jit_step(_mse, mesh, optimizer=OPTIMIZERS[name](), graph=graph)
-        state = step.init(sharded)
+        step, sharded, state = _built(mesh, name, "FULL_SHARD", graph=graph)
         lrs, reads = [], []
         for b in _batches(7):
             with count_ops() as ops:
