@@ -51,13 +51,17 @@ def _loss(apply, params, batch):
     return (apply(params, batch["x"]) ** 2).mean() * batch["scale"]
 
 
-def _run(graph, done, scales, directory=None):
+def _run(graph, done, scales, directory=None, replicate=None):
     """Calls with ``scales`` (a NaN makes that step's global loss NaN; a scale per rank may
     be given as a pair) and events whose ``query()`` is ``done``. Per call: the outcome, the
     waits so far; then a checkpoint.save's outcome and the waits after it; whether the
     raising call left the shards as they were."""
     torch.manual_seed(0)
-    mesh, _, sharded = _setup(Stack())
+    if replicate is None:
+        mesh, _, sharded = _setup(Stack())
+    else:  # a 2-D mesh: the flag must cross from one axis's header to the other's
+        mesh = sf.Mesh.from_group(replicate=replicate)
+        sharded = sf.shard(sf.functionalize(Stack())[0], mesh, "HYBRID_SHARD", bucket_bytes=0)
     step = sf.jit_step(_loss, mesh, optimizer=sf.optim.sgd(0.01), graph=graph,
                        **({} if graph else {"on_nonfinite": "raise_next"}))
     state = step.init(sharded)
@@ -119,3 +123,18 @@ def test_at_world_1_a_bad_verdict_raises_once_read_and_a_save_waits_for_it(clust
     out = clusters[1].run(_run, graph, True, [1.0, NAN, 1.0, 1.0])[0]
     assert out["calls"][:2] == ["ok", "ok"] and all("global loss (nan)" in c for c in out["calls"][2:]), out
     assert out["waits"] == [0] * 4 and out["unchanged"]
+
+
+@pytest.mark.parametrize("graph", [False, "eager"], ids=["eager", "graph"])
+def test_on_a_2d_mesh_one_rank_reading_a_bad_verdict_stops_all_four(clusters, graph):
+    # 2 replicas x 2 shards. Only rank 3 (the other replica, the other shard) has a device
+    # done at once; step 3's loss is NaN. At call 4 only rank 3 can read it: its flag must
+    # reach rank 0 through both axes' headers, and all four raise the same error there.
+    outs = clusters[4].run(_run, graph, (False, False, False, True), [1.0, 1.0, (1.0, 1.0, 1.0, NAN), 1.0, 1.0],
+                           None, 2)
+    for rank, out in enumerate(outs):
+        assert out["calls"][:3] == ["ok"] * 3, (rank, out["calls"])
+        assert all(c.startswith(f"[rank {rank}] step: the last step on these shards had a global loss (nan)")
+                   for c in out["calls"][3:]), (rank, out["calls"])
+        assert out["unchanged"]
+    assert len({c.split("]", 1)[1] for out in outs for c in out["calls"][3:4]}) == 1
