@@ -168,6 +168,10 @@ class Layout:
     buffers: Mapping[str, BufferLayout] = dataclasses.field(default_factory=dict)
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # leaf or buffer -> its names
     state_dict_keys: tuple[tuple[str, str], ...] = ()  # (model.state_dict() key, leaf or buffer name)
+    # tensor parallelism (shardfn._tensor): (module path, style) of each split layer, and
+    # (leaf, split dim, global shape) of each split leaf, whose ``leaves`` entry is its local piece
+    tensor: tuple[tuple[str, str], ...] = ()
+    splits: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
 
     # [Note: facts of a layout]
     # The strategy is read here and in the plan and its resolution (shardfn._resolve), and
@@ -353,7 +357,8 @@ class Layout:
     def fingerprint(self) -> int:
         """A 63-bit hash of everything that must agree across ranks."""
         text = repr((self.plan, self.mesh_shape, self.world, self.replicas, list(self.leaves.values()), self.units,
-                     list(self.buffers.values()), sorted(self.aliases.items()), self.state_dict_keys))
+                     list(self.buffers.values()), sorted(self.aliases.items()), self.state_dict_keys,
+                     self.tensor, self.splits))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
     def __str__(self) -> str:
