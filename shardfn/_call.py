@@ -41,6 +41,7 @@ from ._precision import cast_floating
 from ._remat import remat_forward
 from ._replica import replica_of
 from ._runtime import Runtime, current
+from ._tensor import tp_forward
 from ._tree import check_names
 
 __all__ = ["sharded_call", "units_for"]
@@ -110,6 +111,7 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
     if precision.cast_inputs:
         args, kwargs = cast_floating((args, kwargs), precision.param)
     apply.calls.append(units)
+    apply.tensor_calls.append((layout, rt))
     try:
         out = functional_call(apply.module, state, args, kwargs, tie_weights=True, strict=False)
         # A module that *replaced* a buffer (rather than updating it in place) left the new
@@ -123,6 +125,7 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
         return cast_floating(out, precision.output)
     finally:
         apply.calls.pop()
+        apply.tensor_calls.pop()
         for u in (u for group in units.values() for u in reversed(group)):
             if u.entered:  # the unit's forward raised: undo its hooks and parameters
                 u.exit()
@@ -189,5 +192,10 @@ def _prepare(apply: Any, layout: Layout) -> dict[int, list[tuple[nn.Module, str,
             for alias in layout.aliases.get(leaf, (leaf,)):
                 sub_path, _, attr = alias.rpartition(".")
                 slots[u.index].append((apply.module.get_submodule(sub_path), attr, i))
+    for path, _ in layout.tensor:  # [Note: hand-written tensor collectives]; inert in other layouts' calls
+        if "tensor:" + path not in apply.hooked:
+            m = apply.module.get_submodule(path)
+            m.forward = tp_forward(lambda: apply.tensor_calls[-1] if apply.tensor_calls else None, path, m)
+            apply.hooked.add("tensor:" + path)
     apply.prepared[id(layout)] = (layout, slots)
     return slots

@@ -57,6 +57,7 @@ from ._compat import written_files
 from ._export import write_config
 from ._pieces import LoadPlanner, Pieces, SavePlanner
 from ._sharded import ShardedParams
+from ._tensor import refuse_split
 from ._verdict import check_verdict, unusable_on_failure
 from .optim._protocol import param_leaves
 
@@ -231,6 +232,7 @@ def save(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None,
     Example:
         >>> save("ckpt/step-100", sharded, opt_state, extra={"step": 100, "rng": torch.get_rng_state()})
     """
+    refuse_split(sharded, "checkpoint.save")
     if not isinstance(sharded, ShardedParams):
         raise TypeError(f"checkpoint.save(sharded, ...): expected the ShardedParams from shard(), got {type(sharded).__name__}")
     extra = dict(extra or {})
@@ -364,6 +366,7 @@ def load(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None)
     Example:
         >>> sharded, opt_state, extra = load("ckpt/step-100", sharded, opt_state)
     """
+    refuse_split(sharded, "checkpoint.load")
     with G.guarded(sharded.mesh):  # an error on one rank reaches the others at the barrier below
         return _load(_recover(os.fspath(path)), sharded, opt_state)
 

@@ -312,12 +312,15 @@ def all_gather_mesh(t: torch.Tensor, mesh: Any, purpose: Purpose, detail: int = 
 def broadcast_mesh(t: torch.Tensor, mesh: Any, src_rank: int, purpose: Purpose) -> None:
     """``t`` on every rank of the mesh becomes the ``t`` of mesh rank ``src_rank``.
 
-    On a 2-D mesh: first down the source's column (``replicate``; every column broadcasts,
-    only the source's carries the real values), then along every row (``shard``) from the
-    rank in the source's column.
+    Axis by axis, outermost first: every group of the axis broadcasts from the source's
+    index on it (only the groups through the source carry its values yet), so after the
+    last axis every rank holds the source's ``t``. On a 2-D mesh: down the source's column
+    (``replicate``), then along every row (``shard``).
     """
-    shard = mesh.axis_size("shard")
-    if mesh.ndim == 2 and mesh.axis_size("replicate") > 1:
-        broadcast(t, src_rank // shard, mesh.channel("replicate"), purpose)
-    if shard > 1:
-        broadcast(t, src_rank % shard, mesh.channel("shard"), purpose)
+    coords, rest = [], src_rank
+    for axis in reversed(mesh.axis_names):
+        coords.append(rest % mesh.axis_size(axis))
+        rest //= mesh.axis_size(axis)
+    for axis, index in zip(mesh.axis_names, reversed(coords)):
+        if mesh.axis_size(axis) > 1:
+            broadcast(t, index, mesh.channel(axis), purpose)

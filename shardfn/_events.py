@@ -66,6 +66,7 @@ class Purpose(str, enum.Enum):
     STEP = "step"  # the header that opens a step (shardfn._pipelined); no data
     USER = "user"  # Mesh.barrier / broadcast / reduce / all_gather, called by the training loop
     REPLICA = "replica"  # SHARD_OPTIMIZER: a unit's updated shards, gathered after the update
+    TENSOR = "tensor"  # a tensor-parallel layer's all-reduce over the tensor axis (shardfn._tensor)
     EXIT = "exit"  # a context that issues collectives (bind) ends: every rank agrees it made the same calls; no data
 
     def __str__(self) -> str:

@@ -25,6 +25,7 @@ from ._pretrained import keys_of, shape_of
 from ._memory import parse_size
 from ._safetensors import INDEX, Writer
 from ._sharded import ShardedParams, full_units
+from ._tensor import refuse_split
 from ._verdict import check_verdict, unusable_on_failure
 
 __all__ = ["save_pretrained", "write_config"]
@@ -69,6 +70,7 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
     """
     if not isinstance(sharded, ShardedParams):
         raise TypeError(f"save_pretrained(sharded, ...): expected the ShardedParams from shard(), got {type(sharded).__name__}")
+    refuse_split(sharded, "save_pretrained")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"save_pretrained(dtype={dtype}): give a floating-point dtype (torch.bfloat16, torch.float16).")
     limit, directory = parse_size(max_shard_size, "save_pretrained(max_shard_size=...)"), os.fspath(directory)

@@ -57,6 +57,7 @@ from ._psum import sum_of_squares
 from ._recording import device_values
 from ._runtime import Runtime, active
 from ._sharded import ShardedParams
+from ._tensor import split_sum_of_squares
 from ._verdict import agreed_error
 
 __all__ = ["Grad", "GradOut", "jit_grad"]
@@ -177,11 +178,13 @@ class Grad:
                 # [Note: tokens over the ranks]
                 tokens = count_tokens(batch)
                 summed = self.mesh.size > 1 and count is not None
-                reduced = self._reduce_metrics(layout, loss, count, sum_of_squares(grads),
+                sq = (split_sum_of_squares(grads, layout, self.mesh, sum_of_squares)
+                      if self.mesh.axis_size("tensor") > 1 else sum_of_squares(grads))
+                reduced = self._reduce_metrics(layout, loss, count, sq,
                                                buffers.flags(self.mesh.device), auxes, len(auxes),
                                                rows=0 if count is not None else _size(batch),
                                                tokens=tokens if summed else None)
-                tokens = reduced["tokens"] if summed else tokens * self.mesh.size
+                tokens = reduced["tokens"] if summed else tokens * self.mesh.data_size
                 if run is not None:
                     self.schedule.learn(run.recorded, run.pipelined)
                 if reduced["rescale"] is not None:  # [Note: token-weighted losses]
@@ -289,6 +292,11 @@ class Grad:
             head += list(device_values([tokens >> 12, tokens & 4095], torch.float32, device))
         aux_flat, unflatten = _flat_aux(auxes) if self.options.aux is Aux.MEAN else (torch.zeros(0, device=device), None)
         v = torch.cat([torch.stack([t.to(device) for t in head]), flags, aux_flat.to(device)])
+        if self.mesh.axis_rank("tensor") > 0:  # a tensor axis's ranks share one batch: counted once, on its rank 0
+            keep = torch.zeros_like(v)
+            keep[1] = 1  # (the sum of squares: shardfn._tensor.split_sum_of_squares)
+            keep[len(head) : len(head) + flags.numel()] = 1
+            v = v * keep
         if self.mesh.size > 1:
             C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM, detail=rows)
         n = len(head)
@@ -297,17 +305,17 @@ class Grad:
         if tokens is not None:
             out["tokens"] = (v[n - 2].double() * 4096 + v[n - 1].double()).to(torch.int64)
         if count is None:
-            out["loss"] = v[0] / self.mesh.size
+            out["loss"] = v[0] / self.mesh.data_size
         else:
             total = v[2]
             if self.options.read_metrics and not is_fake(total) and float(total) == 0:
                 raise ValueError(_NO_ELEMENTS.format(rank=self.mesh.rank, what=self.options.what))
-            rescale = self.mesh.size * k / total
+            rescale = self.mesh.data_size * k / total
             out["loss"], out["rescale"] = v[0] / total, rescale
             norm = norm * rescale
         out["norm"] = norm
         if self.has_aux:
-            out["aux"] = unflatten(v[n + flags.numel():] / self.mesh.size) if unflatten is not None else (
+            out["aux"] = unflatten(v[n + flags.numel():] / self.mesh.data_size) if unflatten is not None else (
                 auxes[0] if len(auxes) == 1 else list(auxes))
         return out
 

@@ -168,6 +168,8 @@ class Layout:
     buffers: Mapping[str, BufferLayout] = dataclasses.field(default_factory=dict)
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # leaf or buffer -> its names
     state_dict_keys: tuple[tuple[str, str], ...] = ()  # (model.state_dict() key, leaf or buffer name)
+    tensor: tuple[tuple[str, str], ...] = ()  # (module path, style) of each split layer (shardfn._tensor)
+    splits: tuple[tuple[str, int, tuple[int, ...]], ...] = ()  # (leaf, dim, global shape); leaves[leaf]: its piece
 
     # [Note: facts of a layout]
     # The strategy is read here and in the plan and its resolution (shardfn._resolve), and
@@ -353,7 +355,8 @@ class Layout:
     def fingerprint(self) -> int:
         """A 63-bit hash of everything that must agree across ranks."""
         text = repr((self.plan, self.mesh_shape, self.world, self.replicas, list(self.leaves.values()), self.units,
-                     list(self.buffers.values()), sorted(self.aliases.items()), self.state_dict_keys))
+                     list(self.buffers.values()), sorted(self.aliases.items()), self.state_dict_keys,
+                     self.tensor, self.splits))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
     def __str__(self) -> str:
@@ -397,19 +400,10 @@ def unit_owner(name: str, unit_paths: Sequence[str]) -> str:
     return max((u for u in unit_paths if u and (name == u or name.startswith(u + "."))), key=len, default="")
 
 
-def build_layout(
-    plan: Plan,
-    mesh_shape: tuple[int, ...],
-    world: int,
-    replicas: int,
-    state: Mapping[str, torch.Tensor],
-    unit_paths: list[str],
-    info: TreeInfo,
-    unit_modules: Mapping[str, Any] | None = None,
-    remat: Mapping[str, RematMode] | None = None,
-    optional: frozenset[str] = frozenset(),
-    reshard: Mapping[str, bool | int] | None = None,
-) -> Layout:
+def build_layout(plan: Plan, mesh_shape: tuple[int, ...], world: int, replicas: int, state: Mapping[str, torch.Tensor],
+                 unit_paths: list[str], info: TreeInfo, unit_modules: Mapping[str, Any] | None = None,
+                 remat: Mapping[str, RematMode] | None = None, optional: frozenset[str] = frozenset(),
+                 reshard: Mapping[str, bool | int] | None = None) -> Layout:
     """Assigns each parameter of ``state`` to a unit and computes chunks and offsets.
 
     ``info`` names the parameters, buffers and aliases (see [Note: the state tree]); a

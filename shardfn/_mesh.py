@@ -22,6 +22,9 @@ __all__ = ["Mesh"]
 
 DEFAULT_TIMEOUT = 600.0  # seconds: the process group's own timeout
 
+_AXES = ((1, ("shard",)), (1, ()), (2, ("replicate", "shard")), (2, ("shard", "tensor")),
+         (3, ("replicate", "shard", "tensor")))
+
 
 def seconds(value: float | datetime.timedelta, what: str) -> float:
     """A timeout in seconds, from a positive number of seconds or a ``timedelta``."""
@@ -73,11 +76,11 @@ class Mesh:
 
     def __init__(self, device_mesh: DeviceMesh, step_timeout: float = _guard.DEFAULT_STEP_TIMEOUT):
         names = tuple(device_mesh.mesh_dim_names or ())
-        if (device_mesh.ndim, names) not in ((1, ("shard",)), (1, ()), (2, ("replicate", "shard"))):
+        if (device_mesh.ndim, names) not in _AXES:
             raise ValueError(
                 f"Mesh: got a {device_mesh.ndim}-D DeviceMesh {tuple(device_mesh.shape)} with axes {names}; "
-                "shardfn uses a 1-D mesh with axis ('shard',) or a 2-D mesh with axes ('replicate', 'shard'). "
-                "Build one with Mesh.from_env() or Mesh.from_env(replicate=R)."
+                "shardfn uses the axes ('shard',), ('replicate', 'shard'), ('shard', 'tensor') or "
+                "('replicate', 'shard', 'tensor'). Build one with Mesh.from_env(replicate=R, tensor=T)."
             )
         self._dm = device_mesh
         if device_mesh.device_type == "cuda":
@@ -93,7 +96,7 @@ class Mesh:
     @classmethod
     def from_env(cls, *, replicate: int | str | None = None, timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
                  step_timeout: float | datetime.timedelta = _guard.DEFAULT_STEP_TIMEOUT,
-                 device: str | None = None) -> "Mesh":
+                 device: str | None = None, tensor: int | None = None) -> "Mesh":
         """A mesh over the whole world.
 
         Initialises the default process group from torchrun's variables (``RANK``,
@@ -120,6 +123,9 @@ class Mesh:
                 of processes, also on a machine with GPUs). ``None``: the environment
                 variable ``SHARDFN_DEVICE`` if set (``SHARDFN_DEVICE=cpu torchrun ...``
                 runs a script on the CPU unchanged), else ``"cuda"`` when CUDA is available.
+            tensor: ``None``, or ``T`` for a ``"tensor"`` axis of ``T`` consecutive ranks (the
+                innermost axis, inside a node) for tensor parallelism: axes ``("shard", "tensor")``,
+                or ``("replicate", "shard", "tensor")`` with ``replicate``; see docs/tensor-parallel.md.
 
         Example:
             >>> mesh = Mesh.from_env(device="cpu")           # gloo, even on a machine with one GPU
@@ -140,15 +146,17 @@ class Mesh:
                     "(--nnodes N --nproc-per-node P) or pass replicate=N."
                 )
             replicate = dist.get_world_size() // int(os.environ["LOCAL_WORLD_SIZE"])
-        return cls.from_group(None, replicate=replicate, step_timeout=step_timeout)
+        return cls.from_group(None, replicate=replicate, step_timeout=step_timeout, tensor=tensor)
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None, *, replicate: int | None = None,
-                   step_timeout: float | datetime.timedelta = _guard.DEFAULT_STEP_TIMEOUT) -> "Mesh":
+                   step_timeout: float | datetime.timedelta = _guard.DEFAULT_STEP_TIMEOUT,
+                   tensor: int | None = None) -> "Mesh":
         """A mesh over an existing process group (the default group when ``None``).
 
         With ``replicate=R`` (default group only) the mesh is 2-D: ``R`` replicas of
-        ``world / R`` shards. ``step_timeout``: as for :meth:`from_env`.
+        ``world / R`` shards. With ``tensor=T`` (default group only) a ``"tensor"`` axis of
+        ``T`` consecutive ranks is added innermost. ``step_timeout``: as for :meth:`from_env`.
         """
         if not dist.is_initialized():
             raise ValueError(_NO_ENV.format(missing="(any)"))
@@ -158,6 +166,8 @@ class Mesh:
         if device_type == "cuda":
             _check_gpus("Mesh.from_group()", cpu='torch.distributed.init_process_group("gloo") in the script')
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        if tensor is not None:
+            return cls._with_tensor(group, device_type, replicate, tensor, step_timeout)
         if replicate is not None:
             world = dist.get_world_size()
             if group is not dist.group.WORLD:
@@ -174,6 +184,26 @@ class Mesh:
         else:
             dm = DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
         return cls(dm, step_timeout)
+
+    @classmethod
+    def _with_tensor(cls, group: dist.ProcessGroup, device_type: str, replicate: int | None, tensor: int,
+                     step_timeout: Any) -> "Mesh":
+        """``from_group(tensor=T)``: axes ("shard", "tensor") or ("replicate", "shard", "tensor")."""
+        world = dist.get_world_size()
+        if group is not dist.group.WORLD:
+            raise ValueError("Mesh.from_group(group, tensor=T): a mesh with a tensor axis is built over the default "
+                             "group only.")
+        if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1 or world % tensor:
+            raise ValueError(f"Mesh: tensor={tensor!r} must be a positive divisor of the world size {world} "
+                             f"(T consecutive ranks split each layer); for example tensor={_divisors(world)}.")
+        rest = world // tensor
+        if replicate is None:
+            return cls(init_device_mesh(device_type, (rest, tensor), mesh_dim_names=("shard", "tensor")), step_timeout)
+        if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1 or rest % replicate:
+            raise ValueError(f"Mesh: replicate={replicate!r} must be a positive divisor of world / tensor = {rest}; "
+                             f"for example replicate={_divisors(rest)}.")
+        return cls(init_device_mesh(device_type, (replicate, rest // replicate, tensor),
+                                    mesh_dim_names=("replicate", "shard", "tensor")), step_timeout)
 
     # -- properties --------------------------------------------------------------------
 
@@ -207,6 +237,17 @@ class Mesh:
     def size(self) -> int:
         """Number of ranks in the mesh."""
         return self._dm.size()
+
+    @property
+    def data_size(self) -> int:
+        """Ranks that see different batches: ``replicate x shard`` (the ranks of a ``tensor``
+        axis see the same batch and split each layer between them)."""
+        return self.size // self.axis_size("tensor")
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the :attr:`data_size` ranks that see different batches."""
+        return self.rank // self.axis_size("tensor")
 
     @property
     def rank(self) -> int:

@@ -97,6 +97,11 @@ def psum(t: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(_NO_SCOPE.format(rank=dist.get_rank(), world=dist.get_world_size()))
     else:
         return t
+    if mesh.axis_size("tensor") > 1:  # a split leaf's other pieces are on the tensor axis, a whole leaf's are not
+        raise ValueError("psum(t): on a mesh with a 'tensor' axis the ranks that hold the other parts of a parameter "
+                         "depend on the parameter (split layers or not), and psum cannot tell yet. Use the step's "
+                         "metrics['grad_norm'] (clip_by_global_norm reads it), and do not change the gradients in "
+                         "place before it; see docs/tensor-parallel.md.")
     if not sharded or mesh.axis_size("shard") == 1:
         return t
     out = t.detach().clone()

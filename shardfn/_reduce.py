@@ -76,8 +76,8 @@ class UnitGrads:
     def __init__(self, unit: RunningUnit, store: bool, bucket: Any = None):
         self.unit = unit
         # Gradients are averaged over the other ranks holding the same shard: the
-        # "replicate" axis of a 2-D mesh, or the whole 1-D mesh under NO_SHARD.
-        self.replicate = unit.mesh.channel("replicate") if unit.mesh.ndim == 2 else unit.channel
+        # "replicate" axis of the mesh, or the shard axis under NO_SHARD.
+        self.replicate = unit.mesh.channel("replicate") if "replicate" in unit.mesh.axis_names else unit.channel
         self.store = store  # reduce once and leave the result to the runtime (the step's own tree)
         self.nodes = 0  # GatherUnit nodes built in forward whose backward has not run
         self.graphed = False  # a node was built since the last reduction

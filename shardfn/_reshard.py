@@ -14,6 +14,7 @@ the new shards.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from ._plan import Plan, Strategy, make_plan
 from ._agreement import verify_agreement
 from ._resolve import layout_for, make_subgroups
 from ._sharded import ShardedParams, full_units, unit_views
+from ._tensor import refuse_split
 
 __all__ = ["reshard"]
 
@@ -74,6 +76,9 @@ def reshard(
     """
     if not isinstance(sharded, ShardedParams):
         raise TypeError(f"reshard(sharded, ...): expected the ShardedParams from shard(), got {type(sharded).__name__}")
+    refuse_split(sharded, "reshard")
+    if mesh is not None:
+        refuse_split(types.SimpleNamespace(layout=True, mesh=mesh), "reshard(mesh=...)")
     old, old_mesh = sharded.layout, sharded.mesh
     mesh = mesh or old_mesh
     if mesh.size != old_mesh.size:

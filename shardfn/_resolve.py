@@ -8,6 +8,7 @@ its forward), so the runtime reads the layout and not the plan.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ._layout import Layout, build_layout
+from ._tensor import local_state, resolve_tensor_parallel
 from ._mesh import Mesh
 from ._plan import Plan, RematMode, Strategy
 from ._precision import check_norm_precision
@@ -24,9 +26,16 @@ from ._units import check_unit_modules
 __all__ = ["layout_for", "make_subgroups", "reshard_rules"]
 
 
-def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh: Mesh, plan: Plan) -> Layout:
+def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh: Mesh, plan: Plan,
+               tensor_parallel: Any = None) -> Layout:
     """The layout of ``state`` (full tensors, or meta tensors of their shapes) under ``plan``
-    on ``mesh``: units and remat resolved against the module tree, the mesh checked."""
+    on ``mesh``: units and remat resolved against the module tree, the mesh checked. With
+    ``tensor_parallel`` (shardfn._tensor) the split leaves are laid out by their local pieces."""
+    tensor = mesh.axis_size("tensor")
+    styles, splits = resolve_tensor_parallel(tensor_parallel, module, state, tensor)
+    if tensor > 1:
+        _check_tensor(plan)
+        state = local_state(state, splits, tensor, 0)  # (every tensor rank's piece has the same shape)
     info = tree_info(module, list(state))
     if module is not None:
         check_names(state.keys(), info.names, what="shard(params, ...)")
@@ -40,8 +49,10 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
     if module is not None:
         unit_modules[""] = module
     remat_units = plan.remat.select(module, list(info.params), unit_paths) if plan.remat is not None else {}
-    layout = build_layout(plan, mesh.shape, world, mesh.size // world, state, unit_paths, info, unit_modules,
+    layout = build_layout(plan, mesh.shape, world, mesh.data_size // world, state, unit_paths, info, unit_modules,
                           remat_units, frozenset(optional), reshard_rules(plan, unit_paths, world, mesh, remat_units))
+    if styles:
+        layout = dataclasses.replace(layout, tensor=styles, splits=splits)
     check_norm_precision(module, layout, mesh)
     return layout
 
@@ -95,14 +106,32 @@ def reshard_rules(plan: Plan, unit_paths: list[str], world: int, mesh: Mesh,
 
 
 def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
-    if strategy.hybrid and mesh.ndim != 2:
+    if strategy.hybrid and "replicate" not in mesh.axis_names:
         raise ValueError(
             f"shard(): {strategy.value} shards over the 'shard' axis and replicates over 'replicate' of a 2-D mesh, "
             f"but {mesh!r} is 1-D. Build the mesh with Mesh.from_env(replicate=R) (or replicate='nodes'), "
             "or use FULL_SHARD / SHARD_GRAD_OP on this mesh."
         )
-    if not strategy.hybrid and mesh.ndim != 1:
+    if not strategy.hybrid and "replicate" in mesh.axis_names:
         raise ValueError(
             f"shard(): {strategy.value} runs on a 1-D mesh, but {mesh!r} is 2-D. Use HYBRID_SHARD (or "
             "HYBRID_SHARD_ZERO2) on a 2-D mesh, or build a 1-D mesh with Mesh.from_env()."
         )
+
+
+def _check_tensor(plan: Plan) -> None:
+    """What a mesh with a tensor axis cannot run yet (docs/tensor-parallel.md), refused by name."""
+    what = None
+    if plan.strategy not in (Strategy.FULL_SHARD, Strategy.SHARD_GRAD_OP):
+        what = f"the strategy {plan.strategy.value} (FULL_SHARD and SHARD_GRAD_OP are)"
+    elif plan.offload.enabled:
+        what = "offload"
+    elif plan.remat is not None:
+        what = "remat"
+    elif plan.precision != type(plan.precision)():
+        what = f"a precision policy ({plan.precision!r})"
+    elif plan.optional is not None:
+        what = "optional units"
+    if what is not None:
+        raise ValueError(f"shard(): on a mesh with a 'tensor' axis, {what} is not supported yet. Use FULL_SHARD or "
+                         "SHARD_GRAD_OP without it, or a mesh without a tensor axis; see docs/tensor-parallel.md.")

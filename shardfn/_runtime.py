@@ -151,7 +151,7 @@ class Runtime:
 
     def loss_factor(self, micro_batches: int) -> float:
         """What the step multiplies each micro-batch's loss by before backward."""
-        return 1.0 / (self.mesh.size * micro_batches)
+        return 1.0 / (self.mesh.data_size * micro_batches)  # (a tensor axis's ranks share one batch)
 
     def reduces_now(self) -> bool:
         """Whether the gradients accumulated so far are reduced in this backward."""

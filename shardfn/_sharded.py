@@ -28,6 +28,7 @@ from ._precision import Precision
 from ._pretrained import read_weights
 from ._replica import kept_for
 from ._safetensors import Source
+from ._tensor import full_leaf, local_state
 from ._tree import TensorTree
 from ._verdict import check_alike, check_usable, unusable_on_failure
 
@@ -230,6 +231,7 @@ def shard(
     init_fn: Callable[[nn.Module], None] | None = None,
     src_rank: int | None = None,
     weights: str | os.PathLike | None = None,
+    tensor_parallel: Mapping[str, str] | None = None,
 ) -> ShardedParams:
     """This rank's shards of ``params`` under ``plan`` on ``mesh``.
 
@@ -293,6 +295,10 @@ def shard(
             non-persistent buffers missing from the file keep their values, or, when meta,
             are initialised by ``reset_parameters()`` and ``init_fn`` (for a Hugging Face
             model ``init_fn=model._init_weights``). Needs ``safetensors``.
+        tensor_parallel: on a mesh with a ``"tensor"`` axis (``Mesh.from_env(tensor=T)``), a
+            mapping from module-path patterns (fnmatch: ``"blocks.*.mlp.0"``) to ``"colwise"``
+            or ``"rowwise"``: those ``nn.Linear`` layers are split over the tensor axis, and
+            each rank's pieces are sharded over ``shard`` as any leaf (docs/tensor-parallel.md).
 
     Returns:
         A :class:`ShardedParams` (the shards and the buffers); ``print(sharded.layout)``
@@ -309,11 +315,12 @@ def shard(
     with guarded(mesh):  # an argument refused on one rank reaches the others (at the layout agreement)
         plan = make_plan(plan, units=units, precision=precision, remat=remat, optional=optional, offload=offload,
                          reshard_after_forward=reshard_after_forward, placement=placement, bucket_bytes=bucket_bytes)
-        return _shard(params, mesh, plan, seed, init_fn, src_rank, weights)
+        return _shard(params, mesh, plan, seed, init_fn, src_rank, weights, tensor_parallel)
 
 
 def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int | None,
-           init_fn: Callable[[nn.Module], None] | None, src_rank: int | None, weights: Any) -> ShardedParams:
+           init_fn: Callable[[nn.Module], None] | None, src_rank: int | None, weights: Any,
+           tensor_parallel: Any = None) -> ShardedParams:
     if not isinstance(params, Mapping) or isinstance(params, ShardedParams):
         raise TypeError(
             "shard(): params must be the mapping name -> tensor returned by functionalize(model)"
@@ -323,8 +330,11 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
     if bad:
         raise TypeError(f"shard(): params[{bad[0]!r}] is a {type(params[bad[0]]).__name__}, not a tensor.")
     module: nn.Module | None = getattr(params, "module", None)
-    layout = layout_for(params, module, mesh, plan)
+    layout = layout_for(params, module, mesh, plan, tensor_parallel)
     given = [k for k, v in (("seed", seed), ("src_rank", src_rank), ("weights", weights)) if v is not None]
+    if given and mesh.axis_size("tensor") > 1:
+        raise ValueError(f"shard(): {given[0]}= on a mesh with a 'tensor' axis is not supported yet; pass the full "
+                         "values on every rank (the same seed), see docs/tensor-parallel.md.")
     if len(given) > 1:
         raise ValueError(f"shard(): pass one of seed= (deferred init), src_rank= (load from one rank) or weights= "
                          f"(a safetensors checkpoint), not {' and '.join(given)}.")
@@ -348,7 +358,9 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
     if meta:
         raise ValueError(meta_error)
     if not given:
-        verify_same_values(params, layout, mesh)
+        verify_same_values(params, layout, mesh)  # (the full values, before each tensor rank takes its piece)
+    if mesh.axis_size("tensor") > 1:
+        params = local_state(params, layout.splits, mesh.axis_size("tensor"), mesh.axis_rank("tensor"))
     rank = layout.shard_rank(mesh)
     with torch.no_grad():
         if seed is not None:
@@ -410,8 +422,14 @@ def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.de
     keep = not rank0_only or mesh.rank == 0
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad(), unusable_on_failure(sharded):
-        for _, full in full_units(layout, mesh, sharded, Purpose.STATE_DICT, unpack=keep):
-            out.update({n: t.to(device) if device is not None else t for n, t in full.items()})
+        # a split leaf's pieces are gathered over the tensor axis too, by every rank
+        for _, full in full_units(layout, mesh, sharded, Purpose.STATE_DICT, unpack=keep or bool(layout.splits)):
+            out.update(full)
+        for name, dim, _ in layout.splits:
+            out[name] = full_leaf(out[name], dim, mesh, Purpose.STATE_DICT, name)
+        if not keep:
+            out.clear()
+        out = {n: t.to(device) if device is not None else t for n, t in out.items()}
         if keep:
             out.update({n: sharded[n].detach().to(device, copy=True) if device is not None else sharded[n].detach().clone()
                         for n, b in layout.buffers.items() if b.persistent})

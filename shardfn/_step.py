@@ -431,7 +431,9 @@ def _program_backend(graph: Any, mesh: Mesh) -> str | None:
 def _check_graph(graph: Any, mesh: Mesh, donate: bool, loss_scale: Any, on_nonfinite: Any, compile: Any) -> None:
     """What a graph step cannot be, refused when it is built ([Note: a graph step])."""
     why = None
-    if compile:
+    if mesh.axis_size("tensor") > 1:
+        why = "a mesh with a 'tensor' axis cannot be recorded yet (tensor parallelism, stage 1): leave graph out"
+    elif compile:
         why = "compile=... compiles parts of an eager step; graph=True compiles the whole step: leave compile out"
     elif not donate:
         why = "donate=False returns new tensors; a recorded program updates the state in place: leave donate on"

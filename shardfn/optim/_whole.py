@@ -40,6 +40,8 @@ def full_shape(params: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]
 
 def _cut(params: Mapping[str, torch.Tensor], name: str) -> bool:
     layout = getattr(params, "layout", None)
+    if layout is not None and any(name == leaf for leaf, _, _ in getattr(layout, "splits", ())):
+        return True  # split over the tensor axis: no placement makes it whole yet (shardfn._tensor)
     if layout is None or name not in layout.leaves or not layout.gathers:
         return False
     leaf = layout.leaves[name]
@@ -50,6 +52,12 @@ def require_whole(params: Mapping[str, torch.Tensor], names: Iterable[str], what
     """Raises one ``ValueError`` naming every parameter of ``names`` that is cut across ranks
     (see the note); call it in ``init`` of a transformation that needs whole parameters."""
     cut = [n for n in names if _cut(params, n)]
+    split = [leaf for leaf, _, _ in getattr(getattr(params, "layout", None), "splits", ()) if leaf in cut]
+    if split:
+        raise ValueError(f"{what}: {len(split)} parameter(s) are split over the mesh's 'tensor' axis "
+                         f"({', '.join(split[:4])}{' ...' if len(split) > 4 else ''}), and {what} needs each one "
+                         f"whole ({why}); tensor parallelism does not gather them for it yet. Give them an "
+                         "elementwise optimizer (shardfn.optim.partition); see docs/tensor-parallel.md.")
     if cut:
         rows = "\n".join(f"  {n}: shape {list(full_shape(params, n))}" for n in cut[:12])
         rows += f"\n  ... and {len(cut) - 12} more" if len(cut) > 12 else ""
