@@ -72,6 +72,9 @@ class _Mesh:
     def __init__(self, device, backend):
         self.device, self.backend = torch.device(device), backend
 
+    def axis_size(self, axis):
+        return 1  # no tensor axis
+
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_graph_steps_on_cuda_are_refused_as_unverified_unless_asked_for(monkeypatch, backend):

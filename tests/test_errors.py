@@ -109,13 +109,13 @@ def test_two_rank_errors(clusters):
         assert out["after"] == 2.0
 
 
-def test_mesh_must_be_one_or_two_dimensional():
+def test_a_mesh_of_other_axes_is_refused_naming_the_ones_shardfn_uses():
     class FakeDM:
         ndim = 3
         shape = (2, 2, 2)
         mesh_dim_names = ("a", "b", "c")
 
-    with pytest.raises(ValueError, match=r"3-D DeviceMesh \(2, 2, 2\).*Mesh.from_env\(replicate=R\)"):
+    with pytest.raises(ValueError, match=r"3-D DeviceMesh \(2, 2, 2\) with axes \('a', 'b', 'c'\).*Mesh.from_env\(replicate=R, tensor=T\)"):
         sf.Mesh(FakeDM())  # type: ignore[arg-type]
 
 
