@@ -57,7 +57,7 @@ from ._psum import sum_of_squares
 from ._recording import device_values
 from ._runtime import Runtime, active
 from ._sharded import ShardedParams
-from ._tensor import split_sum_of_squares
+from ._tensor import agree_on_batch, split_sum_of_squares
 from ._verdict import agreed_error
 
 __all__ = ["Grad", "GradOut", "jit_grad"]
@@ -158,6 +158,8 @@ class Grad:
             with active(rt):
                 if run is not None and run.open(nonfinite):
                     raise run.told(agreed_error(sharded, self.options.what))
+                if self.mesh.axis_size("tensor") > 1:
+                    agree_on_batch(batch, self.mesh)
                 while True:  # once, or twice when every rank's schedule changed alike
                     try:
                         loss, count, grads, auxes = self._grads(rt, sharded, batch, scale)

@@ -10,23 +10,30 @@ colwise layer holds rows of the weight (and of the bias): its input is the same 
 tensor rank, its input's gradient is a partial sum, all-reduced in backward. A rowwise
 layer holds columns of the weight: its output is a partial sum, all-reduced in forward,
 and its bias is added once, after the reduction. Backward takes the runtime's scope and
-observers, never a context variable ([Note: backward on device threads]).
+observers, never a context variable ([Note: backward on device threads]). The ranks of a
+tensor group split the layers of one batch, so each step opens with their batches' digest
+in a header on the tensor axis (:func:`agree_on_batch`): other batches would train without
+a word, each rank's partial sums of another input added together.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 from . import _collectives as C
-from ._events import Purpose
+from . import _guard as G
+from ._errors import DivergenceError
+from ._events import Collective, Purpose
 
-__all__ = ["STYLES", "full_leaf", "local_state", "refuse_split", "resolve_tensor_parallel", "split_sum_of_squares",
+__all__ = ["STYLES", "agree_on_batch", "full_leaf", "local_state", "refuse_split", "resolve_tensor_parallel", "split_sum_of_squares",
            "tp_forward"]
 
 STYLES = ("colwise", "rowwise")
@@ -185,3 +192,27 @@ def refuse_split(sharded: Any, what: str) -> None:
         raise ValueError(f"{what}: a tree on a mesh with a 'tensor' axis ({axes}) is not supported yet "
                          "(stage 1 of tensor parallelism). Take its full values with shardfn.gather(sharded) and "
                          "save those with torch.save or model.load_state_dict; see docs/tensor-parallel.md.")
+
+
+_OTHER_BATCHES = (
+    "[rank {rank}] shardfn: the ranks of tensor group {ranks} got different batches (digests {digests}): they split "
+    "each layer of one batch between them, and each rank's partial sums of another input would be added together. "
+    "Give every rank of a tensor group the same batch: split_batch(batch, mesh.data_rank, mesh.data_size)."
+)
+
+
+def agree_on_batch(batch: Any, mesh: Any) -> None:
+    """Raises DivergenceError on every rank of this rank's tensor group unless all of them
+    got the same batch (a CRC-32 of each tensor leaf's bytes, read on the host, in one
+    header on the tensor axis: [Note: hand-written tensor collectives])."""
+    digest = 0
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            data = leaf.detach().reshape(-1).cpu().contiguous().view(torch.uint8)
+            digest = zlib.crc32(data.numpy().tobytes(), zlib.crc32(repr((leaf.shape, leaf.dtype)).encode(), digest))
+    ch = mesh.channel("tensor")
+    headers = G.exchange(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", 0, digest), G.OK, 0],
+                         "the batch of a tensor group")
+    digests = [h[G.DETAIL] for h in headers]
+    if len(set(digests)) > 1:
+        raise G.told(DivergenceError(_OTHER_BATCHES.format(rank=mesh.rank, ranks=list(ch.ranks), digests=digests)), ch)

@@ -138,3 +138,39 @@ def test_refusals_name_the_cause_and_the_fix(clusters):
     assert "'tensor' axis cannot be recorded yet" in graph
     assert "checkpoint.save" in save and "not supported yet" in save
     assert "split over the mesh's 'tensor' axis (blocks.0.mlp.0.weight, blocks.0.mlp.2.weight" in muon
+
+
+def _other_batches(tensor):
+    """Two calls; at the second, rank 1 of each tensor group gets another batch: the outcome per call."""
+    mesh = sf.Mesh.from_group(tensor=tensor)
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(model())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
+    opt = SGD_MOMENTUM()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    out = []
+    for k, batch in enumerate(batches()[:2]):
+        local = split_batch(batch, mesh.data_rank, mesh.data_size)
+        if k == 1 and mesh.axis_rank("tensor") == 1:
+            local = {**local, "x": local["x"].flip(0)}  # the same rows, in another order
+        before = {n: t.clone() for n, t in sharded.items()}
+        try:
+            sharded, state, _ = step(sharded, state, local)
+            out.append("ok")
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            out.append(f"{type(e).__name__}: {e}")
+            out.append(all(torch.equal(before[n], sharded[n]) for n in before))
+    return out
+
+
+def test_ranks_of_a_tensor_group_that_get_other_batches_all_raise(clusters):
+    # Without the check both steps ran ("ok", "ok"): each rank's partial sums of another
+    # input were added together, a wrong step without a word. At world 4 both tensor groups
+    # ({0, 1} and {2, 3}) differ, and each names its own ranks.
+    for world in (2, 4):
+        for rank, out in enumerate(clusters[world].run(_other_batches, 2)):
+            group = [rank - rank % 2, rank - rank % 2 + 1]
+            assert out[0] == "ok" and out[2] is True, (world, rank, out)  # the state is as before the step
+            assert out[1].startswith(f"DivergenceError: [rank {rank}] shardfn: the ranks of tensor group {group} got "
+                                     "different batches"), (world, rank, out[1])
+            assert "split_batch(batch, mesh.data_rank, mesh.data_size)" in out[1]
