@@ -295,7 +295,7 @@ class GraphStep:
         metrics = {k: next(computed) if v is None else v for k, v in program.hyper.items()}
         aux = aux[:len(aux) - program.hyper_outputs]
         # [Note: tokens over the ranks]: summed in the program (Mean), or agreed when recorded
-        tokens = aux[2] if program.tokens else count_tokens(batch) * self.mesh.size
+        tokens = aux[2] if program.tokens else count_tokens(batch) * self.mesh.data_size
         metrics.update(loss=aux[0], grad_norm=aux[1], tokens=tokens, comm_bytes=dict(program.comm_bytes))
         if program.aux_spec is not None:
             metrics["aux"] = pytree.tree_unflatten(list(aux[2 + program.tokens:]), program.aux_spec)

@@ -9,8 +9,8 @@ import torch
 
 from .._psum import psum
 from .._recording import recording
-from ._count import advance, host_count, incremented as _next
-from ._checks import _count, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _trainable
+from ._count import advance, host_count, incremented as _next, new_count
+from ._checks import _count, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _trainable
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from ._whole import full_shape, local_elements
@@ -79,7 +79,7 @@ def adafactor(
                                  device=trainable[n].device) for n in factored)
         cols = tuple(torch.zeros((*full_shape(params, n)[:-2], 1, full_shape(params, n)[-1]), dtype=trainable[n].dtype,
                                  device=trainable[n].device) for n in factored)
-        return AdafactorState(_new_count(params), rows, cols, zeros_like_views({n: trainable[n] for n in plain}))
+        return AdafactorState(new_count(params), rows, cols, zeros_like_views({n: trainable[n] for n in plain}))
 
     def compute(grads: Params, state: AdafactorState, params: Params, done: int) -> tuple[dict, float]:
         """Each parameter's (real elements, update, step size) for the update after ``done``

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._count import advance, incremented as _next
-from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
+from ._count import advance, incremented as _next, new_count
+from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _scratch, _trainable
 from .._compile import compilable
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from ._fused import fused_groups, zeros_like_views
@@ -94,7 +94,7 @@ def adamw(
         trainable = _trainable(params)
         decays(trainable)  # a Mapping mask that lacks a name fails here, not mid-training
         # laid out like the shards, so that update_ can run on a flat unit's buffers ([Note: fused updates])
-        return AdamWState(_new_count(params), zeros_like_views(trainable), zeros_like_views(trainable))
+        return AdamWState(new_count(params), zeros_like_views(trainable), zeros_like_views(trainable))
 
     def update(
         grads: Params, state: AdamWState, params: Params | None = None

@@ -9,7 +9,7 @@ from typing import Any, Union
 import torch
 
 from .._recording import Unrecordable, recording
-from ._count import host_count, new_count as _new_count  # noqa: F401 - the optimizers' one import
+from ._count import host_count
 
 Params = Mapping[str, torch.Tensor]
 ScalarOrSchedule = Union[float, Callable[[int], float]]

@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._count import advance, incremented as _next
-from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _trainable
+from ._count import advance, incremented as _next, new_count
+from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _trainable
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from ._whole import full_shape, require_whole, whole_tensor
@@ -120,7 +120,7 @@ def muon(
             rows = ", ".join(f"{n} {list(full_shape(params, n))}" for n in bad[:8]) + (" ..." if len(bad) > 8 else "")
             raise ValueError(_NOT_MATRIX.format(n=len(bad), rows=rows))
         require_whole(params, trainable, "muon", "Newton-Schulz orthogonalises the whole matrix")
-        return MuonState(_new_count(params), zeros_like_views(trainable))
+        return MuonState(new_count(params), zeros_like_views(trainable))
 
     def step(grads: Params, state: MuonState, params: Params, lr: float) -> dict[str, torch.Tensor]:
         """The new momentum in place, and each whole matrix's orthogonalised update (not yet scaled)."""

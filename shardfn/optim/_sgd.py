@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._count import advance, incremented as _next
-from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _new_count, _resolve_learning_rate, _scratch, _trainable
+from ._count import advance, incremented as _next, new_count
+from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _scratch, _trainable
 from ._combinators import _add_
 from ._fused import fused_groups, zeros_like_views
 from .._compile import compilable
@@ -82,7 +82,7 @@ def sgd(
         trainable = _trainable(params)
         # laid out like the shards, so that update_ can run on a flat unit's buffers ([Note: fused updates])
         buffers = zeros_like_views(trainable) if momentum else {}
-        return SgdState(_new_count(params), buffers)
+        return SgdState(new_count(params), buffers)
 
     def update(
         grads: Params, state: SgdState, params: Params | None = None
