@@ -1,0 +1,87 @@
+"""Tensor parallelism and memory (issue 50): what shard 2 x tensor 2 holds per rank, as
+explain predicts it and as a real world-4 run holds it, and the split layers' activations."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardfn as sf
+from shardfn.testing._equivalence import split_batch
+from shardfn.testing.models import GPT, GPTConfig
+
+PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2)
+HIDDEN = 4 * CFG.d_model
+ROWS = 4  # the global batch
+UNITS = sf.Plan("FULL_SHARD", units=sf.by_module_type(nn.Linear))  # each layer its own unit
+
+
+def loss_fn(apply, params, batch):
+    logits = apply(params, batch["x"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+
+def batch(rows=ROWS):
+    g = torch.Generator().manual_seed(1)
+    return {k: torch.randint(0, CFG.vocab_size, (rows, CFG.seq_len), generator=g) for k in ("x", "y")}
+
+
+def predict(world, tensor=None, rows=ROWS // 2):
+    with torch.device("meta"):
+        model = GPT(CFG)
+    return sf.explain(model, world, UNITS, batch(rows), loss_fn=loss_fn, tensor=tensor,
+                      tensor_parallel=PLAN if tensor else None, verbose=False)
+
+
+def _storage_bytes(*trees):
+    """Bytes of the distinct storages of the tensors in ``trees`` (a ShardedParams, an optimizer state)."""
+    seen = {}
+    for tree in trees:
+        tensors = list(tree.kept_tensors()) + list(tree.values()) if isinstance(tree, sf.ShardedParams) \
+            else [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            s = t.untyped_storage()
+            seen[id(s)] = s.nbytes()
+    return sum(seen.values())
+
+
+def _held(tensor):
+    """A real run's persistent bytes on this rank (its shards, buffers and AdamW state), before
+    and after a step, and the bytes its forward keeps for backward."""
+    mesh = sf.Mesh.from_group(tensor=tensor)
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(GPT(CFG))
+    sharded = sf.shard(params, mesh, UNITS, tensor_parallel=PLAN if tensor else None)
+    opt = sf.optim.adamw(1e-3)
+    state = opt.init(sharded)
+    before = _storage_bytes(sharded, state)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    local = split_batch(batch(), mesh.data_rank, mesh.data_size)
+    sharded, state, _ = step(sharded, state, local)
+    return before, _storage_bytes(sharded, state)
+
+
+def test_explain_predicts_what_a_shard_two_by_tensor_two_tree_holds(clusters):
+    real = clusters[4].run(_held, 2)
+    report = predict(4, tensor=2)
+    assert report.mesh_shape == (2, 2) and report.tensor == 2 and len(report.split_layers) == 4
+    for before, after in real:  # no padding here: every rank holds the same bytes
+        assert before == after == real[0][0]
+    assert report.persistent_bytes == real[0][0]
+
+
+def test_split_layers_hold_what_world_four_holds_and_the_others_what_world_two_holds():
+    tp, four, two = predict(4, tensor=2), predict(4), predict(2)
+    by_name = [{u.name: u for u in r.units} for r in (tp, four, two)]
+    fields = ("param_bytes", "grad_bytes", "optim_bytes")
+    for name, u in by_name[0].items():
+        figures = [tuple(getattr(r[name], f) for f in fields) for r in by_name]
+        if name.endswith("mlp.0"):  # colwise: weight and bias split, then sharded: 1/4 of them
+            assert figures[0] == figures[1], (name, figures)
+        elif name.endswith("mlp.2"):  # rowwise: the weight split (1/4), the bias whole on each tensor rank (1/2)
+            elements = (CFG.d_model * HIDDEN // 2 + CFG.d_model) // 2
+            assert figures[0][0] == figures[0][1] == 4 * elements, (name, figures)
+            assert figures[1][0] < figures[0][0] < figures[2][0]
+        else:  # outside the plan: sharded over the 2 shard ranks only
+            assert figures[0] == figures[2], (name, figures)
+    assert {u.name: u.params for u in tp.units} == {u.name: u.params for u in four.units}
