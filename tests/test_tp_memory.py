@@ -1,6 +1,8 @@
 """Tensor parallelism and memory (issue 50): what shard 2 x tensor 2 holds per rank, as
 explain predicts it and as a real world-4 run holds it, and the split layers' activations."""
 
+import gc
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -99,3 +101,58 @@ def test_autoplan_plans_a_tensor_axis_from_three_and_four_blocks():
         full = sf.explain(model, 4, c.plan, batch(2), loss_fn=loss_fn, tensor=2, tensor_parallel=PLAN, verbose=False)
         assert (c.peak_bytes, c.persistent_bytes) == (full.peak_bytes, full.persistent_bytes), c.label()
         assert c.comm_bytes == sum(b for _, b in full.collectives.values())
+
+
+class _MlpBytes:
+    """The bytes of each block's hidden activations: the outputs of ``mlp.0`` and of its GELU,
+    which backward keeps (hooks on ``model``; functionalize's copy of the tree keeps them)."""
+
+    def __init__(self, model):
+        self.hidden = []
+        for block in model.blocks:
+            for layer in (block.mlp[0], block.mlp[1]):
+                layer.register_forward_hook(lambda _m, _a, out: self.hidden.append(out.numel() * out.element_size()))
+
+
+def _activations(tensor):
+    """A real forward on this rank, of the whole batch: the hidden activations' bytes, and the
+    live tensor bytes it leaves for backward."""
+    mesh = sf.Mesh.from_group(tensor=tensor)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    seen = _MlpBytes(model)
+    params, apply = sf.functionalize(model)
+    sharded = sf.shard(params, mesh, UNITS, tensor_parallel=PLAN if tensor else None)
+    with sf.track_live_bytes() as mem:
+        loss = loss_fn(apply, sharded, batch())
+        gc.collect()  # count what the graph holds, not garbage awaiting collection
+        held = mem.current
+    loss.backward()
+    return seen.hidden, held
+
+
+def test_the_split_layers_activations_are_halved(clusters):
+    """Per rank, with the same rows: shard 2 x tensor 2 against FULL_SHARD's shard 2 (world 2),
+    measured in a real forward and by explain's fake step."""
+    hidden = ROWS * CFG.seq_len * HIDDEN * 4  # fp32 bytes of one hidden activation, whole
+    tp = clusters[4].run(_activations, 2)[0]
+    plain = clusters[2].run(_activations, None)[0]
+    assert tp[0] == [hidden // 2] * 4 and plain[0] == [hidden] * 4  # mlp.0 and GELU outputs, 2 blocks
+    # What forward leaves for backward differs by exactly the halved hidden activations:
+    # everything else (attention, embeddings, the MLP's input and output) is the same.
+    assert plain[1] - tp[1] == 2 * CFG.n_layers * hidden // 2, (plain[1], tp[1])
+    # The planner: its fake step makes the same halved activations, and the step's peak above
+    # the persistent bytes grows with the rows by exactly that much less.
+    with torch.device("meta"):
+        model = GPT(CFG)
+    seen = _MlpBytes(model)
+    with_rows = {}
+    for rows in (ROWS, 2 * ROWS):
+        for tensor, world in ((2, 4), (None, 2)):
+            seen.hidden.clear()
+            e = sf.explain(model, world, UNITS, batch(rows), loss_fn=loss_fn, tensor=tensor,
+                           tensor_parallel=PLAN if tensor else None, verbose=False)
+            with_rows[rows, tensor] = e.peak_bytes - e.persistent_bytes
+            assert seen.hidden[-4:] == [rows * hidden // ROWS // (tensor or 1)] * 4  # the measured step's
+    growth = {t: with_rows[2 * ROWS, t] - with_rows[ROWS, t] for t in (2, None)}
+    assert growth[None] - growth[2] == 2 * CFG.n_layers * hidden // 2, growth
