@@ -2,6 +2,8 @@
 explain predicts it and as a real world-4 run holds it, and the split layers' activations."""
 
 import gc
+import importlib
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -156,3 +158,15 @@ def test_the_split_layers_activations_are_halved(clusters):
             assert seen.hidden[-4:] == [rows * hidden // ROWS // (tensor or 1)] * 4  # the measured step's
     growth = {t: with_rows[2 * ROWS, t] - with_rows[ROWS, t] for t in (2, None)}
     assert growth[None] - growth[2] == 2 * CFG.n_layers * hidden // 2, growth
+
+
+def test_gpu_checks_tensor_row_says_it_is_skipped_with_fewer_than_four_gpus(monkeypatch):
+    """benchmarks/gpu_check.py's tensor-parallel row (benchmarks/gpu_tensor.py) on a 1-GPU machine:
+    one line that says why, and the check still passes."""
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(root))
+    gpu_tensor = importlib.import_module("gpu_tensor")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    lines, ok = gpu_tensor.main({"tensor": "auto", "device": "cuda"})
+    assert ok and lines == ["tensor parallel, world 4: shard 2 x tensor 2 against FULL_SHARD: skipped: needs 4 GPUs "
+                            "(found 1)"]
