@@ -170,3 +170,19 @@ def test_gpu_checks_tensor_row_says_it_is_skipped_with_fewer_than_four_gpus(monk
     lines, ok = gpu_tensor.main({"tensor": "auto", "device": "cuda"})
     assert ok and lines == ["tensor parallel, world 4: shard 2 x tensor 2 against FULL_SHARD: skipped: needs 4 GPUs "
                             "(found 1)"]
+
+
+def test_step_time_has_a_tensor_pair_and_counts_it_in_shardfns_terms(monkeypatch):
+    """benchmarks/step_time.py's shardfn_tensor (shard 2 x tensor 2 at world 4): the ranks of a
+    tensor group take the same slice of the batch, and its collectives (the reduce-scatter over
+    the 2 shard ranks as gloo's sends, the guard's header all-reduces) read as shardfn records them."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    step_time = importlib.import_module("step_time")
+    spec = step_time.SPECS["shardfn_tensor"]
+    assert spec.tensor == 2 and [spec.data(r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    # One step of the smallest run (d_model 64, 2 layers), rank 0: as recorded, and as dispatched
+    recorded = {"all_gather": 569856, "all_reduce": 32784, "reduce_scatter": 303616}
+    counted = {"all_reduce": 33344, "all_gather": 569856, "send": 151808, "recv": 151808}
+    assert step_time._same_counts(recorded, counted, 2)
+    assert not step_time._same_counts({**recorded, "reduce_scatter": 303616 // 2}, counted, 2)
+    assert not step_time._same_counts({**recorded, "all_reduce": 32784 - 4096}, counted, 2)
