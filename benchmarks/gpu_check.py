@@ -72,6 +72,11 @@ Run::
     python benchmarks/gpu_check.py --d-model 512 --layers 4 --batch 4
     python benchmarks/gpu_check.py --device cpu       # smoke run of the logic on CPU (gloo, tiny GPT)
     python benchmarks/gpu_check.py --graph            # jit_step(graph=True) captured: benchmarks/gpu_graph.py
+    python benchmarks/gpu_check.py --device cpu --worlds 1 --tensor on   # the tensor-parallel row on CPU (gloo)
+
+With 4 GPUs or more, a tensor-parallel row follows the table (benchmarks/gpu_tensor.py: shard
+2 x tensor 2 against FULL_SHARD at world 4, one GPU per rank); with fewer, one line says it
+was skipped and why, which is not a failure.
 """
 
 from __future__ import annotations
@@ -820,6 +825,10 @@ def parse_args() -> argparse.Namespace:
                    help="jit_step(graph=True) captured as one CUDA graph against shardfn eager, plain eager and the "
                         "plain CUDA-graph floor, on three models (benchmarks/gpu_graph.py); one process, under 8 "
                         "minutes on one H100/H200; the other options are not used")
+    p.add_argument("--tensor", choices=("auto", "on", "off"), default="auto",
+                   help="the tensor-parallel row (benchmarks/gpu_tensor.py: shard 2 x tensor 2 against FULL_SHARD at "
+                        "world 4, one GPU per rank): auto runs it with 4 GPUs and prints why not otherwise; on runs "
+                        "it anyway (gloo on CPU with --device cpu); off leaves it out")
     p.add_argument("--on-nonfinite", choices=("raise", "raise_next"), default="raise",
                    help="jit_step's on_nonfinite for shardfn's timed steps: raise_next reads nothing from the device "
                         "(no synchronisation in the step; the sync column shows it)")
@@ -888,14 +897,19 @@ def main() -> int:
           f"synchronisations (profiled: an upper bound), per step, and host us/unit the same per unit.")
     for line in notes(outcomes):
         print(f"NOTE {line}")
+    import gpu_tensor  # the tensor-parallel row: its own processes, one GPU each
+
+    tensor_lines, tensor_ok = gpu_tensor.main(opts)
+    print("\n" + "\n".join(tensor_lines))
     ran = [r for o in outcomes for r in o.rows]
     failed = [r for r in ran if r["equiv"] != "PASS"]
     peers_failed = [r for r in ran if r.get("peer_equiv") != "PASS"]
     broken = [o for o in outcomes if o.failure]
-    ok = bool(ran) and not failed and not peers_failed and not broken
+    ok = bool(ran) and not failed and not peers_failed and not broken and tensor_ok
     print(f"\n{'PASS' if ok else 'FAIL'}: {len(ran) - len(failed)} of {len(ran)} equivalence rows passed, "
           f"their peers {len(ran) - len(peers_failed)} of {len(ran)}"
-          + (f"; {len(broken)} run(s) failed" if broken else "") + ("; nothing ran" if not ran else ""))
+          + (f"; {len(broken)} run(s) failed" if broken else "") + ("; nothing ran" if not ran else "")
+          + ("" if tensor_ok else "; the tensor-parallel row failed"))
     return 0 if ok else 1
 
 

@@ -40,7 +40,13 @@ shardfn (``shardfn.shard`` with default units: one per Block, plus the root;
 * ``shardfn_full_graph`` / ``shardfn_no_shard_graph`` / ``shardfn_w1_graph``:
   ``jit_step(graph="inductor")``, the whole step recorded once and replayed compiled;
   ``shardfn_full_graph_ops``: ``graph="eager"``, the recorded ops replayed one by one (no
-  compile). Peer: ``shardfn_full`` (and ``fsdp2``, ``ddp``).
+  compile). Peer: ``shardfn_full`` (and ``fsdp2``, ``ddp``);
+* ``shardfn_tensor``: FULL_SHARD on a mesh with a tensor axis of 2 (``Mesh.from_group(tensor=2)``),
+  every Block's MLP split (``tensor_parallel={"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2":
+  "rowwise"}``, docs/tensor-parallel.md): at world 4, shard 2 x tensor 2. It trains the same
+  global batch; the two ranks of a tensor group take the same slice of it (twice ``--batch``
+  rows each). Not in the default pairs; peer ``shardfn_full`` at the same world:
+  ``--world 4 --pairs shardfn_tensor:shardfn_full``.
 
 ``--preset small`` trains the latency-bound regime instead (d_model 64, 24 layers, seq 16,
 batch 1 per rank, vocab 64: 25 units of ~50k parameters), with its own pairs and targets.
@@ -110,6 +116,7 @@ Run::
     python benchmarks/step_time.py    # the issue's measurement: world 2, d_model 512, 8 layers, seq 128
     python benchmarks/step_time.py --world 4 --pairs shardfn_full:fsdp2 --out benchmarks/results/step_time_w4.json
     python benchmarks/step_time.py --d-model 64 --layers 2 --seq 32 --repeats 1 --steps 2 --out /tmp/smoke.json
+    python benchmarks/step_time.py --world 4 --pairs shardfn_tensor:shardfn_full --out benchmarks/results/step_time_tp.json
 """
 
 from __future__ import annotations
@@ -157,6 +164,11 @@ class Spec:
     placement: str = "flat"  # shardfn: Plan(placement=...); "flat" is shardfn's default
     buckets: bool = True  # shardfn: Plan(bucket_bytes=0) when False (each unit reduces alone)
     graph: bool | str = False  # shardfn: jit_step(graph=...): "inductor" compiled, "eager" op by op
+    tensor: int = 1  # shardfn: a "tensor" mesh axis of this size, the MLPs split over it (TENSOR_PLAN)
+
+    def data(self, rank: int, world: int) -> tuple[int, int]:
+        """This rank's slice of the global batch and the number of slices (a tensor group shares one)."""
+        return rank // self.tensor, world // self.tensor
 
 
 SPECS = {
@@ -179,7 +191,9 @@ SPECS = {
     "shardfn_no_shard_graph": Spec("shardfn", strategy="NO_SHARD", graph="inductor"),
     "shardfn_w1_graph": Spec("shardfn", world1=True, graph="inductor"),
     "shardfn_full_graph_ops": Spec("shardfn", graph="eager"),
+    "shardfn_tensor": Spec("shardfn", tensor=2),
 }
+TENSOR_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 CONFIGS = tuple(SPECS)
 # The compared pairs (configuration, peer) and the issue's target for each: the largest
 # ratio of step times (CPU time per rank where the ranks outnumber the cores); None: no target.
@@ -343,12 +357,13 @@ def build_torch_step(spec: Spec, model: torch.nn.Module, lr: float):
 
 def build_shardfn_step(spec: Spec, model: torch.nn.Module, lr: float):
     """The same pair built from shardfn; ``step`` returns the global mean loss (a float)."""
-    mesh = sf.Mesh.from_group()
+    mesh = sf.Mesh.from_group(tensor=spec.tensor) if spec.tensor > 1 else sf.Mesh.from_group()
     params, apply = sf.functionalize(model)
     opt = sf.optim.adamw(lr)
     precision = sf.Precision(param=torch.bfloat16, reduce=torch.float32) if spec.bf16 else None
     placement = {"placement": spec.placement} if spec.placement != "flat" else {}  # (an older shardfn has none)
     placement.update({} if spec.buckets else {"bucket_bytes": 0})
+    placement.update({"tensor_parallel": TENSOR_PLAN} if spec.tensor > 1 else {})
     state = {"sharded": sf.shard(params, mesh, spec.strategy, precision=precision, **placement)}
     del params  # the full parameters are not part of the trained state
     state["opt"] = opt.init(state["sharded"])
@@ -393,16 +408,20 @@ def run_group(configs: list[str], opts: dict) -> dict[str, dict]:
         steps[config] = build(spec, model, opts["lr"])
         del model  # torch configurations keep it alive through their step
 
-    # WARMUP + timed + 3 untimed steps (communication, memory twice)
-    per_rank = opts["batch"] * opts["world"] // world
-    batches = make_batches(WARMUP + opts["steps"] + 3, opts["batch"] * opts["world"], opts["seq"], opts["vocab"],
-                           opts["seed"])
-    batches = [t[rank * per_rank:(rank + 1) * per_rank] for t in batches]
-    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in batches]
-    timed, extra = batches[WARMUP:-3], batches[-3:]
+    # WARMUP + timed + 3 untimed steps (communication, memory twice), each configuration's
+    # slices of the same global batches (the ranks of a tensor group take the same slice)
+    global_batches = make_batches(WARMUP + opts["steps"] + 3, opts["batch"] * opts["world"], opts["seq"],
+                                  opts["vocab"], opts["seed"])
+    local = {}
+    for config in configs:
+        part, parts = SPECS[config].data(rank, world)
+        per_rank = opts["batch"] * opts["world"] // parts
+        local[config] = [(t[part * per_rank:(part + 1) * per_rank, :-1].contiguous(),
+                          t[part * per_rank:(part + 1) * per_rank, 1:].contiguous()) for t in global_batches]
 
     out = {}
     for config, (step, _) in steps.items():
+        batches = local[config]
         dist.barrier()
         t0 = time.perf_counter()
         first = step(*batches[0])  # a compiled configuration compiles here
@@ -413,8 +432,9 @@ def run_group(configs: list[str], opts: dict) -> dict[str, dict]:
     # Timed: one step of each configuration in turn (the order rotates every step), each
     # between two barriers, so that they share this world's machine, load and moment.
     wall, cpu, last = dict.fromkeys(configs, 0.0), dict.fromkeys(configs, 0.0), {}
-    for i, (x, y) in enumerate(timed):
+    for i in range(opts["steps"]):
         for config in configs[i % len(configs):] + configs[:i % len(configs)]:
+            x, y = local[config][WARMUP + i]
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             last[config] = steps[config][0](x, y)
@@ -422,11 +442,11 @@ def run_group(configs: list[str], opts: dict) -> dict[str, dict]:
             wall[config] += time.perf_counter() - t0
             cpu[config] += time.process_time() - c0
     for config, (step, persistent) in steps.items():
-        n = len(timed)
+        n = opts["steps"]
         out[config].update({"ms_per_step": 1e3 * wall[config] / n, "cpu_ms_per_step": 1e3 * cpu[config] / n,
                             "final_loss": global_mean(last[config])})
         if opts["count"]:
-            out[config].update(count(config, step, persistent, extra))
+            out[config].update(count(config, step, persistent, local[config][-3:]))
     return out
 
 
@@ -509,6 +529,7 @@ def summarise_configs(alone: dict[str, list[dict]], counted: dict[str, list[dict
         r0 = cs[0] if cs else None
         mem_ok = bool(cs) and all(_residual_ok(r) for r in cs)
         rec = r0["shardfn_recorded_bytes"] if r0 else None
+        shards = world // SPECS[config].tensor  # the ranks a reduce-scatter spans
         out[config] = {
             "ms_per_step": _spread([r["ms_per_step"] for r in rs]),
             "cpu_ms_per_step": _spread([statistics.mean(r["cpu_ms_per_step"]) for r in rs]),
@@ -519,11 +540,11 @@ def summarise_configs(alone: dict[str, list[dict]], counted: dict[str, list[dict
             "memory_counted_consistently": mem_ok,
             "memory_residual_mib": max((e - p for r in cs for e, p in zip(r["end_bytes"], r["persistent_bytes"])),
                                        key=abs, default=0) / MIB,
-            "comm_mib_per_step": sum(_as_shardfn_counts(r0["comm_bytes"], world).values()) / MIB if r0 else None,
+            "comm_mib_per_step": sum(_as_shardfn_counts(r0["comm_bytes"], shards).values()) / MIB if r0 else None,
             "comm_bytes_per_step": r0["comm_bytes"] if r0 else None,
             "comm_calls_per_step": r0["comm_calls"] if r0 else None,
             "shardfn_recorded_bytes": rec,
-            "comm_matches_shardfn_record": None if rec is None else _same_counts(rec, r0["comm_bytes"], world),
+            "comm_matches_shardfn_record": None if rec is None else _same_counts(rec, r0["comm_bytes"], shards),
             "ddp_buckets_reused": r0["ddp_buckets_reused"] if r0 else None,
             "bf16": SPECS[config].bf16,
             "first_loss": rs[0]["first_loss"],
@@ -536,9 +557,10 @@ def _as_shardfn_counts(counted: dict[str, int], world: int) -> dict[str, int]:
     """The dispatch-mode count in shardfn's terms. On gloo shardfn reduce-scatters with sends
     and receives (shardfn._collectives [Note: reduce-scatter on gloo]): each rank sends
     (world - 1) / world of the input, so the reduce-scatter's textbook bytes (its input) are
-    the bytes sent x world / (world - 1). Its schedule guard exchanges a small header by
-    all-gather at the start of a step (not data, not recorded): all-gathered bytes within
-    1 KiB of shardfn's record are taken as equal."""
+    the bytes sent x world / (world - 1), ``world`` the ranks it spans (the shard axis). Its
+    schedule guard exchanges small headers (an all-reduce, an all-gather when ranks differ;
+    not data, not recorded): all-gathered and all-reduced bytes within 1 KiB of shardfn's
+    record are taken as equal."""
     out = dict(counted)
     sent, _ = out.pop("send", 0), out.pop("recv", 0)
     if sent:
@@ -548,8 +570,9 @@ def _as_shardfn_counts(counted: dict[str, int], world: int) -> dict[str, int]:
 
 def _same_counts(recorded: dict[str, int], counted: dict[str, int], world: int) -> bool:
     mine = _as_shardfn_counts(counted, world)
-    header = mine.pop("all_gather", 0) - recorded.get("all_gather", 0)  # the guard's, under 1 KiB
-    return abs(header) <= 1024 and mine == {k: v for k, v in recorded.items() if k != "all_gather"}
+    headers = [mine.pop(k, 0) - recorded.get(k, 0) for k in ("all_gather", "all_reduce")]  # the guard's
+    return all(h >= 0 for h in headers) and sum(headers) <= 1024 and \
+        mine == {k: v for k, v in recorded.items() if k not in ("all_gather", "all_reduce")}
 
 
 def summarise_pairs(pairs: list[tuple[str, str]], together: dict, alone: dict, summary: dict, cpu: bool,
@@ -730,6 +753,10 @@ def parse_args() -> argparse.Namespace:
     for name in ("world", "repeats", "steps", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    split = sorted({c for pair in args.pairs for c in pair if args.world % SPECS[c].tensor})
+    if split:
+        p.error(f"--pairs: {', '.join(split)} split layers over a tensor axis of {SPECS[split[0]].tensor} ranks, "
+                f"which --world {args.world} is not a multiple of (--world 4: shard 2 x tensor 2)")
     return args
 
 

@@ -34,7 +34,7 @@ import copy
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -116,6 +116,8 @@ class AutoPlan:
     frontier: tuple[Candidate, ...]  # fitting and not dominated; the recommended one first
     tried: int
     seconds: float
+    tensor: int = 1  # ranks of the mesh's "tensor" axis (autoplan(tensor=...)), part of ``mesh``'s world
+
 
     @property
     def world(self) -> int | tuple[int, int]:
@@ -135,7 +137,8 @@ class AutoPlan:
         def size(b: int) -> str:
             return f"{b / scale:,.2f}"
 
-        head = (f"shardfn.autoplan: mesh {self.mesh}, budget {size(self.budget)} {unit} per rank; {self.tried} plans "
+        where = f"mesh {self.mesh}" + (f" with a tensor axis of {self.tensor}" if self.tensor > 1 else "")
+        head = (f"shardfn.autoplan: {where}, budget {size(self.budget)} {unit} per rank; {self.tried} plans "
                 f"simulated in {self.seconds:.1f} s; {len(self.frontier)} fit and are not dominated")
         rows = [head, f"  {'plan':<52} {'peak':>9} {'persist':>9} {'host':>9} {'comm/step':>10} {'host<->dev':>10}"
                       f"  ({unit} per rank)"]
@@ -163,6 +166,8 @@ def autoplan(
     base: Plan | None = None,
     strategies: Sequence[Strategy | str] | None = None,
     micro_batches: Sequence[int] = (1, 2, 4),
+    tensor: int | None = None,
+    tensor_parallel: Mapping[str, str] | None = None,
     verbose: bool = True,
 ) -> AutoPlan:
     """The plans that fit ``memory_budget_per_rank`` on ``world`` ranks, on the frontier of
@@ -180,6 +185,9 @@ def autoplan(
         base: a plan whose units and precision every candidate keeps (default: ``Plan()``).
         strategies: the strategies to try (default: every one the mesh takes).
         micro_batches: the numbers of micro-batches to try (those that split the batch).
+        tensor, tensor_parallel: as for :func:`shardfn.explain`: a ``"tensor"`` axis of
+            ``tensor`` ranks and the layers split over it. Only what tensor parallelism
+            takes yet is tried: FULL_SHARD and SHARD_GRAD_OP, without remat or offload.
         verbose: print the table.
 
     Returns:
@@ -200,20 +208,26 @@ def autoplan(
     whole = loss_fn is not None and old_loss(loss_fn)
     loss_fn = as_loss(loss_fn, "autoplan", stacklevel=5)[0] if loss_fn is not None else None
     hybrid = not isinstance(mesh, int)
+    split = (tensor or 1) > 1
     if strategies is None:
-        strategies = Strategy.candidates(hybrid)
+        strategies = Strategy.candidates(hybrid, tensor=split)
     strategies = [Strategy.parse(s) for s in strategies]
+    if not strategies:
+        raise ValueError(f"autoplan(mesh={mesh!r}, tensor={tensor!r}): no strategy runs on this mesh yet (tensor "
+                         "parallelism with a replicate axis is a later stage); plan for a world size instead.")
+    tp = _TensorPlan(tensor, tensor_parallel)
+    options = (False,) if split else (False, True)  # tensor parallelism takes no remat or offload yet
     candidates = []
-    for strategy, remat, offload, k in itertools.product(strategies, (False, True), (False, True), micro_batches):
+    for strategy, remat, offload, k in itertools.product(strategies, options, options, micro_batches):
         if not (isinstance(k, int) and k >= 1) or rows % k:
             continue
         plan = Plan(strategy, units=base.units, precision=base.precision, remat=Remat() if remat else None,
                     offload=Offload(params=True, optimizer=True) if offload else None)
-        candidates.append(_figures(model, mesh, plan, k, batch, loss_fn, optimizer, whole))
+        candidates.append(_figures(model, mesh, plan, k, batch, loss_fn, optimizer, whole, tp))
     fitting = [c for c in candidates if c.peak_bytes <= budget]
     frontier = [c for c in fitting if not any(_dominates(o, c) for o in fitting)]
     frontier.sort(key=lambda c: (c.offload, c.remat, c.micro_batches, c.moved(), c.peak_bytes))
-    found = AutoPlan(mesh, budget, tuple(frontier), len(candidates), time.perf_counter() - start)
+    found = AutoPlan(mesh, budget, tuple(frontier), len(candidates), time.perf_counter() - start, tensor or 1)
     if verbose:
         print(found)
     return found
@@ -225,15 +239,29 @@ def _dominates(a: Candidate, b: Candidate) -> bool:
     return all(x <= y for x, y in zip(ka, kb)) and ka != kb
 
 
+@dataclasses.dataclass(frozen=True)
+class _TensorPlan:
+    """explain's ``tensor=`` and ``tensor_parallel=`` for every candidate (a key of the cache)."""
+
+    tensor: int | None = None
+    tensor_parallel: Mapping[str, str] | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"tensor": self.tensor, "tensor_parallel": self.tensor_parallel}
+
+    def key(self) -> str:
+        return repr((self.tensor, sorted(dict(self.tensor_parallel or {}).items())))
+
+
 def _figures(model: nn.Module, world: Any, plan: Plan, k: int, batch: Any, loss_fn: Any, optimizer: Any,
-             whole: bool = False) -> Candidate:
+             whole: bool = False, tp: _TensorPlan = _TensorPlan()) -> Candidate:
     """One candidate's figures: explained at full depth, or at 3 and 4 blocks and extended."""
     blocks = None if whole else _block_list(model, plan)
     depth = len(blocks[1]) if blocks is not None else 0
     if depth <= 4:
-        e = _explain(model, world, plan, k, batch, loss_fn, optimizer)
+        e = _explain(model, world, plan, k, batch, loss_fn, optimizer, tp)
         return _candidate(plan, k, [_numbers(e)], [1.0])
-    small = [_explain(_cut(model, blocks, n), world, plan, k, batch, loss_fn, optimizer) for n in (3, 4)]
+    small = [_explain(_cut(model, blocks, n), world, plan, k, batch, loss_fn, optimizer, tp) for n in (3, 4)]
     # f(L) = f(4) + (L - 4) * (f(4) - f(3)): every figure is affine in the number of blocks
     return _candidate(plan, k, [_numbers(small[0]), _numbers(small[1])], [-(depth - 4), depth - 3])
 
@@ -248,14 +276,15 @@ def _candidate(plan: Plan, k: int, figures: list[list[int]], weights: list[float
     return Candidate(plan, k, *values)
 
 
-def _explain(model: nn.Module, world: Any, plan: Plan, k: int, batch: Any, loss_fn: Any, optimizer: Any) -> Explanation:
+def _explain(model: nn.Module, world: Any, plan: Plan, k: int, batch: Any, loss_fn: Any, optimizer: Any,
+             tp: _TensorPlan = _TensorPlan()) -> Explanation:
     shapes = pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, batch)
-    key = (repr(model), repr(world), repr(shapes), _Same(loss_fn), _Same(optimizer), repr(plan), k)
+    key = (repr(model), repr(world), repr(shapes), _Same(loss_fn), _Same(optimizer), repr(plan), k, tp.key())
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
     _CACHE[key] = explain(model, world, plan, batch, loss_fn=loss_fn, optimizer=optimizer, verbose=False,
-                          micro_batches=k)
+                          micro_batches=k, **tp.kwargs())
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return _CACHE[key]

@@ -15,6 +15,14 @@ sits on the last ranks). What it cannot see: memory that is not a tensor (the CU
 caching allocator's fragmentation and workspaces, NCCL buffers, the Python heap).
 
 A 7B model at 64 ranks plans on a laptop in seconds: no parameter is ever allocated.
+
+[Note: tensor parallelism in a plan]
+With ``tensor=T`` and ``tensor_parallel=`` the fake world has the tensor axis and ``shard``
+splits the layers as a real run does: each split leaf enters the layout as tensor rank 0's
+piece (1/T of it, every piece the same shape), FSDP shards those pieces over ``shard``,
+and the fake step runs the split layers' own forward, so the gathered units, the
+activations of the split layers and the tensor axis's all-reduces are the real ones. Only
+``params`` counts a split leaf whole (its global shape in ``layout.splits``).
 """
 
 from __future__ import annotations
@@ -78,6 +86,8 @@ class Explanation:
     host_bytes: int = 0  # shards and optimizer state in host memory, before a step
     host_peak_bytes: int | None = None  # ... and at most during a step (gradients, optimizer temporaries)
     transfers: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # direction -> (copies, bytes)
+    tensor: int = 1  # ranks of the mesh's "tensor" axis ([Note: tensor parallelism in a plan])
+    split_layers: tuple[str, ...] = ()  # the layers split over them
 
     @property
     def params(self) -> int:
@@ -93,6 +103,9 @@ class Explanation:
         ranks = math.prod(self.mesh_shape)
         head = (f"shardfn.explain: {self.strategy} on mesh {self.mesh_shape} ({ranks} ranks), "
                 f"{self.params:,} parameters; MiB per rank, communication per step and rank")
+        if self.split_layers:
+            head += (f"\n  tensor parallel: {len(self.split_layers)} layers split over the 'tensor' axis's "
+                     f"{self.tensor} ranks (a split unit's figures are its pieces on this rank)")
         cols = f"  {'unit':<22} {'params':>15} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} " \
                f"{'gather MiB':>11} {'reduce MiB':>11}  {'placement':<9} {'padding':>9}"
         rows = [head, cols]
@@ -141,6 +154,8 @@ def explain(
     *,
     loss_fn: Callable[[Apply, Mapping[str, torch.Tensor], Any], torch.Tensor] | None = None,
     optimizer: Any = None,
+    tensor: int | None = None,
+    tensor_parallel: Mapping[str, str] | None = None,
     verbose: bool = True,
     **step_options: Any,
 ) -> Explanation:
@@ -156,6 +171,9 @@ def explain(
             pair for the hybrid strategies, or a :class:`shardfn.Mesh` over the ``fake``
             backend. With a world size, this process must not have a default process
             group yet: explain starts a fake one and ends it before returning.
+            With ``tensor=T`` the mesh has a ``"tensor"`` axis of ``T`` ranks, as
+            ``Mesh.from_env(tensor=T)`` builds: a world size is all the ranks (``world / T``
+            shards); a ``(replicate, shard)`` pair is multiplied by ``T``.
         plan: as for :func:`shardfn.shard` (a strategy name or a :class:`shardfn.Plan`).
         batch: one rank's batch, as passed to the step (real, meta or fake tensors; only
             shapes and dtypes matter). ``None`` skips the step: no peak, and collectives
@@ -163,6 +181,9 @@ def explain(
         loss_fn: ``loss_fn(apply, params, batch) -> scalar``; default: the mean of
             ``apply(params, batch)``.
         optimizer: a :mod:`shardfn.optim` transformation; default ``adamw(1e-3)``.
+        tensor: ranks of the mesh's ``"tensor"`` axis (with a world size or a pair as ``mesh``).
+        tensor_parallel: as for :func:`shardfn.shard`: the layers to split over the tensor
+            axis (docs/tensor-parallel.md); each rank's pieces are planned as its state.
         verbose: print the table.
         step_options: passed to :func:`shardfn.jit_step` (``micro_batches``, ``prefetch``, ...).
 
@@ -183,10 +204,10 @@ def explain(
     params, _ = functionalize(module)  # the fake tree below carries this model's apply
     loss = as_loss(loss_fn, "explain")[0] if loss_fn is not None else _mean_output
     optimizer = optimizer if optimizer is not None else adamw(1e-3)
-    with _fake_world(mesh) as fake_mesh, FakeTensorMode(allow_non_fake_inputs=True):
+    with _fake_world(mesh, tensor) as fake_mesh, FakeTensorMode(allow_non_fake_inputs=True):
         fake = Params({n: _fake_like(p).requires_grad_(p.requires_grad) for n, p in params.items()})
         fake.module = params.module
-        sharded = shard(fake, fake_mesh, plan)
+        sharded = shard(fake, fake_mesh, plan, tensor_parallel=tensor_parallel)
         opt_state = optimizer.init(sharded)
         if sharded.layout.offloaded:
             mark_host_trees([opt_state])
@@ -225,8 +246,9 @@ def _fake_like(t: torch.Tensor) -> torch.Tensor:
 class _fake_world:
     """The mesh to plan on: a given fake-backend mesh, or a fake world started for the call."""
 
-    def __init__(self, mesh: Mesh | int | tuple[int, int]):
+    def __init__(self, mesh: Mesh | int | tuple[int, int], tensor: int | None = None):
         self.spec = mesh
+        self.tensor = tensor
         self.started = False
 
     def __enter__(self) -> Mesh:
@@ -239,10 +261,20 @@ class _fake_world:
                     "without a process group, or a Mesh built after "
                     "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=N)."
                 )
+            if self.tensor is not None and self.tensor != spec.axis_size("tensor"):
+                raise ValueError(f"explain(tensor={self.tensor!r}): {spec!r} has a 'tensor' axis of "
+                                 f"{spec.axis_size('tensor')}; drop tensor= when passing a Mesh.")
             return spec
         shape = (spec,) if isinstance(spec, int) else tuple(spec)
         if not shape or len(shape) > 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
             raise ValueError(f"explain(): mesh must be a world size, a (replicate, shard) pair or a Mesh; got {spec!r}")
+        tensor = self.tensor
+        if tensor is not None and (isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1
+                                   or (len(shape) == 1 and shape[0] % tensor)):
+            raise ValueError(f"explain(tensor={tensor!r}): the tensor axis must be a positive int that divides "
+                             f"the world size {spec!r}, as for Mesh.from_env(tensor=T).")
+        if tensor is not None and len(shape) == 2:
+            shape = (*shape, tensor)  # (replicate, shard) and the tensor axis: world = R x S x T
         if dist.is_initialized():
             raise ValueError(
                 f"explain(mesh={spec!r}): this process already has a default process group "
@@ -255,7 +287,7 @@ class _fake_world:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
         self.started = True
         try:
-            return Mesh.from_group(replicate=shape[0] if len(shape) == 2 else None)
+            return Mesh.from_group(replicate=shape[0] if len(shape) >= 2 else None, tensor=tensor)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -302,12 +334,14 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
             moved[u.name] = {"gather": per.get("all_gather", (0, 0))[1],
                              "reduce": per.get("reduce_scatter", (0, 0))[1] + per.get("all_reduce", (0, 0))[1]}
     gathered_in = {i: layout.bucket_name(b) for b in layout.gather_buckets for i in b}
+    # a split leaf's layout is its piece ([Note: tensor parallelism in a plan]); params count it whole
+    whole_shape = {leaf: shape for leaf, _, shape in layout.splits}
     units = []
     for u in layout.units:
         leaves = [layout.leaves[n] for n in u.leaves]
         units.append(UnitCost(
             name=u.name,
-            params=sum(math.prod(leaf.shape) for leaf in leaves),
+            params=sum(math.prod(whole_shape.get(n, layout.leaves[n].shape)) for n in u.leaves),
             param_bytes=u.numel * u.dtype.itemsize,
             grad_bytes=u.grad_numel * u.dtype.itemsize,
             optim_bytes=optim_bytes.get(u.name, 0),
@@ -319,6 +353,7 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
             gather_bucket=gathered_in[u.index],
         ))
     transfers = {d: (log.transfer_copies()[d], b) for d, b in log.transfer_bytes().items()} if log is not None else {}
+    tensor = layout.mesh_shape[-1] if layout.tensor else 1
     return Explanation(layout.strategy.value, tuple(layout.mesh_shape), tuple(units), collectives, persistent, peak,
-                       host[0], host[1], transfers)
+                       host[0], host[1], transfers, tensor, tuple(path for path, _ in layout.tensor))
 
