@@ -3,6 +3,9 @@ axis saved with ``checkpoint.save`` and loaded into another layout (and back), p
 SGD momentum, exactly; the next step equal to one from a tree that never went through the
 checkpoint."""
 
+import os
+
+import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -114,3 +117,26 @@ def test_load_at_shard_two_by_tensor_two_from_other_layouts(clusters, tmp_path):
     saved = clusters[4].run(save_after_training, str(tmp_path / "rows"), "FULL_SHARD/rows", 2)[0]
     _chunks_cover_once(str(tmp_path / "rows"), saved)
     _check(clusters, str(tmp_path / "rows"), saved, 4, "FULL_SHARD", 2)
+
+
+def export(directory, tensor):
+    """save_pretrained of the test GPT as initialised (seed 0) at this world; rank 0: the files' bytes."""
+    _, sharded = _build("FULL_SHARD", tensor, seed=0)
+    files = sf.save_pretrained(sharded, directory, max_shard_size="20KB")
+    return {f: open(os.path.join(directory, f), "rb").read() for f in files}
+
+
+def test_save_pretrained_from_shard_two_by_tensor_two_equals_the_original_model(clusters, tmp_path):
+    written = clusters[4].run(export, str(tmp_path / "tp"), 2)
+    assert all(w == {} for w in written[1:])  # rank 0 writes
+    torch.manual_seed(0)
+    original = model().state_dict()
+    got = {}
+    for name, data in written[0].items():
+        got.update(safetensors.torch.load(data))
+    assert got.keys() <= original.keys() and len(got) > 0
+    for key, t in got.items():
+        assert torch.equal(t, original[key]), key
+    # byte for byte the files the same model writes at one rank, without a tensor axis
+    assert written[0] == clusters[1].run(export, str(tmp_path / "one"), None)[0]
+    assert len(written[0]) > 1, list(written[0])  # several files, an index
