@@ -58,14 +58,19 @@ def load_and_step(path, strategy, tensor, saved):
     mesh, sharded = _build(strategy, tensor, seed=1)
     opt = SGD_MOMENTUM()
     sharded, state, extra = sf.checkpoint.load(path, sharded, opt.init(sharded))
-    loaded = _full(sharded, state)
+    return (_full(sharded, state), extra, *_next_steps(mesh, strategy, tensor, saved, sharded, state))
+
+
+def _next_steps(mesh, strategy, tensor, saved, sharded, state):
+    """The next step from ``sharded`` and from a tree of the same layout built from ``saved``'s
+    values (never through a checkpoint or reshard)."""
     _, ref = _build(strategy, tensor, seed=2, values=saved["params"])
     _, mom = _build(strategy, tensor, seed=2, values={**saved["params"], **saved["momentum"]})
-    ref_state = opt.init(ref)
+    ref_state = SGD_MOMENTUM().init(ref)
     ref_state = ref_state._replace(count=torch.full_like(ref_state.count, saved["count"]),
                                    momentum_buffer={n: mom[n].clone() for n in ref_state.momentum_buffer})
     batch = batches()[2]
-    return loaded, extra, _step(mesh, sharded, state, batch), _step(mesh, ref, ref_state, batch)
+    return _step(mesh, sharded, state, batch), _step(mesh, ref, ref_state, batch)
 
 
 def _same(a, b):
@@ -140,3 +145,33 @@ def test_save_pretrained_from_shard_two_by_tensor_two_equals_the_original_model(
     # byte for byte the files the same model writes at one rank, without a tensor axis
     assert written[0] == clusters[1].run(export, str(tmp_path / "one"), None)[0]
     assert len(written[0]) > 1, list(written[0])  # several files, an index
+
+
+def reshard_out_and_back():
+    """Trained at shard 2 x tensor 2, resharded to shard 4 (no tensor axis) and back."""
+    mesh, sharded = _build("FULL_SHARD", 2, seed=0)
+    state = SGD_MOMENTUM().init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=SGD_MOMENTUM())
+    for batch in batches()[:2]:
+        sharded, state, _ = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+    before = _full(sharded, state)
+    plain_mesh = sf.Mesh.from_group()
+    plain, plain_state = sf.reshard(sharded, state, mesh=plain_mesh)
+    out = (plain.mesh.axis_names, plain.layout.splits, _full(plain, plain_state))
+    back, back_state = sf.reshard(plain, plain_state, mesh=mesh, tensor_parallel=PLAN)
+    same = [n for n in sharded if not torch.equal(back[n], sharded[n])]
+    same += [n for n in state.momentum_buffer if not torch.equal(back_state.momentum_buffer[n], state.momentum_buffer[n])]
+    kept, kept_state = sf.reshard(sharded, state, "SHARD_GRAD_OP")  # the same mesh: the same layers split
+    same += [n for n, _, _ in sharded.layout.splits if kept.layout.splits != sharded.layout.splits]
+    _same(_full(kept, kept_state), before)
+    return before, out, same, _next_steps(plain_mesh, "FULL_SHARD", None, before, plain, plain_state)
+
+
+def test_reshard_out_of_and_into_a_tensor_mesh(clusters):
+    for before, (axes, splits, full), differ, ((loss, after), (ref_loss, ref_after)) in clusters[4].run(
+            reshard_out_and_back):
+        assert axes == ("shard",) and splits == ()
+        _same(full, before)
+        assert differ == []  # back at shard 2 x tensor 2: every local shard bitwise as it was
+        assert loss == ref_loss
+        _same(after, ref_after)
