@@ -57,7 +57,7 @@ from ._compat import written_files
 from ._export import write_config
 from ._pieces import LoadPlanner, Pieces, SavePlanner
 from ._sharded import ShardedParams
-from ._tensor import refuse_split
+from ._split_pieces import global_shape, split_pieces
 from ._verdict import check_verdict, unusable_on_failure
 from .optim._protocol import param_leaves
 
@@ -177,12 +177,16 @@ def _dtensor(local_shard: torch.Tensor, sharded: ShardedParams, name: str) -> DT
     rectangles ([Note: flat shards in checkpoints])."""
     layout = sharded.layout
     leaf = layout.leaves[name]
-    rank = layout.shard_rank(sharded.mesh)
+    rank, tensor_rank = layout.shard_rank(sharded.mesh), sharded.mesh.axis_rank("tensor")
     if leaf.flat:
         span = layout.units[leaf.unit].numel
         off, _ = leaf.piece(rank, span)
-        return Pieces(leaf.shape, local_shard.reshape(-1), max(0, rank * span + off - leaf.start))
+        flat = Pieces(leaf.shape, local_shard.reshape(-1), max(0, rank * span + off - leaf.start))
+        return split_pieces(layout, name, None, 0, flat, tensor_rank) or flat
     local = local_shard[: layout.local_rows(name, rank)]
+    split = split_pieces(layout, name, local, rank * leaf.chunk, None, tensor_rank)
+    if split is not None:  # [Note: split leaves in checkpoints]
+        return split
     shape = torch.Size(leaf.shape or (1,))  # a 0-d parameter is saved as one row
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, sharded.mesh.device_mesh, _placements(sharded), shape=shape, stride=stride)
@@ -232,7 +236,6 @@ def save(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None,
     Example:
         >>> save("ckpt/step-100", sharded, opt_state, extra={"step": 100, "rng": torch.get_rng_state()})
     """
-    refuse_split(sharded, "checkpoint.save")
     if not isinstance(sharded, ShardedParams):
         raise TypeError(f"checkpoint.save(sharded, ...): expected the ShardedParams from shard(), got {type(sharded).__name__}")
     extra = dict(extra or {})
@@ -262,7 +265,7 @@ def _save(path: str, sharded: ShardedParams, opt_state: Any, values: dict[str, A
             "format": _FORMAT,
             "strategy": sharded.layout.strategy.value,
             "mesh": list(sharded.mesh.shape),
-            "params": {n: list(leaf.shape) for n, leaf in sharded.layout.leaves.items()},
+            "params": {n: list(global_shape(sharded.layout, n)) for n in sharded.layout.leaves},
             "buffers": {n: list(sharded.layout.buffers[n].shape) for n in _persistent(sharded)},
             "extra": values,
             "extra_tensors": sorted(tensors),
@@ -366,7 +369,6 @@ def load(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None)
     Example:
         >>> sharded, opt_state, extra = load("ckpt/step-100", sharded, opt_state)
     """
-    refuse_split(sharded, "checkpoint.load")
     with G.guarded(sharded.mesh):  # an error on one rank reaches the others at the barrier below
         return _load(_recover(os.fspath(path)), sharded, opt_state)
 
@@ -374,7 +376,7 @@ def load(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None)
 def _load(path: str, sharded: ShardedParams, opt_state: Any) -> tuple[ShardedParams, Any, dict[str, Any]]:
     meta = _read_meta(path)
     saved = {n: tuple(s) for n, s in meta["params"].items()}
-    target = {n: leaf.shape for n, leaf in sharded.layout.leaves.items()}
+    target = {n: global_shape(sharded.layout, n) for n in sharded.layout.leaves}
     saved_buffers = {n: tuple(s) for n, s in meta.get("buffers", {}).items()}
     persistent = _persistent(sharded)
     # A checkpoint converted from safetensors (shardfn.convert) cannot tell buffers from

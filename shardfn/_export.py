@@ -5,7 +5,8 @@
 streams its tensors into safetensors files planned from the layout before anything is
 gathered (see [Note: streamed safetensors]): rank 0 holds one gathered unit, never the
 model. A tensor with several names (tied weights) is written once, under its first
-``state_dict()`` key, as ``save_pretrained`` does.
+``state_dict()`` key, as ``save_pretrained`` does. A leaf split over the tensor axis is
+joined from every tensor rank's piece (every rank unpacks its unit and all-gathers it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from ._pretrained import keys_of, shape_of
 from ._memory import parse_size
 from ._safetensors import INDEX, Writer
 from ._sharded import ShardedParams, full_units
-from ._tensor import refuse_split
+from ._split_pieces import global_shape
+from ._tensor import full_leaf
 from ._verdict import check_verdict, unusable_on_failure
 
 __all__ = ["save_pretrained", "write_config"]
@@ -70,7 +72,6 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
     """
     if not isinstance(sharded, ShardedParams):
         raise TypeError(f"save_pretrained(sharded, ...): expected the ShardedParams from shard(), got {type(sharded).__name__}")
-    refuse_split(sharded, "save_pretrained")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"save_pretrained(dtype={dtype}): give a floating-point dtype (torch.bfloat16, torch.float16).")
     limit, directory = parse_size(max_shard_size, "save_pretrained(max_shard_size=...)"), os.fspath(directory)
@@ -88,7 +89,9 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
         def cast(t_dtype: torch.dtype) -> torch.dtype:
             return dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
 
-        plan = [(keys[n][0], tuple(shape_of(layout, n)), cast(_dtype(layout, n))) for n in (*leaves, *buffers)]
+        plan = [(keys[n][0], tuple(global_shape(layout, n) if n in layout.leaves else shape_of(layout, n)),
+                 cast(_dtype(layout, n))) for n in (*leaves, *buffers)]
+        splits = {n: dim for n, dim, _ in layout.splits}
         writer = None
         if rank0:
             os.makedirs(directory, exist_ok=True)
@@ -97,9 +100,14 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
             writer = Writer(directory, plan, limit)
             write_config(sharded.module, directory)
         with torch.no_grad():
-            for _, full in full_units(layout, mesh, {n: sharded[n] for n in leaves}, Purpose.STATE_DICT, unpack=rank0):
+            # a split leaf's pieces are gathered over the tensor axis too, by every rank
+            for _, full in full_units(layout, mesh, {n: sharded[n] for n in leaves}, Purpose.STATE_DICT,
+                                      unpack=rank0 or bool(splits)):
                 for n, t in full.items():
-                    writer.write(keys[n][0], t.to(cast(t.dtype)))
+                    if n in splits:
+                        t = full_leaf(t, splits[n], mesh, Purpose.STATE_DICT, n)
+                    if rank0:
+                        writer.write(keys[n][0], t.to(cast(t.dtype)))
                 del full
             if rank0:
                 for n in buffers:

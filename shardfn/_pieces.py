@@ -67,6 +67,13 @@ class Pieces:
             self.rects.append((torch.Size(offsets), shard[at : at + n].view(sizes)))
             at += n
 
+    @classmethod
+    def of(cls, shape: tuple[int, ...], rects: list[tuple[torch.Size, torch.Tensor]]) -> "Pieces":
+        """Pieces of a tensor of ``shape`` given as ``(offsets, view)`` rectangles."""
+        out = cls.__new__(cls)
+        out.shape, out.rects = torch.Size(shape), list(rects)
+        return out
+
     def write_items(self, fqn: str) -> list[WriteItem]:
         return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD, tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.shape),

@@ -7,14 +7,14 @@ moves the values unit by unit: one all-gather of the old unit's shards gives its
 tensors (a NO_SHARD source already holds them), from which each rank keeps its rows under
 the new layout. Optimizer-state tensors laid out like the parameter shards (AdamW's
 moments, SGD's momentum) move the same way, one all-gather per unit and state tensor
-group; scalars (step counts, the loss scale) stay as they are. Only copies: the result is
-bitwise the same state. At most one unit's full values live at a time, beside the old and
-the new shards.
+group; scalars (step counts, the loss scale) stay as they are. A leaf split over a tensor
+axis is joined from its tensor ranks' pieces, and cut again for the target's tensor rank
+when the target splits it. Only copies: the result is bitwise the same state. At most one
+unit's full values live at a time, beside the old and the new shards.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -29,7 +29,8 @@ from ._plan import Plan, Strategy, make_plan
 from ._agreement import verify_agreement
 from ._resolve import layout_for, make_subgroups
 from ._sharded import ShardedParams, full_units, unit_views
-from ._tensor import refuse_split
+from ._split_pieces import global_shape
+from ._tensor import full_leaf, local_state
 
 __all__ = ["reshard"]
 
@@ -48,6 +49,7 @@ def reshard(
     reshard_after_forward: Any = None,
     placement: Any = None,
     bucket_bytes: Any = None,
+    tensor_parallel: Any = None,
 ) -> tuple[ShardedParams, Any]:
     """The same parameters, buffers and optimizer state under another plan or mesh.
 
@@ -65,6 +67,9 @@ def reshard(
         units, precision, remat, optional, offload, reshard_after_forward, placement, bucket_bytes:
             :class:`shardfn.Plan`'s fields, as in :func:`shardfn.shard`: each one given
             replaces the plan's.
+        tensor_parallel: the layers to split when the target mesh has a ``"tensor"`` axis,
+            as in :func:`shardfn.shard`; default the tree's own (a tree without a tensor
+            axis must name them). Ignored on a mesh without one: the leaves become whole.
 
     Returns:
         ``(sharded, opt_state)`` under the new layout, bitwise equal to the inputs as full
@@ -76,9 +81,6 @@ def reshard(
     """
     if not isinstance(sharded, ShardedParams):
         raise TypeError(f"reshard(sharded, ...): expected the ShardedParams from shard(), got {type(sharded).__name__}")
-    refuse_split(sharded, "reshard")
-    if mesh is not None:
-        refuse_split(types.SimpleNamespace(layout=True, mesh=mesh), "reshard(mesh=...)")
     old, old_mesh = sharded.layout, sharded.mesh
     mesh = mesh or old_mesh
     if mesh.size != old_mesh.size:
@@ -92,11 +94,14 @@ def reshard(
                      placement=placement, bucket_bytes=bucket_bytes)
     # What shard() needs to build the layout: the global shapes (meta) and the buffers.
     stand_in = Params({
-        n: torch.empty(leaf.shape, dtype=leaf.dtype, device="meta").requires_grad_(leaf.requires_grad)
+        n: torch.empty(global_shape(old, n), dtype=leaf.dtype, device="meta").requires_grad_(leaf.requires_grad)
         for n, leaf in old.leaves.items()
     })
     stand_in.update({n: sharded[n] for n in old.buffers})
-    layout = layout_for(stand_in, sharded.module, mesh, plan)
+    if mesh.axis_size("tensor") > 1 and tensor_parallel is None and old.tensor:
+        tensor_parallel = dict(old.tensor)  # the same layers split, over the target's tensor axis
+    layout = layout_for(stand_in, sharded.module, mesh, plan,
+                        tensor_parallel if mesh.axis_size("tensor") > 1 else None)
     verify_agreement(layout, mesh)
     make_subgroups(layout, mesh)
     params = _move(old, old_mesh, sharded.params(), layout, mesh)
@@ -112,11 +117,15 @@ def reshard(
 
 def _move(old: Layout, old_mesh: Mesh, values: dict[str, torch.Tensor], new: Layout, mesh: Mesh) -> dict[str, torch.Tensor]:
     """Leaf name -> its shard under ``new``, from shards under ``old`` (one unit at a time)."""
-    rank = new.shard_rank(mesh)
+    rank, old_splits = new.shard_rank(mesh), {n: dim for n, dim, _ in old.splits}
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for _, full in full_units(old, old_mesh, values, Purpose.RESHARD):
             for n, t in full.items():
+                if n in old_splits:  # the whole leaf from its tensor ranks' pieces (every rank)
+                    t = full_leaf(t, old_splits[n], old_mesh, Purpose.RESHARD, n)
+                t = local_state({n: t}, [s for s in new.splits if s[0] == n], mesh.axis_size("tensor"),
+                                mesh.axis_rank("tensor"))[n]
                 out[n] = new.local_shard(n, t, rank, t.device)
                 if new.offloaded:  # [Note: offload]
                     out[n] = place_on_host(out[n], mesh.device)

@@ -33,7 +33,7 @@ from . import _guard as G
 from ._errors import DivergenceError
 from ._events import Collective, Purpose
 
-__all__ = ["STYLES", "agree_on_batch", "full_leaf", "local_state", "refuse_split", "resolve_tensor_parallel", "split_sum_of_squares",
+__all__ = ["STYLES", "agree_on_batch", "full_leaf", "local_state", "resolve_tensor_parallel", "split_sum_of_squares",
            "tp_forward"]
 
 STYLES = ("colwise", "rowwise")
@@ -183,15 +183,6 @@ def tp_forward(active: Any, path: str, module: nn.Linear) -> Any:
         return y if module.bias is None else y + module.bias
 
     return forward
-
-
-def refuse_split(sharded: Any, what: str) -> None:
-    """Raises the same ``ValueError`` on every rank when ``what`` meets a tensor-parallel tree."""
-    if getattr(sharded, "layout", None) is not None and sharded.mesh.axis_size("tensor") > 1:
-        axes = ", ".join(f"{a}={n}" for a, n in zip(sharded.mesh.axis_names, sharded.mesh.shape))
-        raise ValueError(f"{what}: a tree on a mesh with a 'tensor' axis ({axes}) is not supported yet "
-                         "(stage 1 of tensor parallelism). Take its full values with shardfn.gather(sharded) and "
-                         "save those with torch.save or model.load_state_dict; see docs/tensor-parallel.md.")
 
 
 _OTHER_BATCHES = (
