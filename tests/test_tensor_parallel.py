@@ -117,7 +117,7 @@ def _refusals():
     refused(sf.jit_step, loss_fn, mesh, optimizer=SGD_MOMENTUM(), graph=True)
     sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel=PLAN)
     refused(sf.checkpoint.save, "/nonexistent/ckpt", sharded)
-    matrices = sf.optim.partition({"muon": sf.optim.muon(0.01), "sgd": sf.optim.sgd(0.1)},
+    matrices = sf.optim.partition({"muon": sf.optim.from_torch(torch.optim.Muon, lr=0.01), "sgd": sf.optim.sgd(0.1)},
                                   lambda name, shape: "muon" if len(shape) >= 2 else "sgd")
     refused(matrices.init, sharded)
     return out
