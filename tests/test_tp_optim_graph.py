@@ -1,9 +1,11 @@
 """Tensor parallelism with optimizers that need whole matrices, recorded steps and psum
 (issue 50): Muon on split leaves equal to one process, the tensor axis's gathers counted."""
 
+import pytest
 import torch
 
 import shardfn as sf
+from bounds import SGD_MOMENTUM
 from shardfn.testing._equivalence import reference_training, split_batch
 from test_tensor_parallel import PLAN, batches, loss_fn, model
 
@@ -54,3 +56,78 @@ def test_muon_on_split_leaves_equals_one_process(clusters):
             for k in range(len(ref_losses)):
                 got = sorted(g for s in range(2) for g in results[s * 2 + t][1][k])
                 assert got == [(name, HIDDEN * D * 4) for name in SPLIT], (strategy, t, k, got)
+
+
+# -- graph=True with a tensor axis ------------------------------------------------------------
+
+
+def _run(graph, differ_at=None):
+    """Three steps of the split GPT (FULL_SHARD, SGD with momentum) at shard 2 x tensor 2; at
+    call ``differ_at`` rank 1 of each tensor group gets its rows in another order. Per call:
+    the loss and the tensor axis's collectives, or the error and whether the state is as before."""
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(model())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
+    opt = SGD_MOMENTUM()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, graph=graph)
+    out = []
+    for k, batch in enumerate(batches()):
+        local = split_batch(batch, mesh.data_rank, mesh.data_size)
+        if k == differ_at and mesh.axis_rank("tensor") == 1:
+            local = {**local, "x": local["x"].flip(0)}
+        before = {n: t.clone() for n, t in sharded.items()}
+        try:
+            with sf.record_collectives() as log:
+                sharded, state, metrics = step(sharded, state, local)
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            out.append((f"{type(e).__name__}: {e}", all(torch.equal(before[n], sharded[n]) for n in before)))
+            break
+        out.append((float(metrics["loss"]), sorted((c.unit, c.kind.value, c.nbytes) for c in log.select("tensor"))))
+    return out, sf.gather(sharded) if differ_at is None else None
+
+
+def test_graph_step_with_a_tensor_axis_equals_the_eager_step(clusters):
+    eager = clusters[4].run(_run, False)
+    graph = clusters[4].run(_run, True)
+    # per block and call (warm-up, recording, replay): the rowwise output's all-reduce and the
+    # colwise input gradient's, in the program as in the eager step; 2 of 4 rows x 8 x 16 fp32
+    expect = sorted((f"blocks.{b}.mlp.{i}", "all_reduce", 2 * 8 * 16 * 4) for b in range(2) for i in (0, 2))
+    for (e_calls, e_full), (g_calls, g_full) in zip(eager, graph):
+        assert len(g_calls) == 3 and [c[1] for c in g_calls] == [expect] * 3, g_calls
+        # tests/test_graph.py's bounds: the program sums a reduce-scatter's terms in rank order
+        # ([Note: reduce-scatter on gloo]), the eager step in the order its sends arrive
+        torch.testing.assert_close(torch.tensor([c[0] for c in g_calls]), torch.tensor([c[0] for c in e_calls]),
+                                   rtol=1e-6, atol=0)
+        for name, p in e_full.items():
+            torch.testing.assert_close(g_full[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_graph_step_ranks_of_a_tensor_group_with_other_batches_all_raise(clusters):
+    for differ_at in (1, 2):  # the call that records, a call that replays
+        for rank, (out, _) in enumerate(clusters[4].run(_run, True, differ_at)):
+            group = [rank - rank % 2, rank - rank % 2 + 1]
+            error, unchanged = out[differ_at]
+            assert len(out) == differ_at + 1 and unchanged, (differ_at, rank, out)
+            assert error.startswith(f"DivergenceError: [rank {rank}] shardfn: the ranks of tensor group {group} got "
+                                    "different batches"), (differ_at, rank, error)
+
+
+class _Mesh:
+    """What jit_step(graph=...) asks of a mesh when it is built: a tensor axis of 2."""
+
+    def __init__(self, device):
+        self.device, self.backend = torch.device(device), "nccl" if device == "cuda" else "gloo"
+
+    def axis_size(self, axis):
+        return 2 if axis == "tensor" else 1
+
+
+def test_graph_step_with_a_tensor_axis_on_a_device_is_refused(monkeypatch):
+    from shardfn._step import _check_graph
+
+    monkeypatch.setenv("SHARDFN_CUDA_GRAPH", "1")  # not what refuses it
+    with pytest.raises(ValueError, match=r"a mesh with a 'tensor' axis on cuda: each call checks .* reading the batch "
+                                         r"on the host before the program"):
+        _check_graph(True, _Mesh("cuda"), True, None, None, False)
+    _check_graph(True, _Mesh("cpu"), True, None, None, False)  # built
