@@ -131,3 +131,31 @@ def test_graph_step_with_a_tensor_axis_on_a_device_is_refused(monkeypatch):
                                          r"on the host before the program"):
         _check_graph(True, _Mesh("cuda"), True, None, None, False)
     _check_graph(True, _Mesh("cpu"), True, None, None, False)  # built
+
+
+def _muon_graph():
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(model())
+    sharded = sf.shard(params, mesh, sf.Plan("FULL_SHARD", placement=sf.whole(matrices)), tensor_parallel=PLAN)
+    opt = muon()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, graph=True)
+    for batch in batches()[:2]:  # a warm-up, a recording
+        before = {n: t.clone() for n, t in sharded.items()}
+        try:
+            sharded, state, _ = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            return f"{type(e).__name__}: {e}", all(torch.equal(before[n], sharded[n]) for n in before)
+    return "accepted", None
+
+
+def test_graph_step_refuses_muon_on_split_matrices(clusters):
+    # The tensor group that holds a split matrix gathers its pieces, the other does not: the
+    # ranks' programs differ (a DivergenceError naming fingerprints, not the cause, before)
+    results = clusters[4].run(_muon_graph)
+    for rank, (error, unchanged) in enumerate(results):
+        assert unchanged, (rank, error)
+        assert error.startswith(f"ValueError: [rank {rank}] jit_step(graph=True): this step cannot be recorded"), error
+        assert "muon gathers the pieces of a matrix split over the 'tensor' axis" in error, error
+        assert "graph=False" in error

@@ -12,6 +12,7 @@ from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from .._events import Purpose
+from .._recording import Unrecordable, recording
 from .._tensor import full_leaf
 from ._whole import full_shape, require_whole, split_of, whole_tensor
 
@@ -94,7 +95,8 @@ def muon(
     A matrix split over the mesh's ``tensor`` axis (``shard(tensor_parallel=...)``), whole on
     one shard rank as above, is orthogonalised whole: its tensor group all-gathers the
     update's pieces (one all-gather per matrix and step, counted under ``"tensor"``), each
-    rank runs Newton-Schulz on the whole matrix and keeps its own piece.
+    rank runs Newton-Schulz on the whole matrix and keeps its own piece (eager steps only:
+    a ``graph=True`` step refuses it, the tensor groups' programs would differ).
     Cut parameters, and parameters that are not 2-D or 3-D (a batch of matrices along dim
     0), are an error at ``init`` naming them. Pair it with AdamW for the rest through
     :func:`shardfn.optim.partition`.
@@ -130,6 +132,11 @@ def muon(
 
     def step(grads: Params, state: MuonState, params: Params, lr: float) -> dict[str, torch.Tensor]:
         """The new momentum in place, and each whole matrix's orthogonalised update (not yet scaled)."""
+        split = [k for k in grads if split_of(params, k) is not None]
+        if split and recording():  # every rank: the layout is the same on all of them
+            raise Unrecordable(f"muon gathers the pieces of a matrix split over the 'tensor' axis ({split[0]}) on "
+                               "the tensor group that holds it, and not on the others, so the ranks' programs would "
+                               "differ", "build this step with graph=False")
         out = {}
         for k, g in grads.items():
             buf = state.momentum_buffer[k]
