@@ -159,3 +159,39 @@ def test_graph_step_refuses_muon_on_split_matrices(clusters):
         assert error.startswith(f"ValueError: [rank {rank}] jit_step(graph=True): this step cannot be recorded"), error
         assert "muon gathers the pieces of a matrix split over the 'tensor' axis" in error, error
         assert "graph=False" in error
+
+
+# -- psum with a tensor axis ------------------------------------------------------------------
+
+
+def _psums():
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(model())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
+    split = {leaf for leaf, _, _ in sharded.layout.splits}
+    out = {}
+    with sf.on_shards(sharded):
+        try:
+            sf.optim.psum(sharded["blocks.0.mlp.0.weight"].double().square().sum())
+            out["unsaid"] = "accepted"
+        except ValueError as e:
+            out["unsaid"] = str(e)
+        with sf.record_collectives() as log:
+            out["sums"] = {n: float(sf.optim.psum(p.double().square().sum(), split=n in split))
+                           for n, p in sharded.items()}
+        out["calls"] = {n: [(c.kind.value, tuple(c.group)) for c in log.select("psum")] for n in ["all"]}["all"]
+    full = sf.gather(sharded)
+    return out, {n: float(t.double().square().sum()) for n, t in full.items()}, len(split), len(sharded)
+
+
+def test_psum_sums_over_the_axes_where_a_values_other_parts_live(clusters):
+    for rank, (out, ref, n_split, n) in enumerate(clusters[4].run(_psums)):
+        assert "psum(t): on a mesh with a 'tensor' axis" in out["unsaid"] and "split=True" in out["unsaid"]
+        # fp64 sums of at most 64 x 16 terms, in pieces: relative rounding far below 1e-12
+        for name, want in ref.items():
+            assert abs(out["sums"][name] - want) <= 1e-12 * want, (rank, name, out["sums"][name], want)
+        # split leaves over the shard axis then the tensor axis; the others over the shard axis only
+        shard = tuple(r for r in range(4) if r % 2 == rank % 2)
+        tensor = tuple(r for r in range(4) if r // 2 == rank // 2)
+        kinds = [c for c in out["calls"]]
+        assert sorted(kinds) == sorted([("all_reduce", shard)] * n + [("all_reduce", tensor)] * n_split), kinds
