@@ -195,3 +195,41 @@ def test_psum_sums_over_the_axes_where_a_values_other_parts_live(clusters):
         tensor = tuple(r for r in range(4) if r // 2 == rank // 2)
         kinds = [c for c in out["calls"]]
         assert sorted(kinds) == sorted([("all_reduce", shard)] * n + [("all_reduce", tensor)] * n_split), kinds
+
+
+# -- Adafactor with a tensor axis ---------------------------------------------------------------
+
+
+def adafactor_and_sgd():  # Adafactor on every leaf outside the MLPs (none of them split), SGD on the MLPs
+    return sf.optim.partition({"adafactor": sf.optim.adafactor(0.05, weight_decay=0.01), "sgd": sf.optim.sgd(0.1)},
+                              lambda name, shape: "sgd" if ".mlp." in name else "adafactor")
+
+
+def _train_adafactor():
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(model())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
+    try:
+        sf.optim.adafactor(0.05).init(sharded)
+        refused = "accepted"
+    except ValueError as e:
+        refused = str(e)
+    opt = adafactor_and_sgd()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    losses = []
+    for batch in batches():
+        sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+        losses.append(float(metrics["loss"]))
+    return refused, losses, sf.gather(sharded)
+
+
+def test_adafactor_on_the_leaves_that_are_not_split_equals_one_process(clusters):
+    ref_losses, ref_state = reference_training(model, loss_fn, batches(), adafactor_and_sgd)
+    for refused, losses, full in clusters[4].run(_train_adafactor):
+        assert refused.startswith("adafactor: 6 parameter(s) are split over the mesh's 'tensor' axis"), refused
+        assert "shardfn.optim.partition" in refused
+        assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+        for name, ref in ref_state.items():
+            diff = (full[name] - ref).abs() - RTOL * ref.abs()
+            assert float(diff.max()) <= ATOL, (name, float(diff.max()))
