@@ -54,7 +54,7 @@ from ._gradients import Gradients
 from ._options import Accumulate, Aux, StepOptions, check_options
 from ._pipelined import Deviated, Run, Schedule
 from ._psum import sum_of_squares
-from ._recording import device_values
+from ._recording import device_values, recording
 from ._runtime import Runtime, active
 from ._sharded import ShardedParams
 from ._tensor import agree_on_batch, split_sum_of_squares
@@ -158,7 +158,7 @@ class Grad:
             with active(rt):
                 if run is not None and run.open(nonfinite):
                     raise run.told(agreed_error(sharded, self.options.what))
-                if self.mesh.axis_size("tensor") > 1:
+                if self.mesh.axis_size("tensor") > 1 and not recording():  # a graph step's: before its program
                     agree_on_batch(batch, self.mesh)
                 while True:  # once, or twice when every rank's schedule changed alike
                     try:

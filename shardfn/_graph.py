@@ -18,6 +18,9 @@ updated in place (donation), so the same tensors are its inputs on every call. A
 
 It reports as ``on_nonfinite="raise_next"`` does: the loss and gradient norm travel with
 the shards, and the next call (or a save) raises on every rank if they were not finite.
+On a mesh with a tensor axis each call first checks, on the host and outside the program,
+that the tensor group's ranks got the same batch (shardfn._tensor.agree_on_batch, one more
+header): a program cannot raise before its own update, and another batch would be silent.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from ._functionalize import apply_of
 from ._host import refuse_host_tensors
 from ._graph_key import ModelAttributes, agree_on_key, group_values, refuse_moved, what_changed
 from ._recording import Unrecordable, record
+from ._tensor import agree_on_batch
 from ._replay import _COMPILE_FAILED, _HALF_RUN, _LOST, bounded, compile_error, note_failure, peer_failures
 from ._verdict import Verdict, agreed_error, check_verdict, read_ready
 from ._workspace import workspace
@@ -253,6 +257,9 @@ class GraphStep:
 
     def __call__(self, sharded: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         nonfinite = read_ready(sharded, "step")  # [Note: reading a verdict when it is ready]
+        if self.mesh.axis_size("tensor") > 1:  # [Note: a graph step]: on the host, outside the program
+            with G.guarded(self.mesh, G.Where.STEP):
+                agree_on_batch(batch, self.mesh)
         last = self._last
         if last is not None and last[0] is sharded and last[1] is opt_state:  # the trees the last call returned
             state, shape, counts, optimizers = last[2:]

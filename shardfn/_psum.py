@@ -11,6 +11,13 @@ unchanged on one device. With several processes and neither a step nor ``on_shar
 it cannot know which ranks hold the other shards, and raises rather than return a
 partial sum.
 
+[Note: psum with a tensor axis]
+A leaf split over the mesh's ``tensor`` axis (shardfn._tensor) has its other parts on the
+shard axis and on the tensor axis; any other leaf is the same on every tensor rank, its
+other parts on the shard axis only. Which one a value comes from is the caller's to say
+(``split=``): summed over the tensor axis too, a whole leaf's value would count once per
+tensor rank, and not summed there a split leaf's would miss its other pieces.
+
 [Note: padding]
 Padding rows of a shard are zero in parameters and gradients (packing zeroes them and the
 built-in optimizers keep them zero), so sums of squares over padded shards equal those
@@ -75,14 +82,20 @@ def on_shards(sharded: Any) -> Iterator[None]:
         _SCOPE.reset(token)
     if layout.sharded:  # the ranks made the same psums, or all of them raise here
         G.agree_exit(sharded.mesh.channel("shard"), "shardfn.on_shards(...)")
+    if sharded.mesh.axis_size("tensor") > 1:  # and so on the tensor axis (psum(..., split=True))
+        G.agree_exit(sharded.mesh.channel("tensor"), "shardfn.on_shards(...)")
 
 
-def psum(t: torch.Tensor) -> torch.Tensor:
+def psum(t: torch.Tensor, *, split: bool | None = None) -> torch.Tensor:
     """Sum of ``t`` over the ranks that hold the other shards of the parameters.
 
     Every rank must call it (it is a collective inside a step or :func:`on_shards`). When
     parameters are replicated, or on one process, it returns ``t`` unchanged; elsewhere
-    it raises (see the module docstring).
+    it raises (see the module docstring). On a mesh with a ``tensor`` axis the caller says
+    where the other parts of its value live ([Note: psum with a tensor axis]):
+    ``split=True`` for a value computed from leaves split over that axis (the names in
+    ``sharded.layout.splits``), ``split=False`` for one computed from the other leaves;
+    without a tensor axis ``split`` changes nothing.
 
     Example:
         >>> with shardfn.on_shards(sharded):  # as inside an optimizer's update: local shards
@@ -97,15 +110,22 @@ def psum(t: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(_NO_SCOPE.format(rank=dist.get_rank(), world=dist.get_world_size()))
     else:
         return t
-    if mesh.axis_size("tensor") > 1:  # a split leaf's other pieces are on the tensor axis, a whole leaf's are not
+    if split is not None and not isinstance(split, bool):
+        raise TypeError(f"psum(t, split={split!r}): True or False (whether t comes from leaves split over the mesh's "
+                        "'tensor' axis), or leave it out on a mesh without one.")
+    tensor = mesh.axis_size("tensor") > 1
+    if tensor and split is None:
         raise ValueError("psum(t): on a mesh with a 'tensor' axis the ranks that hold the other parts of a parameter "
-                         "depend on the parameter (split layers or not), and psum cannot tell yet. Use the step's "
-                         "metrics['grad_norm'] (clip_by_global_norm reads it), and do not change the gradients in "
-                         "place before it; see docs/tensor-parallel.md.")
-    if not sharded or mesh.axis_size("shard") == 1:
+                         "depend on the parameter, and psum cannot tell from t: pass split=True for a value computed "
+                         "from leaves split over the tensor axis (sharded.layout.splits names them), split=False for "
+                         "one from the other leaves (psum those separately). The step's metrics['grad_norm'] needs "
+                         "neither; see docs/tensor-parallel.md.")
+    over = (["shard"] if sharded and mesh.axis_size("shard") > 1 else []) + (["tensor"] if tensor and split else [])
+    if not over:
         return t
     out = t.detach().clone()
-    C.all_reduce(out, mesh.channel("shard"), Purpose.PSUM, op=C.SUM)
+    for axis in over:
+        C.all_reduce(out, mesh.channel(axis), Purpose.PSUM, op=C.SUM)
     return out
 
 

@@ -431,8 +431,10 @@ def _program_backend(graph: Any, mesh: Mesh) -> str | None:
 def _check_graph(graph: Any, mesh: Mesh, donate: bool, loss_scale: Any, on_nonfinite: Any, compile: Any) -> None:
     """What a graph step cannot be, refused when it is built ([Note: a graph step])."""
     why = None
-    if mesh.axis_size("tensor") > 1:
-        why = "a mesh with a 'tensor' axis cannot be recorded yet (tensor parallelism, stage 1): leave graph out"
+    if mesh.axis_size("tensor") > 1 and mesh.device.type != "cpu":
+        why = (f"a mesh with a 'tensor' axis on {mesh.device.type}: each call checks that a tensor group's ranks got the "
+               "same batch by reading the batch on the host before the program, which on a device waits for it every "
+               "call (unverified there): use a CPU mesh, or leave graph out")
     elif compile:
         why = "compile=... compiles parts of an eager step; graph=True compiles the whole step: leave compile out"
     elif not donate:

@@ -13,7 +13,7 @@ from ._count import advance, host_count, incremented as _next, new_count
 from ._checks import _count, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _trainable
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
-from ._whole import full_shape, local_elements
+from ._whole import full_shape, local_elements, split_of
 
 __all__ = ["AdafactorState", "adafactor"]
 
@@ -54,7 +54,9 @@ def adafactor(
     all-reduces per step in all (the row and column sums and the parameters' sums of
     squares of every parameter at once, then the updates' sums of squares), ``rows + cols + 1``
     floats per matrix and one per vector, and no parameter is ever gathered. Any placement
-    works: flat pieces, row shards (their padding rows untouched) or whole parameters.
+    works: flat pieces, row shards (their padding rows untouched) or whole parameters. A
+    parameter split over the mesh's ``tensor`` axis is refused at ``init``; the others are
+    the same on every tensor rank and summed over the shard axis only.
 
     Example:
         >>> opt = adafactor(1e-2, weight_decay=0.01)
@@ -74,6 +76,13 @@ def adafactor(
 
     def init(params: Params) -> AdafactorState:
         trainable = _trainable(params)
+        cut = [n for n in trainable if split_of(params, n) is not None]
+        if cut:  # its statistics are over the whole parameter's rows and columns: psum(split=False) only
+            raise ValueError(f"adafactor: {len(cut)} parameter(s) are split over the mesh's 'tensor' axis "
+                             f"({', '.join(cut[:4])}{' ...' if len(cut) > 4 else ''}), and adafactor does not sum "
+                             "their row and column statistics over that axis. Give them another optimizer "
+                             "(shardfn.optim.partition: sgd, adamw, or muon with placement=shardfn.whole(...)); "
+                             "see docs/tensor-parallel.md.")
         factored, plain = split(params, trainable)
         rows = tuple(torch.zeros((*full_shape(params, n)[:-1], 1), dtype=trainable[n].dtype,
                                  device=trainable[n].device) for n in factored)
@@ -109,7 +118,7 @@ def adafactor(
                 parts.append(torch.zeros(batch * rows, dtype=g.dtype, device=g.device).index_add_(0, b * rows + r, sq))
                 parts.append(torch.zeros(batch * cols, dtype=g.dtype, device=g.device).index_add_(0, b * cols + c, sq))
             parts.append(p_elems.float().square().sum().reshape(1).to(g.dtype))
-        summed = psum(torch.cat(parts)) if parts else None
+        summed = psum(torch.cat(parts), split=False) if parts else None
         out, at = {}, 0
         for n in names:
             g_elems, p_elems, first = local[n]
@@ -139,7 +148,7 @@ def adafactor(
             alpha = max(eps2, p_norm / math.prod(shape) ** 0.5) * rho
             out[n] = (p_elems, update, alpha, math.prod(shape))
         # round 2: the updates' sums of squares
-        norms = psum(torch.stack([u.float().square().sum() for _, u, _, _ in out.values()])) if out else None
+        norms = psum(torch.stack([u.float().square().sum() for _, u, _, _ in out.values()]), split=False) if out else None
         for i, (n, (p_elems, update, alpha, numel)) in enumerate(out.items()):
             denom = max(1.0, float(norms[i]) ** 0.5 / (numel ** 0.5 * d))
             out[n] = (p_elems, update, -alpha / denom)

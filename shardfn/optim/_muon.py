@@ -11,7 +11,10 @@ from ._count import advance, incremented as _next, new_count
 from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _trainable
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
-from ._whole import full_shape, require_whole, whole_tensor
+from .._events import Purpose
+from .._recording import Unrecordable, recording
+from .._tensor import full_leaf
+from ._whole import full_shape, require_whole, split_of, whole_tensor
 
 __all__ = ["MuonState", "muon"]
 
@@ -89,6 +92,11 @@ def muon(
     whole-parameter optimizers]): shard with ``placement=shardfn.whole(...)``, which puts
     each matrix whole on one rank and spreads them over the ranks, so each matrix's
     Newton-Schulz runs exactly once in the world, on its rank, with no communication.
+    A matrix split over the mesh's ``tensor`` axis (``shard(tensor_parallel=...)``), whole on
+    one shard rank as above, is orthogonalised whole: its tensor group all-gathers the
+    update's pieces (one all-gather per matrix and step, counted under ``"tensor"``), each
+    rank runs Newton-Schulz on the whole matrix and keeps its own piece (eager steps only:
+    a ``graph=True`` step refuses it, the tensor groups' programs would differ).
     Cut parameters, and parameters that are not 2-D or 3-D (a batch of matrices along dim
     0), are an error at ``init`` naming them. Pair it with AdamW for the rest through
     :func:`shardfn.optim.partition`.
@@ -119,11 +127,16 @@ def muon(
         if bad:
             rows = ", ".join(f"{n} {list(full_shape(params, n))}" for n in bad[:8]) + (" ..." if len(bad) > 8 else "")
             raise ValueError(_NOT_MATRIX.format(n=len(bad), rows=rows))
-        require_whole(params, trainable, "muon", "Newton-Schulz orthogonalises the whole matrix")
+        require_whole(params, trainable, "muon", "Newton-Schulz orthogonalises the whole matrix", tensor_ok=True)
         return MuonState(new_count(params), zeros_like_views(trainable))
 
     def step(grads: Params, state: MuonState, params: Params, lr: float) -> dict[str, torch.Tensor]:
         """The new momentum in place, and each whole matrix's orthogonalised update (not yet scaled)."""
+        split = [k for k in grads if split_of(params, k) is not None]
+        if split and recording():  # every rank: the layout is the same on all of them
+            raise Unrecordable(f"muon gathers the pieces of a matrix split over the 'tensor' axis ({split[0]}) on "
+                               "the tensor group that holds it, and not on the others, so the ranks' programs would "
+                               "differ", "build this step with graph=False")
         out = {}
         for k, g in grads.items():
             buf = state.momentum_buffer[k]
@@ -132,7 +145,13 @@ def muon(
             if whole is None:  # the matrix lives on another rank
                 continue
             update = whole.lerp(buf.view(whole.shape), momentum) if nesterov else buf.view(whole.shape)
-            out[k] = newton_schulz(update, coefficients, ns_steps, eps, ns_dtype)
+            split = split_of(params, k)
+            if split is None:
+                out[k] = newton_schulz(update, coefficients, ns_steps, eps, ns_dtype)
+                continue
+            dim, mesh = split[0], params.mesh  # the tensor group's pieces, orthogonalised whole; this rank's piece
+            o = newton_schulz(full_leaf(update, dim, mesh, Purpose.TENSOR, k), coefficients, ns_steps, eps, ns_dtype)
+            out[k] = o.narrow(dim, mesh.axis_rank("tensor") * update.size(dim), update.size(dim))
         return out
 
     def update(grads: Params, state: MuonState, params: Params | None = None) -> tuple[Updates, MuonState]:

@@ -10,7 +10,10 @@ one-process Muon after 3 steps). So such a transformation calls :func:`require_w
 shardfn.whole(...)`` puts each such parameter whole on one rank, nothing of it elsewhere)
 or not cut at all (NO_SHARD, a world of one). The layout is the same on every rank, so
 every rank raises the same error, at ``init`` and again in a step's structure check,
-before any state changes.
+before any state changes. A leaf split over the mesh's ``tensor`` axis (shardfn._tensor) is
+never whole on one rank: a transformation that gathers its pieces itself (Muon: one
+all-gather of the update's pieces over the tensor group, which holds the same placement on
+every rank) passes ``tensor_ok=True``; for the others it stays cut.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["full_shape", "require_whole", "whole_tensor"]
+__all__ = ["full_shape", "require_whole", "split_of", "whole_tensor"]
 
 _CUT = (
     "{what}: {n} parameter(s) are cut into shards across the ranks of {mesh}, but {what} needs each one whole "
@@ -30,34 +33,52 @@ _CUT = (
 )
 
 
+def split_of(params: Mapping[str, torch.Tensor], name: str) -> tuple[int, tuple[int, ...]] | None:
+    """``(dim, global shape)`` of parameter ``name`` if it is split over the tensor axis, else None."""
+    for leaf, dim, shape in getattr(getattr(params, "layout", None), "splits", ()):
+        if leaf == name:
+            return dim, tuple(shape)
+    return None
+
+
 def full_shape(params: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
-    """The global shape of parameter ``name``: from the layout of shards, else the tensor's."""
+    """The global shape of parameter ``name``: from the layout of shards (a split leaf's
+    whole, not this tensor rank's piece), else the tensor's."""
+    split = split_of(params, name)
+    return split[1] if split is not None else _piece_shape(params, name)
+
+
+def _piece_shape(params: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """The shape of this tensor rank's piece of ``name`` (its global shape unless split)."""
     layout = getattr(params, "layout", None)
     if layout is not None and name in layout.leaves:
         return tuple(layout.leaves[name].shape)
     return tuple(params[name].shape)
 
 
-def _cut(params: Mapping[str, torch.Tensor], name: str) -> bool:
+def _cut(params: Mapping[str, torch.Tensor], name: str, tensor_ok: bool = False) -> bool:
     layout = getattr(params, "layout", None)
-    if layout is not None and any(name == leaf for leaf, _, _ in getattr(layout, "splits", ())):
-        return True  # split over the tensor axis: no placement makes it whole yet (shardfn._tensor)
+    if split_of(params, name) is not None and not tensor_ok:
+        return True  # split over the tensor axis, and the caller does not gather its pieces (see the note)
     if layout is None or name not in layout.leaves or not layout.gathers:
         return False
     leaf = layout.leaves[name]
     return not (leaf.flat and layout.units[leaf.unit].whole)
 
 
-def require_whole(params: Mapping[str, torch.Tensor], names: Iterable[str], what: str, why: str) -> None:
+def require_whole(params: Mapping[str, torch.Tensor], names: Iterable[str], what: str, why: str,
+                  tensor_ok: bool = False) -> None:
     """Raises one ``ValueError`` naming every parameter of ``names`` that is cut across ranks
-    (see the note); call it in ``init`` of a transformation that needs whole parameters."""
-    cut = [n for n in names if _cut(params, n)]
-    split = [leaf for leaf, _, _ in getattr(getattr(params, "layout", None), "splits", ()) if leaf in cut]
+    (see the note); call it in ``init`` of a transformation that needs whole parameters.
+    ``tensor_ok``: the caller gathers the pieces of a leaf split over the tensor axis itself."""
+    cut = [n for n in names if _cut(params, n, tensor_ok)]
+    split = [] if tensor_ok else [n for n in cut if split_of(params, n) is not None]
     if split:
         raise ValueError(f"{what}: {len(split)} parameter(s) are split over the mesh's 'tensor' axis "
                          f"({', '.join(split[:4])}{' ...' if len(split) > 4 else ''}), and {what} needs each one "
-                         f"whole ({why}); tensor parallelism does not gather them for it yet. Give them an "
-                         "elementwise optimizer (shardfn.optim.partition); see docs/tensor-parallel.md.")
+                         f"whole ({why}), and it does not gather their pieces. Use shardfn.optim.muon (it gathers "
+                         "a split matrix over the tensor axis), or give them an elementwise optimizer "
+                         "(shardfn.optim.partition); see docs/tensor-parallel.md.")
     if cut:
         rows = "\n".join(f"  {n}: shape {list(full_shape(params, n))}" for n in cut[:12])
         rows += f"\n  ... and {len(cut) - 12} more" if len(cut) > 12 else ""
@@ -67,10 +88,10 @@ def require_whole(params: Mapping[str, torch.Tensor], names: Iterable[str], what
 
 def whole_tensor(t: torch.Tensor, params: Mapping[str, Any], name: str) -> torch.Tensor | None:
     """``t`` (a shard, or a tensor shaped like it) as the whole parameter where this rank
-    holds it, ``None`` where it holds nothing of it (a whole parameter on another rank)."""
+    holds it (this tensor rank's whole piece of a split one), ``None`` where it holds nothing of it (a whole parameter on another rank)."""
     if t.numel() == 0:
         return None
-    return t.view(full_shape(params, name))
+    return t.view(_piece_shape(params, name))
 
 
 def local_elements(t: torch.Tensor, params: Mapping[str, Any], name: str) -> tuple[torch.Tensor, int]:
