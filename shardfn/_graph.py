@@ -46,6 +46,7 @@ from ._functionalize import apply_of
 from ._host import refuse_host_tensors
 from ._graph_key import ModelAttributes, agree_on_key, group_values, refuse_moved, what_changed
 from ._recording import Unrecordable, record
+from ._restore import put_back
 from ._tensor import agree_on_batch
 from ._replay import _COMPILE_FAILED, _HALF_RUN, _LOST, bounded, compile_error, note_failure, peer_failures
 from ._verdict import Verdict, agreed_error, check_verdict, read_ready
@@ -270,9 +271,12 @@ class GraphStep:
             optimizers = _torch_optimizers(leaves)
             if not self.warm:  # (the eager step it runs leaves the verdicts to this call: read them all)
                 check_verdict(sharded, "step")
-                self.warm = True
                 self._key = (None, *self._batch_key(batch), self._model_key(sharded), group_values(optimizers))
-                return self._warm_up(sharded, opt_state, batch)
+                with put_back(_bases([t for t in leaves if isinstance(t, torch.Tensor)] + _hidden(optimizers)),
+                              optimizers):  # [Note: a recording that raises]
+                    out = self._warm_up(sharded, opt_state, batch)
+                self.warm = True
+                return out
             hidden = _hidden(optimizers)
             state = _bases([t for t in leaves if isinstance(t, torch.Tensor)] + hidden)
             shape = (spec, tuple(_what(t) for t in leaves), tuple(_what(t) for t in hidden))
@@ -288,7 +292,8 @@ class GraphStep:
                              lambda: agreed_error(sharded, "step"))
         self._key = key
         if program is None:
-            program, aux = self._record(sharded, opt_state, batch, state, inputs)
+            with put_back(state, optimizers):
+                program, aux = self._record(sharded, opt_state, batch, state, inputs)
             program.number = len(self.programs) + 1
             self.programs[key] = program
         else:

@@ -1,6 +1,7 @@
 """What a recorded program is keyed by (jit_step(graph=True)): the modules' training flags
 as well as the shapes, and the ranks agreeing on the key before every call."""
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -74,34 +75,47 @@ def test_a_submodule_switched_to_eval_records_again(clusters):
 
 
 class _Counting(_DropoutMLP):
-    """A forward that changes a module attribute: no program can replay that."""
+    """A forward that changes a module attribute once ``counting`` is on: no program can replay that."""
 
     def __init__(self):
         super().__init__()
-        self.calls = 0
+        self.calls, self.counting = 0, False
 
     def forward(self, x):
-        self.calls += 1
+        self.calls += self.counting
         return super().forward(x)
 
 
-def _counting():
+def _counting(at):
+    """Counting from call ``at`` on (1: the first call, eager under a recording's rules; 2:
+    the call that records): that call's error, and whether it left the state as it was."""
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
-    params, _ = sf.functionalize(_Counting())
+    params, apply = sf.functionalize(_Counting())
+    model = apply.module
     sharded = sf.shard(params, mesh, "FULL_SHARD")
-    step = sf.jit_step(_mse, mesh, optimizer=sf.optim.sgd(0.1), graph="eager")
-    try:
-        step(sharded, step.init(sharded), {"x": torch.ones(4, 8), "y": torch.zeros(4, 4)})
-    except ValueError as e:
-        return str(e)
-    return "accepted"
+    step = sf.jit_step(_mse, mesh, optimizer=sf.optim.sgd(0.1, momentum=0.9), graph="eager")
+    opt_state = step.init(sharded)
+    for call in range(1, at + 1):
+        model.counting = call == at
+        before = [t.clone() for t in torch.utils._pytree.tree_leaves((dict(sharded), opt_state))]
+        try:
+            sharded, opt_state, _ = step(sharded, opt_state, {"x": torch.ones(4, 8), "y": torch.zeros(4, 4)})
+        except ValueError as e:
+            after = torch.utils._pytree.tree_leaves((dict(sharded), opt_state))
+            return str(e), all(torch.equal(a, b) for a, b in zip(before, after))
+    return "accepted", None
 
 
-def test_a_forward_that_changes_a_module_attribute_is_refused(clusters):
-    message = clusters[1].run(_counting)[0]
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_forward_that_changes_a_module_attribute_is_refused_and_changes_nothing(clusters, at):
+    # The refusal comes after the call ran the step, which updated the state in place: the
+    # call puts the state back before it raises ([Note: a recording that raises]). Before,
+    # the state was left one step on (`unchanged` was False) at both calls.
+    message, unchanged = clusters[1].run(_counting, at)[0]
     assert "the step changed module attributes (calls: 0 -> 1)" in message, message
     assert "graph=False" in message
+    assert unchanged
 
 
 _STEP_TIMEOUT = 5.0
