@@ -186,8 +186,7 @@ def autoplan(
         strategies: the strategies to try (default: every one the mesh takes).
         micro_batches: the numbers of micro-batches to try (those that split the batch).
         tensor, tensor_parallel: as for :func:`shardfn.explain`: a ``"tensor"`` axis of
-            ``tensor`` ranks and the layers split over it. Only what tensor parallelism
-            takes yet is tried: FULL_SHARD and SHARD_GRAD_OP, without remat or offload.
+            ``tensor`` ranks and the layers split over it.
         verbose: print the table.
 
     Returns:
@@ -208,17 +207,12 @@ def autoplan(
     whole = loss_fn is not None and old_loss(loss_fn)
     loss_fn = as_loss(loss_fn, "autoplan", stacklevel=5)[0] if loss_fn is not None else None
     hybrid = not isinstance(mesh, int)
-    split = (tensor or 1) > 1
     if strategies is None:
-        strategies = Strategy.candidates(hybrid, tensor=split)
+        strategies = Strategy.candidates(hybrid)
     strategies = [Strategy.parse(s) for s in strategies]
-    if not strategies:
-        raise ValueError(f"autoplan(mesh={mesh!r}, tensor={tensor!r}): no strategy runs on this mesh yet (tensor "
-                         "parallelism with a replicate axis is a later stage); plan for a world size instead.")
     tp = _TensorPlan(tensor, tensor_parallel)
-    options = (False,) if split else (False, True)  # tensor parallelism takes no remat or offload yet
     candidates = []
-    for strategy, remat, offload, k in itertools.product(strategies, options, options, micro_batches):
+    for strategy, remat, offload, k in itertools.product(strategies, (False, True), (False, True), micro_batches):
         if not (isinstance(k, int) and k >= 1) or rows % k:
             continue
         plan = Plan(strategy, units=base.units, precision=base.precision, remat=Remat() if remat else None,

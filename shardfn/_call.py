@@ -25,6 +25,8 @@ docs/how-it-works.md, "A sharded call".
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -132,6 +134,22 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
             u.end_use()  # forward is over: only saved handles (and what the unit keeps) remain
 
 
+def _tensor_call(apply: Any) -> Any:
+    """What re-enters the sharded call in progress (its split layers' layout and runtime)
+    around a rematerialised unit's recompute, which runs in backward, after the call."""
+    now = apply.tensor_calls[-1] if apply.tensor_calls else None
+
+    @contextlib.contextmanager
+    def again() -> Iterator[None]:
+        apply.tensor_calls.append(now)
+        try:
+            yield
+        finally:
+            apply.tensor_calls.pop()
+
+    return again
+
+
 def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:
     """The units of ``sharded`` in runtime ``rt`` (built on first use), by module path:
     one per dtype group of the module's parameters (see [Note: mixed dtypes in a unit])."""
@@ -186,7 +204,8 @@ def _prepare(apply: Any, layout: Layout) -> dict[int, list[tuple[nn.Module, str,
             m.register_forward_hook(_post_hook(apply, u.path), always_call=True)
             # Inert unless the unit is rematerialised in the active call's layout; compiled
             # only in a step built with compile=True.
-            m.forward = remat_forward(lambda path=u.path: _active_units(apply, path), m, compilable(m.forward))
+            m.forward = remat_forward(lambda path=u.path: _active_units(apply, path), m, compilable(m.forward),
+                                      lambda: _tensor_call(apply))
             apply.hooked.add(u.path)
         for i, leaf in enumerate(u.leaves):
             for alias in layout.aliases.get(leaf, (leaf,)):

@@ -80,11 +80,9 @@ class Strategy(enum.Enum):
         return parse_enum(cls, value, "strategy (or pass a shardfn.Plan)")
 
     @classmethod
-    def candidates(cls, hybrid: bool, tensor: bool = False) -> "tuple[Strategy, ...]":
-        """The strategies that run on a 2-D mesh (``hybrid``) or a 1-D one, as the planner tries them;
-        with a ``tensor`` axis, those tensor parallelism takes yet (none with a replicate axis)."""
-        if tensor:
-            return () if hybrid else (cls.FULL_SHARD, cls.SHARD_GRAD_OP)
+    def candidates(cls, hybrid: bool) -> "tuple[Strategy, ...]":
+        """The strategies that run on a mesh with a replicate axis (``hybrid``) or without one, as
+        the planner tries them (a ``tensor`` axis changes nothing)."""
         if hybrid:
             return (cls.HYBRID_SHARD, cls.HYBRID_SHARD_ZERO2)
         return (cls.FULL_SHARD, cls.SHARD_GRAD_OP, cls.SHARD_OPTIMIZER, cls.NO_SHARD)

@@ -31,6 +31,7 @@ them from forward to backward. An attention op with ``dropout_p=0`` draws nothin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -48,9 +49,11 @@ __all__ = ["remat_forward"]
 
 
 def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module,
-                  forward: Callable[..., Any]) -> Callable[..., Any]:
+                  forward: Callable[..., Any], call: Callable[[], Callable[[], Any]]) -> Callable[..., Any]:
     """Wraps a unit module's ``forward``: inert unless ``active_units()`` (the module's units
-    in the sharded call in progress, one per dtype group) are rematerialised."""
+    in the sharded call in progress, one per dtype group) are rematerialised. ``call()``,
+    asked in forward, gives what re-enters that sharded call around the recompute (its split
+    layers, shardfn._tensor: a recompute outside it would run them whole, other ops)."""
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         units = active_units()
@@ -67,6 +70,7 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
                 if t is not None] if torch.is_grad_enabled() else []
 
         draws = _SameDraws() if unit.runtime.scope.recording else None  # [Note: random ops in a program]
+        again = call()
 
         def region(*args: Any, **kwargs: Any) -> Any:
             recompute = torch._C._current_graph_task_id() != -1
@@ -77,10 +81,11 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
             for sub, name, t in kept if recompute else ():
                 sub._buffers[name] = t  # (no op here: selective remat replays the region's ops one for one)
             try:
-                if draws is None:
-                    return run(*args, **kwargs)
-                with draws.again() if recompute else draws:
-                    return run(*args, **kwargs)
+                with again() if recompute else contextlib.nullcontext():
+                    if draws is None:
+                        return run(*args, **kwargs)
+                    with draws.again() if recompute else draws:
+                        return run(*args, **kwargs)
             finally:
                 for sub, name, t in swapped:
                     sub._buffers[name] = t

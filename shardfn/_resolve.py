@@ -122,13 +122,7 @@ def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
 def _check_tensor(plan: Plan) -> None:
     """What a mesh with a tensor axis cannot run yet (docs/tensor-parallel.md), refused by name."""
     what = None
-    if plan.strategy not in Strategy.candidates(hybrid=False, tensor=True):
-        what = f"the strategy {plan.strategy.value} (FULL_SHARD and SHARD_GRAD_OP are)"
-    elif plan.offload.enabled:
-        what = "offload"
-    elif plan.remat is not None:
-        what = "remat"
-    elif plan.precision != type(plan.precision)():
+    if plan.precision != type(plan.precision)():
         what = f"a precision policy ({plan.precision!r})"
     elif plan.optional is not None:
         what = "optional units"
