@@ -122,9 +122,7 @@ def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
 def _check_tensor(plan: Plan) -> None:
     """What a mesh with a tensor axis cannot run yet (docs/tensor-parallel.md), refused by name."""
     what = None
-    if plan.precision != type(plan.precision)():
-        what = f"a precision policy ({plan.precision!r})"
-    elif plan.optional is not None:
+    if plan.optional is not None:
         what = "optional units"
     if what is not None:
         raise ValueError(f"shard(): on a mesh with a 'tensor' axis, {what} is not supported yet. Use FULL_SHARD or "

@@ -8,6 +8,8 @@ from torch import nn
 import shardfn as sf
 from bounds import SGD_MOMENTUM
 from shardfn.testing._equivalence import reference_training, split_batch
+from test_equivalence import gpt_batches, gpt_loss, gpt_model
+from test_precision import BF16, EPS, LR, STEPS, reference
 from test_tensor_parallel import ATOL, PLAN, RTOL, _check, batches, loss_fn, model
 
 
@@ -123,3 +125,85 @@ def test_remat_at_shard_two_by_tensor_two_equals_one_process(clusters, mode):
 def test_offload_at_shard_two_by_tensor_two_equals_one_process(clusters):
     results = clusters[4].run(_train, _plan("FULL_SHARD", offload=sf.Offload(params=True, optimizer=True)), 2)
     _check(results, 2)
+
+
+def _bf16_run(precision):
+    """test_precision's sharded run (plain SGD, 3 steps) at shard 2 x tensor 2, the MLPs split."""
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(gpt_model())
+    start = {n: p.detach().clone() for n, p in params.items()}
+    sharded = sf.shard(params, mesh, "FULL_SHARD", precision=precision, tensor_parallel=PLAN)
+    opt = sf.optim.sgd(LR)
+    state = opt.init(sharded)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
+    losses, dtypes = [], set()
+    for b in gpt_batches(STEPS):
+        with sf.record_collectives() as log:
+            sharded, state, m = step(sharded, state, split_batch(b, mesh.data_rank, mesh.data_size))
+        losses.append(float(m["loss"]))
+        dtypes |= {str(c.dtype) for c in log.select("tensor")}
+    full = sf.gather(sharded)
+    return losses, {n: full[n] - start[n] for n in full}, {str(t.dtype) for t in sharded.values()}, dtypes
+
+
+def test_bf16_at_shard_two_by_tensor_two_matches_a_reference_with_the_same_casts(clusters):
+    # test_precision's bound (8 eps of bf16 times the largest updates' sum), derived there
+    # for a rank's slice summed in bf16; a split layer adds one rounding of the same kind:
+    # its partial sums, each rounded to bf16, are added by the tensor all-reduce in bf16.
+    ref_losses, ref_delta, moved = reference(BF16)
+    bound = 8 * EPS[torch.bfloat16]
+    for losses, delta, shard_dtypes, tensor_dtypes in clusters[4].run(_bf16_run, BF16):
+        assert shard_dtypes == {"torch.float32"} and tensor_dtypes == {"torch.bfloat16"}
+        assert losses == pytest.approx(ref_losses, rel=bound)
+        worst = max((delta[n] - d).abs().max().item() for n, d in ref_delta.items())
+        assert worst <= bound * moved, (worst, bound * moved)
+
+
+def _train_with(optimizer, micro_batches=1):
+    """The test GPT, MLPs split, FULL_SHARD at shard 2 x tensor 2: each step's loss and norm, the gathered params."""
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(model())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
+    opt = optimizer()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro_batches)
+    out = []
+    for batch in batches():
+        sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+        out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    return out, sf.gather(sharded)
+
+
+def _reference_with(optimizer):
+    """One process on the global batches: each step's loss and gradient norm, the final params."""
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(model())
+    state = {n: t.detach().clone().requires_grad_() for n, t in params.items()}
+    opt = optimizer()
+    opt_state = opt.init(state)
+    out = []
+    for batch in batches():
+        loss = loss_fn(apply, state, batch)
+        grads = dict(zip(state, torch.autograd.grad(loss, list(state.values()))))
+        out.append((float(loss.detach()), float(torch.sqrt(sum(g.square().sum() for g in grads.values())))))
+        updates, opt_state = opt.update(grads, opt_state, state)
+        state = {n: t.detach().requires_grad_() for n, t in sf.optim.apply_updates(state, updates).items()}
+    return out, {n: t.detach() for n, t in state.items()}
+
+
+def _clipped():
+    return sf.optim.chain(sf.optim.clip_by_global_norm(0.5), SGD_MOMENTUM())
+
+
+@pytest.mark.parametrize("optimizer, micro_batches", [(_clipped, 1), (SGD_MOMENTUM, 2)], ids=["clipped", "micro"])
+def test_clipping_and_micro_batches_at_shard_two_by_tensor_two_equal_one_process(clusters, optimizer, micro_batches):
+    ref_steps, ref_state = _reference_with(optimizer)
+    if optimizer is _clipped:
+        assert all(norm > 0.5 for _, norm in ref_steps)  # every step clips
+    for steps, full in clusters[4].run(_train_with, optimizer, micro_batches):
+        for (loss, norm), (ref_loss, ref_norm) in zip(steps, ref_steps):  # the norm over both axes, each step
+            assert abs(loss - ref_loss) <= ATOL + RTOL * abs(ref_loss), (steps, ref_steps)
+            assert abs(norm - ref_norm) <= ATOL + RTOL * ref_norm, (steps, ref_steps)
+        for name, ref in ref_state.items():
+            assert float(((full[name] - ref).abs() - RTOL * ref.abs()).max()) <= ATOL, name
