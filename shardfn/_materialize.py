@@ -34,6 +34,7 @@ from ._events import Purpose
 from ._layout import Layout, UnitLayout, build_layout, unit_owner
 from ._packing import pack_leaf
 from ._plan import Plan
+from ._tensor import local_state
 from ._tree import tree_info
 
 __all__ = ["materialize"]
@@ -116,15 +117,20 @@ def _take(values: Mapping[str, torch.Tensor], layout: Layout, out: dict[str, tor
 
 
 def deferred_state(
-    module: nn.Module | None, layout: Layout, rank: int, device: torch.device, seed: int, init_fn: InitFn | None
+    module: nn.Module | None, layout: Layout, rank: int, device: torch.device, seed: int, init_fn: InitFn | None,
+    tensor: tuple[int, int] = (1, 0),
 ) -> dict[str, torch.Tensor]:
-    """This rank's shards and buffers, initialised unit by unit (see [Note: deferred init])."""
+    """This rank's shards and buffers, initialised unit by unit (see [Note: deferred init]);
+    ``tensor``: the tensor axis's size and this rank's place on it (each tensor rank takes
+    its piece of a split leaf's whole values, which every rank makes alike)."""
     if module is None:
         raise ValueError(
             "shard(seed=...): deferred init needs the module tree; pass the params that functionalize(model) returned."
         )
     out: dict[str, torch.Tensor] = {}
     for _, values in unit_values(module, units_with_buffers(layout), seed, init_fn, device):
+        if tensor[0] > 1:
+            values = local_state(values, layout.splits, *tensor)
         _take(values, layout, out, rank, device)
         del values  # no reference may outlive the unit: the generator frees it before the next
     return out

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ import torch.nn as nn
 from ._layout import Layout, unit_owner
 from ._materialize import unit_values, units_with_buffers
 from ._safetensors import Source
+from ._split_pieces import global_shape
 
 __all__ = ["keys_of", "read_weights", "shape_of"]
 
@@ -47,7 +48,8 @@ def keys_of(layout: Layout) -> dict[str, list[str]]:
 
 
 def shape_of(layout: Layout, name: str) -> tuple[int, ...]:
-    return layout.leaves[name].shape if name in layout.leaves else layout.buffers[name].shape
+    """``name``'s shape in the model (a split leaf's whole shape, shardfn._tensor)."""
+    return global_shape(layout, name) if name in layout.leaves else layout.buffers[name].shape
 
 
 def match(source: Source, layout: Layout, mesh: Any) -> dict[str, str]:
@@ -85,11 +87,12 @@ def read_weights(source: Source, layout: Layout, mesh: Any, params: Mapping[str,
         # a flat unit's pieces are read straight into its shard buffer ([Note: placements])
         buf = torch.zeros(unit.numel, dtype=unit.dtype, device=device) if unit.flat else None
         for name in unit.leaves:
+            rows = _rows_of(source, found[name], layout, name, mesh)
             if buf is not None:
                 off, n = layout.piece(name, rank)
-                out[name] = _read_shard(source, found[name], layout, name, rank, device, buf[off : off + n])
+                out[name] = _read_shard(rows, layout, name, rank, device, buf[off : off + n])
             else:
-                out[name] = _read_shard(source, found[name], layout, name, rank, device)
+                out[name] = _read_shard(rows, layout, name, rank, device)
     rest = []
     for name, b in layout.buffers.items():
         if name in found:
@@ -103,9 +106,23 @@ def read_weights(source: Source, layout: Layout, mesh: Any, params: Mapping[str,
     return out
 
 
-def _read_shard(source: Source, key: str, layout: Layout, name: str, rank: int, device: torch.device,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """This rank's shard of ``name`` from ``key`` of the file (a flat one written into ``out``)."""
+def _rows_of(source: Source, key: str, layout: Layout, name: str, mesh: Any) -> Callable[[int, int], torch.Tensor]:
+    """``rows(lo, hi)``: rows of leaf ``name`` as this rank's layout holds it, read from
+    ``key`` of the file: for a split leaf, of this tensor rank's block (shardfn._tensor)."""
+    split = next(((dim, shape) for leaf, dim, shape in layout.splits if leaf == name), None)
+    if split is None:
+        return lambda lo, hi: source.rows(key, lo, hi)
+    dim, shape = split
+    n = shape[dim] // mesh.axis_size("tensor")
+    start = mesh.axis_rank("tensor") * n
+    if dim == 0:
+        return lambda lo, hi: source.rows(key, start + lo, start + hi)
+    return lambda lo, hi: source.rows(key, lo, hi).narrow(dim, start, n)
+
+
+def _read_shard(rows_of: Callable[[int, int], torch.Tensor], layout: Layout, name: str, rank: int,
+                device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's shard of ``name`` from ``rows_of`` (:func:`_rows_of`; a flat one written into ``out``)."""
     leaf = layout.leaves[name]
     if leaf.flat:  # a run of the flattened parameter: the rows it touches, then the run ([Note: placements])
         span = layout.units[leaf.unit].numel
@@ -115,13 +132,13 @@ def _read_shard(source: Source, key: str, layout: Layout, name: str, rank: int, 
             lo = rank * span + off - leaf.start
             inner = leaf.row_numel
             first, end = lo // inner, -(-(lo + n) // inner)
-            rows = source.rows(key, first, end).reshape(-1)
+            rows = rows_of(first, end).reshape(-1)
             shard.copy_(rows[lo - first * inner : lo - first * inner + n])
         return shard
     shard = torch.zeros(leaf.shard_shape, dtype=leaf.dtype, device=device)
     k = leaf.local_rows(rank)
     if k:
-        rows = source.rows(key, rank * leaf.chunk, rank * leaf.chunk + k)
+        rows = rows_of(rank * leaf.chunk, rank * leaf.chunk + k)
         shard[:k].copy_(rows.reshape(k, *leaf.shape[1:]))
     return shard
 

@@ -332,9 +332,10 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
     module: nn.Module | None = getattr(params, "module", None)
     layout = layout_for(params, module, mesh, plan, tensor_parallel)
     given = [k for k, v in (("seed", seed), ("src_rank", src_rank), ("weights", weights)) if v is not None]
-    if given and mesh.axis_size("tensor") > 1:
-        raise ValueError(f"shard(): {given[0]}= on a mesh with a 'tensor' axis is not supported yet; pass the full "
-                         "values on every rank (the same seed), see docs/tensor-parallel.md.")
+    if src_rank is not None and mesh.axis_size("tensor") > 1:
+        raise ValueError("shard(): src_rank= on a mesh with a 'tensor' axis is not supported yet; pass seed= "
+                         "(deferred init), weights= (a safetensors checkpoint) or the full values on every rank, "
+                         "see docs/tensor-parallel.md.")
     if len(given) > 1:
         raise ValueError(f"shard(): pass one of seed= (deferred init), src_rank= (load from one rank) or weights= "
                          f"(a safetensors checkpoint), not {' and '.join(given)}.")
@@ -364,7 +365,8 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
     rank = layout.shard_rank(mesh)
     with torch.no_grad():
         if seed is not None:
-            data = deferred_state(module, layout, rank, mesh.device, seed, init_fn)
+            data = deferred_state(module, layout, rank, mesh.device, seed, init_fn,
+                                  (mesh.axis_size("tensor"), mesh.axis_rank("tensor")))
         elif src_rank is not None:
             data = scattered_state(params, layout, mesh, src_rank)
         elif source is not None:

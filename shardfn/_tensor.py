@@ -113,8 +113,9 @@ def local_state(state: Mapping[str, torch.Tensor], splits: tuple[tuple[str, int,
     """``state`` with each split leaf replaced by tensor rank ``rank``'s piece of it."""
     out = dict(state)
     for leaf, dim, shape in splits:
-        n = shape[dim] // tensor
-        out[leaf] = state[leaf].narrow(dim, rank * n, n)
+        if leaf in state:  # (a unit's values hold its own leaves only)
+            n = shape[dim] // tensor
+            out[leaf] = state[leaf].narrow(dim, rank * n, n)
     return out
 
 
