@@ -5,6 +5,7 @@ import gc
 import importlib
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -30,10 +31,10 @@ def batch(rows=ROWS):
     return {k: torch.randint(0, CFG.vocab_size, (rows, CFG.seq_len), generator=g) for k in ("x", "y")}
 
 
-def predict(world, tensor=None, rows=ROWS // 2):
+def predict(world, tensor=None, rows=ROWS // 2, plan=UNITS):
     with torch.device("meta"):
         model = GPT(CFG)
-    return sf.explain(model, world, UNITS, batch(rows), loss_fn=loss_fn, tensor=tensor,
+    return sf.explain(model, world, plan, batch(rows), loss_fn=loss_fn, tensor=tensor,
                       tensor_parallel=PLAN if tensor else None, verbose=False)
 
 
@@ -49,13 +50,13 @@ def _storage_bytes(*trees):
     return sum(seen.values())
 
 
-def _held(tensor):
+def _held(tensor, plan=UNITS, replicate=None):
     """A real run's persistent bytes on this rank (its shards, buffers and AdamW state), before
-    and after a step, and the bytes its forward keeps for backward."""
-    mesh = sf.Mesh.from_group(tensor=tensor)
+    and after a step."""
+    mesh = sf.Mesh.from_group(tensor=tensor, replicate=replicate)
     torch.manual_seed(0)
     params, apply = sf.functionalize(GPT(CFG))
-    sharded = sf.shard(params, mesh, UNITS, tensor_parallel=PLAN if tensor else None)
+    sharded = sf.shard(params, mesh, plan, tensor_parallel=PLAN if tensor else None)
     opt = sf.optim.adamw(1e-3)
     state = opt.init(sharded)
     before = _storage_bytes(sharded, state)
@@ -65,13 +66,18 @@ def _held(tensor):
     return before, _storage_bytes(sharded, state)
 
 
-def test_explain_predicts_what_a_shard_two_by_tensor_two_tree_holds(clusters):
-    real = clusters[4].run(_held, 2)
-    report = predict(4, tensor=2)
-    assert report.mesh_shape == (2, 2) and report.tensor == 2 and len(report.split_layers) == 4
-    for before, after in real:  # no padding here: every rank holds the same bytes
-        assert before == after == real[0][0]
-    assert report.persistent_bytes == real[0][0]
+@pytest.mark.parametrize("strategy, mesh, shape", [("FULL_SHARD", 4, (2, 2)), ("NO_SHARD", 4, (2, 2)),
+                                                   ("SHARD_OPTIMIZER", 4, (2, 2)), ("HYBRID_SHARD", (2, 1), (2, 1, 2))])
+def test_explain_predicts_what_a_tensor_parallel_tree_holds(clusters, strategy, mesh, shape):
+    plan = sf.Plan(strategy, units=UNITS.units)
+    real = clusters[4].run(_held, 2, plan, mesh[0] if isinstance(mesh, tuple) else None)
+    report = predict(mesh, tensor=2, plan=plan)
+    assert report.mesh_shape == shape and report.tensor == 2 and len(report.split_layers) == 4
+    # no padding here: every rank holds the same bytes; after the step, that is, with
+    # SHARD_OPTIMIZER's full parameters, which its step gathers and keeps
+    assert len({after for _, after in real}) == 1
+    assert all(before == after for before, after in real) or strategy == "SHARD_OPTIMIZER"
+    assert report.persistent_bytes == real[0][1]
 
 
 def test_split_layers_hold_what_world_four_holds_and_the_others_what_world_two_holds():
