@@ -111,7 +111,7 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
     if precision.cast_inputs:
         args, kwargs = cast_floating((args, kwargs), precision.param)
     apply.calls.append(units)
-    apply.tensor_calls.append((layout, rt))
+    apply.tensor_calls.append((layout, rt, {}))  # {}: the call's shared colwise inputs (shardfn._tensor)
     try:
         out = functional_call(apply.module, state, args, kwargs, tie_weights=True, strict=False)
         # A module that *replaced* a buffer (rather than updating it in place) left the new
