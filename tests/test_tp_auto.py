@@ -38,14 +38,14 @@ def batches():
              "y": torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)} for _ in range(STEPS)]
 
 
-def _train(strategy, tensor):
+def _train(strategy, tensor, micro=1):
     mesh = sf.Mesh.from_group(tensor=tensor)
     torch.manual_seed(0)
     params, _ = sf.functionalize(llama())
     sharded = sf.shard(params, mesh, strategy, tensor_parallel="auto")
     opt = SGD_MOMENTUM()
     state = opt.init(sharded)
-    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro)
     losses, norms, logs = [], [], []
     for batch in batches():
         with sf.record_collectives() as log:
@@ -65,13 +65,14 @@ def _reference():
     return losses, state, float(torch.sqrt(sum(g.square().sum() for g in grads)))
 
 
-def _check(results, data_size):
+def _check(results, data_size, micro=1):
     ref_losses, ref_state, ref_norm = _reference()
-    nbytes = ROWS // data_size * SEQ * HIDDEN * 4  # fp32 hidden states of this rank's rows
+    nbytes = ROWS // data_size // micro * SEQ * HIDDEN * 4  # fp32 hidden states of a micro-batch's rows
     # Per layer and step: o_proj's and down_proj's outputs in forward; in backward the
     # gradient of the input that q/k/v share (named by q_proj) and of the one gate/up share.
     expect = sorted((f"model.layers.{i}.{layer}", "all_reduce", nbytes) for i in range(LAYERS)
-                    for layer in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"))
+                    for layer in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
+                    for _ in range(micro))
     for losses, norms, logs, full, styles in results:
         assert styles["model.layers.1.self_attn.k_proj"] == "colwise" and len(styles) == 7 * LAYERS, styles
         assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
@@ -93,6 +94,12 @@ def test_auto_llama_tensor_two_equals_one_process(clusters):
 def test_auto_llama_shard_two_by_tensor_two_equals_one_process(clusters):
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
         _check(clusters[4].run(_train, strategy, 2), 2)
+
+
+def test_auto_llama_micro_batches_each_reduce_their_own_inputs(clusters):
+    # Each micro-batch's forward makes its own shared copies: a copy kept from the first
+    # would give the second the first's input (and one all-reduce too few per layer).
+    _check(clusters[2].run(_train, "FULL_SHARD", 2, 2), 1, 2)
 
 
 def _refusals():
