@@ -134,3 +134,48 @@ def test_auto_refusals_name_the_cause_and_the_fix(clusters):
     assert "Sequential has no base_model_tp_plan" in no_plan and "pass a mapping" in no_plan, no_plan
     assert "'model.layers.0.self_attn'" in alone and "'model.layers.0.self_attn.k_proj'" in alone, alone
     assert "split all of them" in alone, alone
+
+
+def gpt():
+    from shardfn.testing.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2))
+
+
+def gpt_off_on_ranks():
+    """The test GPT, with the last row of blocks.0.mlp.0.weight (tensor rank 1's half) moved
+    in the sharded runs only: a difference the report must find."""
+    model = gpt()
+    if torch.distributed.is_initialized():
+        with torch.no_grad():
+            model.blocks[0].mlp[0].weight[-1] += 1e-3
+    return model
+
+
+def gpt_loss(apply, params, batch):
+    logits = apply(params, batch["x"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+
+def gpt_batches():
+    g = torch.Generator().manual_seed(2)
+    return [{"x": torch.randint(0, 32, (ROWS, 8), generator=g), "y": torch.randint(0, 32, (ROWS, 8), generator=g)}
+            for _ in range(2)]
+
+
+GPT_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
+
+def test_check_equivalence_with_a_tensor_parallel_plan(clusters):
+    from shardfn.testing import check_equivalence
+
+    kw = dict(optimizer=SGD_MOMENTUM, strategies=("FULL_SHARD",), world_sizes=({"tensor": 2},), clusters=clusters,
+              tensor_parallel=GPT_PLAN, rtol=RTOL, atol=ATOL)
+    report = check_equivalence(gpt, gpt_loss, gpt_batches(), **kw)
+    assert set(report.leaves) == {("FULL_SHARD", "(tensor=2)")} and report.failures() == []
+    # each rank's shard of a split leaf is compared with its own half of the reference
+    assert {rank for rank, name in report.shards[("FULL_SHARD", "(tensor=2)")] if name == "blocks.0.mlp.0.weight"} == {0, 1}
+    bad = check_equivalence(gpt_off_on_ranks, gpt_loss, gpt_batches(), raise_on_failure=False, **kw).failures()
+    assert any(f.startswith("FULL_SHARD world=(tensor=2): blocks.0.mlp.0.weight: max |diff|") for f in bad), bad
+    assert any(f.startswith("FULL_SHARD world=(tensor=2): rank 1's shard of blocks.0.mlp.0.weight") for f in bad), bad
+    assert not any("rank 0's shard of blocks.0.mlp.0.weight" in f for f in bad), bad
