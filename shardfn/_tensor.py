@@ -256,8 +256,11 @@ def _shared_copy(copies: dict[int, tuple], x: torch.Tensor, rt: Any, path: str) 
     all-reduces that sum once (Megatron's ``f``), named by the first layer that read it. The
     copies live in the sharded call's own dict (``copies``), made afresh for each call, so no
     copy outlives its forward (a micro-batch, a step); one is reused only while its input is
-    the same tensor at the same version (an input changed in place gets a new copy).
+    the same tensor at the same version (an input changed in place gets a new copy). An
+    input without a gradient (``bind``'s block runs under no_grad) is used as it is.
     """
+    if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: nothing to reduce, nothing to keep
+        return x
     hit = copies.get(id(x))
     if hit is None or hit[0] is not x or hit[1] != x._version:
         hit = copies[id(x)] = (x, x._version, _CopyToTensor.apply(x, rt, path))

@@ -179,3 +179,23 @@ def test_check_equivalence_with_a_tensor_parallel_plan(clusters):
     assert any(f.startswith("FULL_SHARD world=(tensor=2): blocks.0.mlp.0.weight: max |diff|") for f in bad), bad
     assert any(f.startswith("FULL_SHARD world=(tensor=2): rank 1's shard of blocks.0.mlp.0.weight") for f in bad), bad
     assert not any("rank 0's shard of blocks.0.mlp.0.weight" in f for f in bad), bad
+
+
+def _generate(tensor):
+    mesh = sf.Mesh.from_group(tensor=tensor)
+    torch.manual_seed(0)
+    model = llama().eval()
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        want = model.generate(prompt, **kw)
+    params, apply = sf.functionalize(model)
+    sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel="auto")
+    with sf.bind(apply, sharded) as bound, torch.no_grad():
+        got = bound.generate(prompt, **kw)
+    return want, got
+
+
+def test_generate_on_tensor_parallel_shards_equals_the_full_model(clusters):
+    for want, got in clusters[2].run(_generate, 2):
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(want)), (got, want)
