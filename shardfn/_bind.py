@@ -99,6 +99,7 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
     for (d, attr), t in zip(slots, placed):
         d[attr] = t
     apply.calls.append(units)
+    apply.tensor_calls.append((layout, rt, {}))  # split layers run split in the block (shardfn._tensor)
     returned = False
     try:
         # An error on one rank reaches the others at their next collective (guarded); ranks
@@ -109,6 +110,7 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
         returned = True
     finally:
         apply.calls.pop()
+        apply.tensor_calls.pop()
         for unit in (u for group in units.values() for u in reversed(group)):
             if unit.entered:  # a unit's forward raised
                 unit.exit()

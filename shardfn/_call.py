@@ -113,7 +113,7 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
     if precision.cast_inputs:
         args, kwargs = cast_floating((args, kwargs), precision.param)
     apply.calls.append(units)
-    apply.tensor_calls.append((layout, rt))
+    apply.tensor_calls.append((layout, rt, {}))  # {}: the call's shared colwise inputs (shardfn._tensor)
     try:
         out = functional_call(apply.module, state, args, kwargs, tie_weights=True, strict=False)
         # A module that *replaced* a buffer (rather than updating it in place) left the new
@@ -137,11 +137,11 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
 def _tensor_call(apply: Any) -> Any:
     """What re-enters the sharded call in progress (its split layers' layout and runtime)
     around a rematerialised unit's recompute, which runs in backward, after the call."""
-    now = apply.tensor_calls[-1] if apply.tensor_calls else None
+    now = apply.tensor_calls[-1][:2] if apply.tensor_calls else None  # (not its inputs: they are activations)
 
     @contextlib.contextmanager
     def again() -> Iterator[None]:
-        apply.tensor_calls.append(now)
+        apply.tensor_calls.append(None if now is None else (*now, {}))
         try:
             yield
         finally:

@@ -231,7 +231,7 @@ def shard(
     init_fn: Callable[[nn.Module], None] | None = None,
     src_rank: int | None = None,
     weights: str | os.PathLike | None = None,
-    tensor_parallel: Mapping[str, str] | None = None,
+    tensor_parallel: Mapping[str, str] | str | None = None,
 ) -> ShardedParams:
     """This rank's shards of ``params`` under ``plan`` on ``mesh``.
 
@@ -299,6 +299,7 @@ def shard(
             mapping from module-path patterns (fnmatch: ``"blocks.*.mlp.0"``) to ``"colwise"``
             or ``"rowwise"``: those ``nn.Linear`` layers are split over the tensor axis, and
             each rank's pieces are sharded over ``shard`` as any leaf (docs/tensor-parallel.md).
+            ``"auto"``: a transformers model's own plan (``model.config.base_model_tp_plan``).
 
     Returns:
         A :class:`ShardedParams` (the shards and the buffers); ``print(sharded.layout)``

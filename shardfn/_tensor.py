@@ -33,8 +33,8 @@ from . import _guard as G
 from ._errors import DivergenceError
 from ._events import Collective, Purpose
 
-__all__ = ["STYLES", "agree_on_batch", "full_leaf", "local_state", "resolve_tensor_parallel", "split_sum_of_squares",
-           "tp_forward"]
+__all__ = ["STYLES", "agree_on_batch", "auto_plan", "full_leaf", "local_state", "resolve_tensor_parallel",
+           "split_sum_of_squares", "tp_forward"]
 
 STYLES = ("colwise", "rowwise")
 
@@ -44,9 +44,10 @@ _NOT_YET = (
     "docs/tensor-parallel.md."
 )
 _ATTENTION = (
-    "shard(tensor_parallel=...): {path!r} is inside an attention module: its output is reshaped by the number of "
-    "heads, and a rank's slice of it would be read with the wrong head size without any error. Splitting attention "
-    "is not supported yet; split the MLP's layers only (e.g. 'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.2': "
+    "shard(tensor_parallel=...): {path!r} is inside an attention module that shardfn cannot tell splits exactly: "
+    "its output may be reshaped by the number of heads, and a rank's slice of it would be read with the wrong head "
+    "size without any error. Only a transformers attention module that reshapes by head_dim can be split ([Note: "
+    "attention split by heads]); split the MLP's layers only (e.g. 'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.2': "
     "'rowwise')."
 )
 
@@ -60,15 +61,18 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
     if tensor == 1:
         raise ValueError("shard(tensor_parallel=...): the mesh has no 'tensor' axis (or it has one rank). Build "
                          "the mesh with Mesh.from_env(tensor=T), or drop tensor_parallel=.")
-    if isinstance(spec, str):
+    if isinstance(spec, str) and spec != "auto":
         raise ValueError(_NOT_YET.format(what=f"tensor_parallel={spec!r}"))
-    if not isinstance(spec, Mapping):
+    if not isinstance(spec, (Mapping, str)):
         raise TypeError(f"shard(tensor_parallel=...): expected a mapping from module-path patterns to 'colwise' or "
                         f"'rowwise', got {type(spec).__name__}.")
     if module is None:
         raise ValueError("shard(tensor_parallel=...): the module tree is unknown; pass the params returned by "
                          "functionalize(model).")
+    if spec == "auto":
+        spec = auto_plan(module)
     styles: dict[str, str] = {}
+    attentions: set[str] = set()
     for pattern, style in spec.items():
         if not isinstance(style, str) or style not in STYLES:
             name = repr(style) if isinstance(style, str) else f"a {type(style).__name__} object"
@@ -80,8 +84,9 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                              f"e.g. 'blocks.*.mlp.0'.")
         for path in paths:
             m = module.get_submodule(path)
-            if any("attn" in part or "attention" in part for part in path.split(".")):
-                raise ValueError(_ATTENTION.format(path=path))
+            attention = _attention_of(module, path)
+            if attention is not None:
+                attentions.add(attention)
             if type(m) is not nn.Linear:
                 raise ValueError(f"shard(tensor_parallel=...): {path!r} (matched by {pattern!r}) is a "
                                  f"{type(m).__name__}; only nn.Linear layers can be split yet. Narrow the pattern.")
@@ -89,6 +94,8 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                 raise ValueError(f"shard(tensor_parallel=...): {path!r} is matched as {styles[path]!r} and as "
                                  f"{style!r}; give each layer one style.")
             styles[path] = style
+    for attention in sorted(attentions):
+        _check_attention(module, attention, styles, tensor)
     splits = []
     for path, style in sorted(styles.items()):
         for name, dim in (("weight", 0 if style == "colwise" else 1), ("bias", 0 if style == "colwise" else None)):
@@ -106,6 +113,80 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                                  "that divides it, or leave the layer out.")
             splits.append((leaf, dim, shape))
     return tuple(sorted(styles.items())), tuple(splits)
+
+
+def auto_plan(module: nn.Module) -> dict[str, str]:
+    """``tensor_parallel="auto"``: the transformers model's ``config.base_model_tp_plan``,
+    its patterns made paths of ``module`` (they are relative to the base model)."""
+    plan = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+    if not plan:
+        raise ValueError(f"shard(tensor_parallel='auto'): {type(module).__name__} has no base_model_tp_plan (its "
+                         "config's tensor-parallel plan, as a transformers model has); pass a mapping from module-path "
+                         "patterns to 'colwise' or 'rowwise' instead, e.g. {'blocks.*.mlp.0': 'colwise', "
+                         "'blocks.*.mlp.2': 'rowwise'}.")
+    prefix = getattr(module, "base_model_prefix", "")
+    base = prefix + "." if prefix and isinstance(getattr(module, prefix, None), nn.Module) else ""
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"shard(tensor_parallel='auto'): the model's base_model_tp_plan splits {pattern!r} as "
+                             f"{style!r}, a transformers style shardfn does not have (it has 'colwise' and "
+                             "'rowwise'). Pass a mapping instead: the plan with that layer left out or given one of "
+                             "those styles.")
+    return {base + pattern: style for pattern, style in plan.items()}
+
+
+def _attention_of(module: nn.Module, path: str) -> str | None:
+    """The path of the attention module ``path`` is inside (the innermost parent named for
+    attention), or None; a layer named for attention with no such parent is refused."""
+    parts = path.split(".")
+    if not any("attn" in part or "attention" in part for part in parts):
+        return None
+    parents = [i for i in range(1, len(parts)) if "attn" in parts[i - 1] or "attention" in parts[i - 1]]
+    if not parents:
+        raise ValueError(_ATTENTION.format(path=path))
+    return ".".join(parts[:parents[-1]])
+
+
+def _check_attention(module: nn.Module, path: str, styles: Mapping[str, str], tensor: int) -> None:
+    """Refuses the split of attention module ``path`` unless it is exact.
+
+    [Note: attention split by heads]
+    Splitting q/k/v colwise and o rowwise gives each tensor rank whole heads, and is exact
+    only if the attention reads its head count from the tensors it gets. A transformers
+    attention (Llama and its kind) reshapes with ``view(..., -1, head_dim)`` and pairs query
+    heads with key/value heads by ``num_key_value_groups``, a ratio that splitting keeps;
+    the test GPT's packed qkv is reshaped by its head count, and a rank's half would be
+    read with the wrong head size, silently. So an attention module is split only if it is
+    a transformers module with ``head_dim``, ``num_key_value_groups`` equal to the config's
+    ``num_attention_heads // num_key_value_heads``, and no head count or width of its own
+    (``num_heads``, ``hidden_size``, ...) that its forward could reshape by; every
+    ``nn.Linear`` in it is split (a query split and a key left whole would be paired
+    wrongly by grouped attention); and the tensor size divides both head counts.
+    """
+    att = module.get_submodule(path)
+    cfg = getattr(att, "config", None)
+    heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    own = [a for a in ("num_heads", "num_attention_heads", "num_key_value_heads", "hidden_size", "embed_dim")
+           if hasattr(att, a)]
+    if not (type(att).__module__.startswith("transformers.") and isinstance(getattr(att, "head_dim", None), int)
+            and isinstance(heads, int) and isinstance(kv, int) and kv > 0 and not own
+            and getattr(att, "num_key_value_groups", None) == heads // kv):
+        raise ValueError(_ATTENTION.format(path=min(p for p in styles if p.startswith(path + "."))))
+    linears = [f"{path}.{p}" for p, m in att.named_modules() if isinstance(m, nn.Linear)]
+    left = [p for p in linears if p not in styles]
+    if left:
+        raise ValueError(f"shard(tensor_parallel=...): the attention module {path!r} has some of its layers split "
+                         f"and not {', '.join(map(repr, left))}: its heads would be split in some projections and "
+                         "not in others, and grouped attention would pair them wrongly without an error. Give "
+                         "its layers styles so as to split all of them (query, key, value 'colwise', output "
+                         "'rowwise'), or none.")
+    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        if n % tensor:
+            raise ValueError(f"shard(tensor_parallel=...): the attention module {path!r} splits its heads over the "
+                             f"mesh's 'tensor' axis's {tensor} ranks, which do not divide its config's "
+                             f"{name}={n} (num_attention_heads={heads}, num_key_value_heads={kv}; {n} % {tensor} = "
+                             f"{n % tensor}). Choose a tensor size that divides both head counts, or leave the "
+                             "attention's layers out of the plan.")
 
 
 def local_state(state: Mapping[str, torch.Tensor], splits: tuple[tuple[str, int, tuple], ...], tensor: int,
@@ -167,9 +248,29 @@ class _ReduceFromTensor(torch.autograd.Function):
         return grad, None, None
 
 
+def _shared_copy(copies: dict[int, tuple], x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+    """``x`` as a colwise layer's input: one :class:`_CopyToTensor` per input tensor and call.
+
+    [Note: one all-reduce per shared input]
+    Colwise layers that read the same tensor (q, k and v; gate and up) share one copy of it,
+    so autograd sums their partial input gradients on the rank first and the tensor axis
+    all-reduces that sum once (Megatron's ``f``), named by the first layer that read it. The
+    copies live in the sharded call's own dict (``copies``), made afresh for each call, so no
+    copy outlives its forward (a micro-batch, a step); one is reused only while its input is
+    the same tensor at the same version (an input changed in place gets a new copy). An
+    input without a gradient (``bind``'s block runs under no_grad) is used as it is.
+    """
+    if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: nothing to reduce, nothing to keep
+        return x
+    hit = copies.get(id(x))
+    if hit is None or hit[0] is not x or hit[1] != x._version:
+        hit = copies[id(x)] = (x, x._version, _CopyToTensor.apply(x, rt, path))
+    return hit[2]
+
+
 def tp_forward(active: Any, path: str, module: nn.Linear) -> Any:
     """``module``'s forward, split as the active call's layout says (``active()``: its
-    ``(layout, runtime)``, or None outside a sharded call); the module's own otherwise."""
+    ``(layout, runtime, copies)``, or None outside a sharded call); the module's own otherwise."""
     inner = module.forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +280,7 @@ def tp_forward(active: Any, path: str, module: nn.Linear) -> Any:
             return inner(x)
         rt = now[1]
         if style == "colwise":
-            return F.linear(_CopyToTensor.apply(x, rt, path), module.weight, module.bias)
+            return F.linear(_shared_copy(now[2], x, rt, path), module.weight, module.bias)
         y = _ReduceFromTensor.apply(F.linear(x, module.weight), rt, path)
         return y if module.bias is None else y + module.bias
 

@@ -128,7 +128,7 @@ def test_refusals_name_the_cause_and_the_fix(clusters):
     assert "'blocks.0.mlp' (matched by 'blocks.*.mlp') is a Sequential" in not_linear
     assert "inside an attention module" in attention and "'blocks.0.attn.qkv'" in attention
     assert "'head.weight' of shape [33, 16]" in indivisible and "33 % 2 = 1" in indivisible
-    assert "tensor_parallel='auto' is not supported yet" in auto
+    assert "tensor_parallel='auto'): GPT has no base_model_tp_plan" in auto  # (tests/test_tp_auto.py: HF's plan)
     assert "the style 'sequence'" in sequence and "the style a ColwiseParallel object" in style_object
     assert "split over the mesh's 'tensor' axis (blocks.0.mlp.0.weight, blocks.0.mlp.2.weight" in muon
 

@@ -105,6 +105,8 @@ def sharded_training(
     seed: int = 0,
     replicate: int | None = None,
     step_options: Mapping[str, Any] | None = None,
+    tensor: int | None = None,
+    tensor_parallel: Any = None,
 ):
     """Runs on every rank of a cluster: the same training, sharded, with
     ``loss_fn(apply, params, batch)`` as :func:`check_equivalence` takes it.
@@ -114,19 +116,22 @@ def sharded_training(
     ``(shard, first row, real rows)`` (a flat shard: ``(shard, first element, -1)``) and the
     names of the buffers. ``replicate=R`` trains
     on a 2-D mesh of R replicas (the hybrid strategies); ``step_options`` go to
-    :func:`shardfn.jit_step` (``micro_batches=``, ...).
+    :func:`shardfn.jit_step` (``micro_batches=``, ...). ``tensor=T`` adds a ``"tensor"`` axis
+    of T ranks (each tensor group gets the same slice of the batch) and ``tensor_parallel``
+    goes to :func:`shardfn.shard`; a split leaf's shard is then a piece of this tensor rank's
+    part of it, its ``(dim, tensor rank, tensor size)`` in ``"splits"``.
     """
-    mesh = Mesh.from_group(replicate=replicate)
+    mesh = Mesh.from_group(replicate=replicate, tensor=tensor)
     torch.manual_seed(seed)
     params, _ = functionalize(model_fn())  # the shards carry the model's apply
-    sharded = shard(params, mesh, plan, units=units)
+    sharded = shard(params, mesh, plan, units=units, tensor_parallel=tensor_parallel)
     del params
     opt = optimizer()
     state = opt.init(sharded)
     step = jit_step(loss_fn, mesh, optimizer=opt, **(step_options or {}))
     losses = []
     for batch in batches:
-        sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.rank, mesh.size))
+        sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
         losses.append(metrics["loss"])
     layout = sharded.layout
     rank = layout.shard_rank(mesh)
@@ -138,7 +143,9 @@ def sharded_training(
             shards[n] = (sharded[n].detach(), max(0, rank * span + off - leaf.start), -1)
         else:
             shards[n] = (sharded[n].detach(), rank * leaf.chunk if layout.gathers else 0, layout.local_rows(n, rank))
-    return {"losses": losses, "state": full_state(sharded), "shards": shards, "buffers": list(layout.buffers)}
+    splits = {leaf: (dim, mesh.axis_rank("tensor"), mesh.axis_size("tensor")) for leaf, dim, _ in layout.splits}
+    return {"losses": losses, "state": full_state(sharded), "shards": shards, "buffers": list(layout.buffers),
+            "splits": splits}
 
 
 @dataclasses.dataclass
@@ -223,6 +230,9 @@ def compare(report: EquivalenceReport, cfg: tuple[str, Any], results: Sequence[M
     for rank, result in enumerate(results):
         for name, (local, start, rows) in result["shards"].items():
             ref = ref_state[name] if ref_state[name].dim() else ref_state[name].reshape(1)  # a 0-d parameter: one row
+            if name in result.get("splits", {}):  # split over the tensor axis: this tensor rank's part of it
+                dim, t, size = result["splits"][name]
+                ref = ref.narrow(dim, t * (ref.shape[dim] // size), ref.shape[dim] // size).contiguous()
             if rows < 0:  # a flat shard: a run of the flattened parameter, no padding
                 diff, ratio = _difference(local, ref.reshape(-1)[start : start + local.numel()], report.rtol, report.atol)
                 shards[(rank, name)] = (diff, ratio, True)
@@ -232,6 +242,26 @@ def compare(report: EquivalenceReport, cfg: tuple[str, Any], results: Sequence[M
     report.shards[cfg] = shards
 
 
+def _mesh_of(world: Any, tensor_parallel: Any) -> tuple[int | None, int | None, int, Any]:
+    """``(replicate, tensor, ranks, name in the report)`` of one of check_equivalence's world sizes."""
+    if isinstance(world, Mapping):
+        bad = sorted(set(world) - {"replicate", "shard", "tensor"})
+        if bad or not all(isinstance(n, int) and n >= 1 for n in world.values()):
+            raise ValueError(f"check_equivalence: world size {dict(world)!r}: a mapping names mesh axes "
+                             "('replicate', 'shard', 'tensor') with positive sizes, e.g. {'shard': 2, 'tensor': 2}.")
+        r, t = world.get("replicate"), world.get("tensor")
+        size = (r or 1) * world.get("shard", 1) * (t or 1)
+        name = "(" + ", ".join(f"{a}={world[a]}" for a in ("replicate", "shard", "tensor") if a in world) + ")"
+        replicate, tensor = r, t
+    else:
+        replicate, tensor = (world[0], None) if isinstance(world, tuple) else (None, None)
+        size, name = (world[0] * world[1] if isinstance(world, tuple) else world), world
+    if tensor_parallel is not None and (tensor or 1) < 2:
+        raise ValueError(f"check_equivalence(tensor_parallel=...): world size {name} has no 'tensor' axis; name one "
+                         "as a mapping of mesh axes, e.g. world_sizes=({'tensor': 2}, {'shard': 2, 'tensor': 2}).")
+    return replicate, tensor, size, name
+
+
 def check_equivalence(
     model_fn: Callable[[], nn.Module],
     loss_fn: LossFn,
@@ -239,7 +269,7 @@ def check_equivalence(
     *,
     optimizer: Callable[[], GradientTransformation],
     strategies: Sequence[str] = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
-    world_sizes: Sequence[int | tuple[int, int]] = (1, 2, 3, 4),
+    world_sizes: Sequence[int | tuple[int, int] | Mapping[str, int]] = (1, 2, 3, 4),
     units: Any = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
@@ -247,6 +277,7 @@ def check_equivalence(
     clusters: Mapping[int, Cluster] | None = None,
     raise_on_failure: bool = True,
     step_options: Mapping[str, Any] | None = None,
+    tensor_parallel: Any = None,
 ) -> EquivalenceReport:
     """Checks that sharded training of your model equals single-process training.
 
@@ -261,13 +292,20 @@ def check_equivalence(
         batches: global batches (pytrees of tensors, dim 0 divisible by every world size).
         optimizer: builds the optimizer, e.g. ``functools.partial(shardfn.optim.adamw, 1e-3)``.
         strategies, world_sizes, units: the grid to check. A world size may be a pair
-            ``(R, S)``: a 2-D mesh of R replicas of S shards, for the hybrid strategies.
+            ``(R, S)``: a 2-D mesh of R replicas of S shards, for the hybrid strategies;
+            or a mapping of mesh axes to sizes, ``{"tensor": 2}`` or ``{"shard": 2, "tensor": 2}``
+            (keys ``"replicate"``, ``"shard"``, ``"tensor"``; a missing one is 1): a mesh with a
+            tensor axis, as ``Mesh.from_env(tensor=T)`` builds, for ``tensor_parallel``.
         rtol, atol: the tolerance per element (``|diff| <= atol + rtol * |ref|``).
         clusters: reuse running clusters, by world size (the test suite does).
         raise_on_failure: raise ``AssertionError`` listing every failure (default).
         step_options: keyword arguments for :func:`shardfn.jit_step` in the sharded runs
             (``micro_batches=4``, ``accumulate="local"``, ...); the reference always
             takes one plain step per global batch.
+        tensor_parallel: passed to :func:`shardfn.shard` (``{"blocks.*.mlp.0": "colwise",
+            ...}`` or ``"auto"``); then every world size must name a ``"tensor"`` axis of
+            more than one rank. Each tensor group trains on one slice of the batch; a split
+            leaf's local shards are compared with the matching part of the reference.
 
     Every buffer is compared too (by name; integer buffers exactly) and must be equal on
     every rank, and so is each rank's local shard of every parameter with the matching
@@ -291,14 +329,15 @@ def check_equivalence(
     report = EquivalenceReport(rtol, atol)
     for world in world_sizes:
         # An int is a 1-D mesh; a pair (R, S) a 2-D mesh of R replicas of S shards.
-        replicate, size = (world[0], world[0] * world[1]) if isinstance(world, tuple) else (None, world)
+        replicate, tensor, size, world = _mesh_of(world, tensor_parallel)
         own = clusters is None or size not in clusters
         cluster = Cluster(size) if own else clusters[size]
         try:
             for strategy in strategies:
                 results = cluster.run(
                     sharded_training, model_fn, loss_fn, batches, optimizer, strategy, units,
-                    seed=seed, replicate=replicate, step_options=step_options,
+                    seed=seed, replicate=replicate, step_options=step_options, tensor=tensor,
+                    tensor_parallel=tensor_parallel,
                 )
                 first = results[0]
                 for r, other in enumerate(results[1:], 1):
