@@ -52,3 +52,28 @@ def test_weights_read_on_a_tensor_mesh_equal_the_file(clusters, tmp_path, placem
             assert set(full) == set(state)
             for name, t in state.items():
                 assert torch.equal(full[name], t), (world, name)
+
+
+def _read_llama(directory):
+    from test_tp_auto import llama
+
+    with torch.device("meta"):
+        model = llama()
+    params, _ = sf.functionalize(model)
+    mesh = sf.Mesh.from_group(tensor=2)
+    sharded = sf.shard(params, mesh, "FULL_SHARD", weights=directory, init_fn=model._init_weights,
+                       tensor_parallel="auto")
+    return sf.gather(sharded)
+
+
+def test_a_pretrained_llama_read_into_its_own_plan_equals_the_original(clusters, tmp_path):
+    from test_tp_auto import llama
+
+    torch.manual_seed(5)
+    model = llama()
+    model.save_pretrained(str(tmp_path))
+    state = model.state_dict()
+    for full in clusters[4].run(_read_llama, str(tmp_path)):  # attention and MLP split, shard 2 x tensor 2
+        assert set(full) == set(state)
+        for name, t in state.items():
+            assert torch.equal(full[name], t), name
