@@ -39,9 +39,9 @@ __all__ = ["STYLES", "agree_on_batch", "auto_plan", "full_leaf", "local_state", 
 STYLES = ("colwise", "rowwise")
 
 _NOT_YET = (
-    "shard(tensor_parallel=...): {what} is not supported yet (stage 1 of tensor parallelism: a mapping from "
-    "module-path patterns to 'colwise' or 'rowwise', on nn.Linear layers). Pass such a mapping; see "
-    "docs/tensor-parallel.md."
+    "shard(tensor_parallel=...): {what} is not supported yet (tensor parallelism takes 'auto' or a mapping from "
+    "module-path patterns to 'colwise' or 'rowwise', on nn.Linear layers; sequence parallelism is a later "
+    "stage). Pass such a mapping; see docs/tensor-parallel.md."
 )
 _ATTENTION = (
     "shard(tensor_parallel=...): {path!r} is inside an attention module that shardfn cannot tell splits exactly: "

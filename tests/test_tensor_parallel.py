@@ -1,4 +1,4 @@
-"""Tensor parallelism, stage 1 (issue 50): the test GPT's MLPs split colwise / rowwise over a
+"""Tensor parallelism (issue 50): the test GPT's MLPs split colwise / rowwise over a
 ``tensor`` mesh axis, FSDP over the pieces on ``shard``; equal to one process, the tensor
 axis's all-reduces counted exactly, and everything not supported yet refused by name."""
 
@@ -113,6 +113,8 @@ def _refusals():
     for spec in ({"blocks.*.mlp.9": "colwise"}, {"blocks.*.mlp": "colwise"}, {"blocks.*.attn.qkv": "colwise"},
                  {"head": "colwise"}, "auto", {"blocks.*.mlp.0": "sequence"}, {"blocks.*.mlp.0": ColwiseParallel()}):
         refused(sf.shard, params, mesh, "FULL_SHARD", tensor_parallel=spec)
+    refused(sf.shard, params, mesh, sf.Plan("FULL_SHARD", optional=["blocks.1"]), tensor_parallel=PLAN)
+    refused(sf.shard, params, mesh, "FULL_SHARD", src_rank=0, tensor_parallel=PLAN)
     sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel=PLAN)
     matrices = sf.optim.partition({"muon": sf.optim.from_torch(torch.optim.Muon, lr=0.01), "sgd": sf.optim.sgd(0.1)},
                                   lambda name, shape: "muon" if len(shape) >= 2 else "sgd")
@@ -123,13 +125,15 @@ def _refusals():
 def test_refusals_name_the_cause_and_the_fix(clusters):
     first, second = clusters[2].run(_refusals)
     assert first == second  # every rank raises the same error
-    (no_match, not_linear, attention, indivisible, auto, sequence, style_object, muon) = first
+    (no_match, not_linear, attention, indivisible, auto, sequence, style_object, optional, src_rank, muon) = first
     assert "'blocks.*.mlp.9' matches no module" in no_match
     assert "'blocks.0.mlp' (matched by 'blocks.*.mlp') is a Sequential" in not_linear
     assert "inside an attention module" in attention and "'blocks.0.attn.qkv'" in attention
     assert "'head.weight' of shape [33, 16]" in indivisible and "33 % 2 = 1" in indivisible
     assert "tensor_parallel='auto'): GPT has no base_model_tp_plan" in auto  # (tests/test_tp_auto.py: HF's plan)
     assert "the style 'sequence'" in sequence and "the style a ColwiseParallel object" in style_object
+    assert "optional units (Plan(optional=...)) are not supported yet" in optional
+    assert "src_rank= on a mesh with a 'tensor' axis is not supported yet; pass seed=" in src_rank
     assert "split over the mesh's 'tensor' axis (blocks.0.mlp.0.weight, blocks.0.mlp.2.weight" in muon
 
 
