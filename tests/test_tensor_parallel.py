@@ -34,38 +34,42 @@ def batches():
              "y": torch.randint(0, CFG["vocab_size"], (ROWS, CFG["seq_len"]), generator=g)} for _ in range(STEPS)]
 
 
-def _train(strategy, tensor):
-    mesh = sf.Mesh.from_group(tensor=tensor)
+def _train(strategy, tensor, replicate=None):
+    """3 steps on [replicate x] shard x tensor: losses, grad norms, the tensor axis's and the
+    gradient reduction's collectives per step, the gathered params, the local shapes, the mesh."""
+    mesh = sf.Mesh.from_group(replicate=replicate, tensor=tensor)
     torch.manual_seed(0)
     params, _ = sf.functionalize(model())
     sharded = sf.shard(params, mesh, strategy, tensor_parallel=PLAN)
     opt = SGD_MOMENTUM()
     state = opt.init(sharded)
     step = sf.jit_step(loss_fn, mesh, optimizer=opt)
-    losses, norms, logs = [], [], []
+    losses, norms, logs, reduce = [], [], [], []
     for batch in batches():
         with sf.record_collectives() as log:
             sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
         logs.append([(c.unit, c.kind.value, c.nbytes) for c in log.select("tensor")])
+        reduce.append(sorted((c.kind.value, tuple(c.group)) for c in log.select("reduce")))  # (kind, its ranks)
     local = {n: tuple(t.shape) for n, t in sharded.items()}
-    return losses, norms, logs, sf.gather(sharded), local, (mesh.axis_names, mesh.shape, mesh.data_size)
+    return losses, norms, logs, sf.gather(sharded), local, (mesh.axis_names, mesh.shape, mesh.data_size), reduce
 
 
-def _reference():
-    losses, state = reference_training(model, loss_fn, batches(), SGD_MOMENTUM)
+def _reference(model_fn=model, loss=loss_fn, make_batches=batches):
+    """One process on the global batches: the losses, the final state, the first step's grad norm."""
+    losses, state = reference_training(model_fn, loss, make_batches(), SGD_MOMENTUM)
     torch.manual_seed(0)
-    params, apply = sf.functionalize(model())
+    params, apply = sf.functionalize(model_fn())
     trainable = {n: t for n, t in params.items() if t.requires_grad}
-    grads = torch.autograd.grad(loss_fn(apply, params, batches()[0]), list(trainable.values()))
+    grads = torch.autograd.grad(loss(apply, params, make_batches()[0]), list(trainable.values()))
     return losses, state, float(torch.sqrt(sum(g.square().sum() for g in grads)))
 
 
 def _check(results, data_size):
     ref_losses, ref_state, ref_norm = _reference()
     block_bytes = ROWS // data_size * CFG["seq_len"] * CFG["d_model"] * 4  # fp32 activations of this rank's rows
-    for losses, norms, logs, full, _, _ in results:
+    for losses, norms, logs, full, *_ in results:
         assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
         assert abs(norms[0] - ref_norm) <= ATOL + RTOL * ref_norm, (norms[0], ref_norm)
         assert set(full) == set(ref_state)

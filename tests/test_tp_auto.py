@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 import shardfn as sf
+import test_tensor_parallel
 from bounds import SGD_MOMENTUM
-from shardfn.testing._equivalence import reference_training, split_batch
+from shardfn.testing._equivalence import split_batch
 
 HIDDEN, LAYERS, VOCAB, SEQ = 32, 2, 64, 8
 ROWS, STEPS = 4, 3
@@ -57,12 +58,7 @@ def _train(strategy, tensor, micro=1):
 
 
 def _reference():
-    losses, state = reference_training(llama, loss_fn, batches(), SGD_MOMENTUM)
-    torch.manual_seed(0)
-    params, apply = sf.functionalize(llama())
-    trainable = {n: t for n, t in params.items() if t.requires_grad}
-    grads = torch.autograd.grad(loss_fn(apply, params, batches()[0]), list(trainable.values()))
-    return losses, state, float(torch.sqrt(sum(g.square().sum() for g in grads)))
+    return test_tensor_parallel._reference(llama, loss_fn, batches)
 
 
 def _check(results, data_size, micro=1):

@@ -3,7 +3,6 @@
 error, before the state changes, and not by the timeout; the steps after it run."""
 
 import re
-import time
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 
 import shardfn as sf
 from bounds import SGD_MOMENTUM
+from test_ranks_differ import _outcome
 
 PLAN = {"layers.*.0": "colwise", "layers.*.2": "rowwise"}
 
@@ -29,15 +29,6 @@ class Blocks(nn.Module):
             if i not in skip:
                 x = x + layer(x)
         return x
-
-
-def _outcome(fn):
-    t0 = time.monotonic()
-    try:
-        fn()
-        return {"error": None, "message": "", "seconds": time.monotonic() - t0}
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
 
 
 def _unchanged(before, sharded):

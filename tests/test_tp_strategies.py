@@ -10,39 +10,19 @@ from bounds import SGD_MOMENTUM
 from shardfn.testing._equivalence import reference_training, split_batch
 from test_equivalence import gpt_batches, gpt_loss, gpt_model
 from test_precision import BF16, EPS, LR, STEPS, reference
-from test_tensor_parallel import ATOL, PLAN, RTOL, _check, batches, loss_fn, model
-
-
-def _train(strategy, tensor, replicate=None):
-    mesh = sf.Mesh.from_group(replicate=replicate, tensor=tensor)
-    torch.manual_seed(0)
-    params, _ = sf.functionalize(model())
-    sharded = sf.shard(params, mesh, strategy, tensor_parallel=PLAN)
-    opt = SGD_MOMENTUM()
-    state = opt.init(sharded)
-    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
-    losses, norms, logs, reduce = [], [], [], []
-    for batch in batches():
-        with sf.record_collectives() as log:
-            sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
-        logs.append([(c.unit, c.kind.value, c.nbytes) for c in log.select("tensor")])
-        reduce.append(sorted((c.kind.value, tuple(c.group)) for c in log.select("reduce")))  # (kind, its ranks)
-    local = {n: tuple(t.shape) for n, t in sharded.items()}
-    return losses, norms, logs, sf.gather(sharded), local, (mesh.axis_names, mesh.shape, mesh.data_size), reduce
+from test_tensor_parallel import ATOL, PLAN, RTOL, _check, _train, batches, loss_fn, model
 
 
 @pytest.mark.parametrize("strategy", ["NO_SHARD", "SHARD_OPTIMIZER"])
 def test_no_shard_and_shard_optimizer_at_shard_two_by_tensor_two_equal_one_process(clusters, strategy):
     results = clusters[4].run(_train, strategy, 2)
     assert results[0][5] == (("shard", "tensor"), (2, 2), 2)
-    _check([r[:6] for r in results], 2)
+    _check(results, 2)
     kind = "all_reduce" if strategy == "NO_SHARD" else "reduce_scatter"
     for rank, r in enumerate(results):  # one gradient reduction a step, over the data ranks, never the tensor axis
         assert r[6] == [[(kind, (rank % 2, rank % 2 + 2))]] * 3, (rank, r[6])
     results = clusters[2].run(_train, strategy, 2)  # tensor 2 alone: one data rank, nothing to reduce
-    _check([r[:6] for r in results], 1)
+    _check(results, 1)
     assert all(r[6] == [[]] * 3 for r in results), [r[6] for r in results]
 
 
@@ -50,7 +30,7 @@ def test_no_shard_and_shard_optimizer_at_shard_two_by_tensor_two_equal_one_proce
 def test_hybrids_at_replicate_two_by_tensor_two_equal_one_process(clusters, strategy):
     results = clusters[4].run(_train, strategy, 2, 2)
     assert results[0][5] == (("replicate", "shard", "tensor"), (2, 1, 2), 2)
-    _check([r[:6] for r in results], 2)
+    _check(results, 2)
     for rank, r in enumerate(results):  # over the replicas {0, 2} and {1, 3}, never the tensor axis
         assert r[6] == [[("all_reduce", (rank % 2, rank % 2 + 2))]] * 3, (rank, r[6])
 
@@ -128,12 +108,12 @@ def _plan(strategy, **kw):
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_remat_at_shard_two_by_tensor_two_equals_one_process(clusters, mode):
     results = clusters[4].run(_train, _plan("FULL_SHARD", remat=sf.Remat(mode=mode)), 2)
-    _check([r[:6] for r in results], 2)  # (each block's rowwise output is saved by nothing inside it: no recompute makes it)
+    _check(results, 2)  # (each block's rowwise output is saved by nothing inside it: no recompute makes it)
 
 
 def test_offload_at_shard_two_by_tensor_two_equals_one_process(clusters):
     results = clusters[4].run(_train, _plan("FULL_SHARD", offload=sf.Offload(params=True, optimizer=True)), 2)
-    _check([r[:6] for r in results], 2)
+    _check(results, 2)
 
 
 def _bf16_run(precision):
