@@ -60,11 +60,11 @@ _TORCH = os.path.dirname(torch.__file__)
 _PACKAGE = os.path.dirname(__file__)
 
 _REFUSED = (
-    "[rank {rank}] jit_step(graph=True): this step cannot be recorded as one program: {why}, at {where}. A recorded "
-    "program would replay that value as a constant (a silently different step). Fix: {fix}, or build the step with "
-    "graph=False."
+    "[rank {rank}] jit_step(graph=True): this step cannot be recorded as one program: {why}, at {where}.{frozen} "
+    "Fix: {fix}, or build the step with graph=False."
 )
 
+_FROZEN = " A recorded program would replay that value as a constant (a silently different step)."
 
 _DIFFERENT = (
     "[rank {rank}] shardfn: the ranks on {ranks} recorded different programs for {what}: the fingerprints of their "
@@ -395,7 +395,7 @@ class GraphStep:
         if sharded.layout.offloaded:
             raise ValueError(_REFUSED.format(
                 rank=self.mesh.rank, why="offloaded shards are copied between host and device by the step's Python",
-                where=f"{sharded.layout!r}", fix="shard without offload"))
+                where=f"{sharded.layout!r}", frozen="", fix="shard without offload"))
         attributes = self._attributes if apply_of(sharded) is not None else None
         before = attributes.values() if attributes is not None else ()
         try:
@@ -404,6 +404,7 @@ class GraphStep:
             refuse_moved(self.mesh.rank, attributes, before)
         except Unrecordable as e:
             raise ValueError(_REFUSED.format(rank=self.mesh.rank, why=e.why, where=e.where or _where(e.__traceback__),
+                                             frozen=_FROZEN if e.frozen else "",
                                              fix=e.fix)) from None
 
     def _record(self, sharded: Any, opt_state: Any, batch: Any, state: list[torch.Tensor],

@@ -39,11 +39,13 @@ _RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_recor
 
 class Unrecordable(RuntimeError):
     """Raised while recording by what cannot be part of a recorded program:
-    ``Unrecordable(why, fix)``; ``jit_step(graph=True)`` reports both and where it was."""
+    ``Unrecordable(why, fix)``; ``jit_step(graph=True)`` reports both and where it was.
+    ``frozen``: the cause is a value the program would replay as a constant (the default),
+    not a step that cannot be one program for another reason."""
 
-    def __init__(self, why: str, fix: str, where: str | None = None) -> None:
+    def __init__(self, why: str, fix: str, where: str | None = None, frozen: bool = True) -> None:
         super().__init__(why)
-        self.why, self.fix, self.where = why, fix, where  # where: None names the frame that raised
+        self.why, self.fix, self.where, self.frozen = why, fix, where, frozen  # where: None names the raising frame
 
 
 def recording() -> bool:

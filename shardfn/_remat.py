@@ -94,7 +94,7 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
 
         if selective and unit.runtime.scope.recording:
             raise Unrecordable("selective remat chooses what to save by dispatch modes that a recorded step cannot hold",
-                               "full remat (Remat() without mode='selective')")
+                               "full remat (Remat() without mode='selective')", frozen=False)
         context_fn = _selective(unit.layout.plan.remat.save) if selective else torch.utils.checkpoint.noop_context_fn
         return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 

@@ -382,9 +382,12 @@ def _data_dependent(batch):
 ])
 def test_what_cannot_be_one_program_is_refused_with_where_and_the_fix(clusters, case, why):
     out = clusters[2].run(_refusal, case)
+    frozen = case in ("item", "tolist", "nonzero", "host_schedule", "adafactor", "muon_schedule")
     for message in out:
         assert why in message, message
         assert "graph=False" in message
+        # a value the program would freeze is called so; another cause (offload, a build option) is not
+        assert ("would replay that value as a constant" in message) == frozen, message
 
 
 def _nonfinite():

@@ -136,7 +136,8 @@ def muon(
         if split and recording():  # every rank: the layout is the same on all of them
             raise Unrecordable(f"muon gathers the pieces of a matrix split over the 'tensor' axis ({split[0]}) on "
                                "the tensor group that holds it, and not on the others, so the ranks' programs would "
-                               "differ", "build this step with graph=False")
+                               "differ", "give the split matrices an elementwise optimizer (sf.optim.partition)",
+                               frozen=False)
         out = {}
         for k, g in grads.items():
             buf = state.momentum_buffer[k]
