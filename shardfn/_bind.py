@@ -99,7 +99,9 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
     for (d, attr), t in zip(slots, placed):
         d[attr] = t
     apply.calls.append(units)
-    apply.tensor_calls.append((layout, rt, {}))  # split layers run split in the block (shardfn._tensor)
+    # split layers run split in the block (shardfn._tensor); a sequence region runs whole: the
+    # same sums, on sequences of any length (a generated token at a time)
+    apply.tensor_calls.append((layout, rt, {"whole": True}, False))
     returned = False
     try:
         # An error on one rank reaches the others at their next collective (guarded); ranks

@@ -43,7 +43,9 @@ from ._precision import cast_floating
 from ._remat import remat_forward
 from ._replica import replica_of
 from ._runtime import Runtime, current
-from ._tensor import tp_forward
+from ._sequence import (SEQUENCE_STYLES, check_closed, container_forward, region_check_hook, sequence_forward,
+                        sequence_parallel)
+from ._tensor import blocks_of, tp_forward
 from ._tree import check_names
 
 __all__ = ["sharded_call", "units_for"]
@@ -113,9 +115,12 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
     if precision.cast_inputs:
         args, kwargs = cast_floating((args, kwargs), precision.param)
     apply.calls.append(units)
-    apply.tensor_calls.append((layout, rt, {}))  # {}: the call's shared colwise inputs (shardfn._tensor)
+    # {}: the call's shared colwise inputs and its sequence region (shardfn._tensor, shardfn._sequence)
+    apply.tensor_calls.append((layout, rt, {}, sequence_parallel(layout)))
     try:
         out = functional_call(apply.module, state, args, kwargs, tie_weights=True, strict=False)
+        if apply.tensor_calls[-1][3]:
+            check_closed(apply.tensor_calls[-1])
         # A module that *replaced* a buffer (rather than updating it in place) left the new
         # tensor in ``state`` (functional_call writes it back): keep it in the tree.
         replaced = {n: state[n] for n in layout.buffers if state[n] is not buffers[n]}
@@ -137,11 +142,12 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
 def _tensor_call(apply: Any) -> Any:
     """What re-enters the sharded call in progress (its split layers' layout and runtime)
     around a rematerialised unit's recompute, which runs in backward, after the call."""
-    now = apply.tensor_calls[-1][:2] if apply.tensor_calls else None  # (not its inputs: they are activations)
+    now = apply.tensor_calls[-1] if apply.tensor_calls else None  # (not its inputs: they are activations)
 
     @contextlib.contextmanager
     def again() -> Iterator[None]:
-        apply.tensor_calls.append(None if now is None else (*now, {}))
+        # "again": the forward checked the region; the recompute runs inside it, in backward
+        apply.tensor_calls.append(None if now is None else (now[0], now[1], {"again": True}, now[3]))
         try:
             yield
         finally:
@@ -211,10 +217,34 @@ def _prepare(apply: Any, layout: Layout) -> dict[int, list[tuple[nn.Module, str,
             for alias in layout.aliases.get(leaf, (leaf,)):
                 sub_path, _, attr = alias.rpartition(".")
                 slots[u.index].append((apply.module.get_submodule(sub_path), attr, i))
-    for path, _ in layout.tensor:  # [Note: hand-written tensor collectives]; inert in other layouts' calls
-        if "tensor:" + path not in apply.hooked:
-            m = apply.module.get_submodule(path)
-            m.forward = tp_forward(lambda: apply.tensor_calls[-1] if apply.tensor_calls else None, path, m)
-            apply.hooked.add("tensor:" + path)
+    _prepare_tensor(apply, layout)
     apply.prepared[id(layout)] = (layout, slots)
     return slots
+
+
+def _prepare_tensor(apply: Any, layout: Layout) -> None:
+    """Split layers' forwards ([Note: hand-written tensor collectives]) and the sequence
+    region's ([Note: the sequence region]); each inert in other layouts' calls."""
+    def active() -> Any:
+        return apply.tensor_calls[-1] if apply.tensor_calls else None
+
+    def hook(key: str, path: str, make: Any) -> None:
+        if key + path not in apply.hooked:
+            m = apply.module.get_submodule(path)
+            m.forward = make(m)
+            apply.hooked.add(key + path)
+
+    styles = dict(layout.tensor)
+    for path, style in styles.items():
+        if style in SEQUENCE_STYLES:
+            hook("sequence:", path, lambda m, p=path: sequence_forward(active, p, m))
+        else:
+            hook("tensor:", path, lambda m, p=path: tp_forward(active, p, m))
+    if not sequence_parallel(layout):
+        return
+    for path in blocks_of(styles):
+        hook("block:", path, lambda m, p=path: container_forward(active, p, m))
+    for path, m in apply.module.named_modules():
+        if path not in styles and "region:" + path not in apply.hooked and any(True for _ in m.parameters(recurse=False)):
+            m.register_forward_pre_hook(region_check_hook(active, path))
+            apply.hooked.add("region:" + path)

@@ -32,16 +32,18 @@ from . import _collectives as C
 from . import _guard as G
 from ._errors import DivergenceError
 from ._events import Collective, Purpose
+from ._sequence import SEQUENCE_STYLES, from_torch_style, gathered_input, reduce_scatter_output, reduced_bias
 
 __all__ = ["STYLES", "agree_on_batch", "auto_plan", "full_leaf", "local_state", "resolve_tensor_parallel",
            "split_sum_of_squares", "tp_forward"]
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", *SEQUENCE_STYLES)
 
 _NOT_YET = (
     "shard(tensor_parallel=...): {what} is not supported yet (tensor parallelism takes 'auto' or a mapping from "
-    "module-path patterns to 'colwise' or 'rowwise', on nn.Linear layers; sequence parallelism is a later "
-    "stage). Pass such a mapping; see docs/tensor-parallel.md."
+    "module-path patterns to 'colwise' or 'rowwise' (nn.Linear layers), 'sequence', 'sequence_start' or "
+    "'sequence_end' (sequence parallelism), or torch's ParallelStyle objects of those kinds). Pass such a "
+    "mapping; see docs/tensor-parallel.md."
 )
 _ATTENTION = (
     "shard(tensor_parallel=...): {path!r} is inside an attention module that shardfn cannot tell splits exactly: "
@@ -73,10 +75,17 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
         spec = auto_plan(module)
     styles: dict[str, str] = {}
     attentions: set[str] = set()
+    needs: dict[str, tuple[str, bool | None]] = {}  # torch objects: what their layouts need of the plan
+    from_torch: set[str] = set()
     for pattern, style in spec.items():
-        if not isinstance(style, str) or style not in STYLES:
-            name = repr(style) if isinstance(style, str) else f"a {type(style).__name__} object"
-            raise ValueError(_NOT_YET.format(what=f"the style {name} (for {pattern!r})"))
+        given = style
+        if not isinstance(style, str):
+            if not _is_torch_style(style):
+                raise ValueError(_NOT_YET.format(what=f"the style a {type(style).__name__} object (for {pattern!r})"))
+            style, sequence = from_torch_style(style, pattern)
+            needs[pattern] = (style, sequence)
+        if style not in STYLES:
+            raise ValueError(_NOT_YET.format(what=f"the style {style!r} (for {pattern!r})"))
         paths = [p for p, _ in module.named_modules() if p and fnmatch.fnmatchcase(p, pattern)]
         if not paths:
             raise ValueError(f"shard(tensor_parallel=...): the pattern {pattern!r} matches no module of "
@@ -84,6 +93,14 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                              f"e.g. 'blocks.*.mlp.0'.")
         for path in paths:
             m = module.get_submodule(path)
+            if not isinstance(given, str):
+                from_torch.add(path)
+            if style in SEQUENCE_STYLES:
+                if path in styles and styles[path] != style:
+                    raise ValueError(f"shard(tensor_parallel=...): {path!r} is matched as {styles[path]!r} and as "
+                                     f"{style!r}; give each module one style.")
+                styles[path] = style
+                continue
             attention = _attention_of(module, path)
             if attention is not None:
                 attentions.add(attention)
@@ -96,8 +113,11 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
             styles[path] = style
     for attention in sorted(attentions):
         _check_attention(module, attention, styles, tensor)
+    _check_sequence(styles, needs, from_torch)
     splits = []
     for path, style in sorted(styles.items()):
+        if style in SEQUENCE_STYLES:
+            continue
         for name, dim in (("weight", 0 if style == "colwise" else 1), ("bias", 0 if style == "colwise" else None)):
             leaf = f"{path}.{name}"
             if dim is None or getattr(module.get_submodule(path), name) is None:
@@ -113,6 +133,43 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                                  "that divides it, or leave the layer out.")
             splits.append((leaf, dim, shape))
     return tuple(sorted(styles.items())), tuple(splits)
+
+
+def _is_torch_style(style: Any) -> bool:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    return isinstance(style, ParallelStyle)
+
+
+def blocks_of(styles: Mapping[str, str]) -> set[str]:
+    """The modules that hold colwise layers: in a plan with sequence parallelism, each
+    gathers its input for them ([Note: the sequence region])."""
+    return {p.rpartition(".")[0] for p, s in styles.items() if s == "colwise"}
+
+
+def _check_sequence(styles: dict[str, str], needs: Mapping[str, tuple[str, bool | None]],
+                    from_torch: set[str]) -> None:
+    """A plan's sequence styles agree with its layers': every colwise layer has an enclosing
+    module to gather its input, and torch objects' layouts say what the plan says."""
+    blocks = blocks_of(styles)
+    for path in sorted(p for p, s in styles.items() if s == "sequence_end" and p in blocks):
+        if path not in from_torch:
+            raise ValueError(f"shard(tensor_parallel=...): {path!r} holds colwise layers and is styled 'sequence_end'; "
+                             "in a plan with sequence parallelism such a module gathers its input for them by itself. "
+                             "Style 'sequence_end' the module that reads the region's last activations (the head).")
+        del styles[path]  # torchtitan's PrepareModuleInput on an attention or MLP: the block gathers anyway
+    sequence = any(s in SEQUENCE_STYLES for s in styles.values())
+    for pattern, (style, needed) in needs.items():
+        if needed is not None and needed != sequence:
+            raise ValueError(f"shard(tensor_parallel=...): the {style} style given for {pattern!r} has torch layouts "
+                             f"that {'need' if needed else 'refuse'} sequence parallelism, and the plan "
+                             f"{'has no' if needed else 'has'} sequence styles. With them, rowwise layers "
+                             "reduce-scatter their output (RowwiseParallel(output_layouts=Shard(1))); without them, they "
+                             "all-reduce it (RowwiseParallel()).")
+    if sequence and "" in blocks:
+        raise ValueError("shard(tensor_parallel=...): a colwise layer of the model's root module is in a plan with "
+                         "sequence parallelism, where a colwise layer's enclosing module gathers its input, and the "
+                         "root has none. Leave it out, or wrap it in a module of its own.")
 
 
 def auto_plan(module: nn.Module) -> dict[str, str]:
@@ -270,17 +327,23 @@ def _shared_copy(copies: dict[int, tuple], x: torch.Tensor, rt: Any, path: str) 
 
 def tp_forward(active: Any, path: str, module: nn.Linear) -> Any:
     """``module``'s forward, split as the active call's layout says (``active()``: its
-    ``(layout, runtime, copies)``, or None outside a sharded call); the module's own otherwise."""
+    ``(layout, runtime, copies, sequence parallel)``, or None outside a sharded call); the
+    module's own otherwise."""
     inner = module.forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         now = active()
         style = dict(now[0].tensor).get(path) if now is not None else None
-        if style is None:
+        if style not in ("colwise", "rowwise"):  # (a sequence style is shardfn._sequence's)
             return inner(x)
         rt = now[1]
+        sequence = now[3] and not now[2].get("whole")  # (a bound block runs the region whole)
         if style == "colwise":
-            return F.linear(_shared_copy(now[2], x, rt, path), module.weight, module.bias)
+            x = gathered_input(x, path) if sequence else _shared_copy(now[2], x, rt, path)
+            return F.linear(x, module.weight, module.bias)
+        if sequence:
+            y = reduce_scatter_output(now, F.linear(x, module.weight), path)
+            return y if module.bias is None else y + reduced_bias(module.bias, now, path)
         y = _ReduceFromTensor.apply(F.linear(x, module.weight), rt, path)
         return y if module.bias is None else y + module.bias
 

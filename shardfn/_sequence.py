@@ -1,0 +1,350 @@
+"""Sequence parallelism: the activations between split layers split on the sequence.
+
+[Note: the sequence region]
+A plan with a ``"sequence"`` style splits the activations between its tensor-parallel
+blocks on the sequence (dim 1, batch first) over the tensor axis, as Megatron does: each
+rank runs the norms (and any other per-token module styled ``"sequence"``) on its part of
+the sequence, so their activations are 1/T. The region is named, not guessed:
+``"sequence_start"`` splits a module's first argument (each rank keeps its part; backward
+all-gathers the gradient) and ``"sequence_end"`` gathers it whole (backward keeps the rank's
+part of a gradient every rank computed alike). The start is a module's input, not an
+embedding's output, because a transformers model reads the sequence length (positions,
+mask) from the embeddings before its first layer. Inside the region the
+module holding a block's colwise layers (an attention, an MLP) all-gathers the output of a
+``"sequence"`` module it is given, and reduce-scatters its gradient: the colwise layers'
+input gradients are partial sums, summed and split in one collective; a rowwise layer
+reduce-scatters its output instead of all-reducing it. A ``"sequence"`` module's
+parameters (and a rowwise bias) saw only the rank's tokens, so their gradients are
+all-reduced over the tensor axis in backward. A split activation read by anything else
+would be read silently on a part of the sequence, so each call checks what it can see:
+the region opens and closes in order and is closed when the call returns; while it is open
+every module with parameters that runs is in the plan; and the gathered input of a block is
+a tensor only its colwise layers may read (:class:`_Gathered` refuses any other operation,
+naming it). A function without parameters that mixes positions inside the region (a cumsum
+of the residual stream) is what shardfn cannot see.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import _collectives as C
+from ._events import Purpose
+
+__all__ = ["SEQUENCE_STYLES", "check_closed", "container_forward", "from_torch_style", "gathered_input",
+           "reduce_scatter_output", "reduced_bias", "region_check_hook", "sequence_forward", "sequence_parallel"]
+
+SEQUENCE_STYLES = ("sequence", "sequence_start", "sequence_end")
+_DIM = 1  # the sequence dim of every activation in the region (batch first)
+
+
+def _part(x: torch.Tensor, t: int, r: int, path: str) -> torch.Tensor:
+    """Tensor rank ``r``'s part of ``x`` along the sequence."""
+    if x.dim() < 2 or x.shape[_DIM] % t:
+        raise ValueError(f"shardfn: sequence parallelism splits the input of {path!r} (shape {list(x.shape)}) on dim "
+                         f"{_DIM}, the sequence, over the mesh's 'tensor' axis's {t} ranks, which do not divide it. "
+                         f"Pad the sequence to a multiple of {t}, or leave the sequence styles out of the plan.")
+    n = x.shape[_DIM] // t
+    return x.narrow(_DIM, r * n, n)
+
+
+def _gather(x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+    """Every tensor rank's part of the sequence, joined in rank order."""
+    ch = rt.mesh.channel("tensor")
+    xt = x.transpose(0, _DIM).contiguous()
+    out = torch.empty((ch.size * xt.shape[0], *xt.shape[1:]), dtype=x.dtype, device=x.device)
+    C.all_gather(out.view(-1), xt.view(-1), ch, Purpose.TENSOR, path, to=rt.observers, scope=rt.scope)
+    return out.transpose(0, _DIM)
+
+
+def _reduce_scatter(y: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+    """This rank's part of the sequence of ``y`` summed over the tensor ranks."""
+    ch = rt.mesh.channel("tensor")
+    _part(y, ch.size, 0, path)  # (a sequence the ranks do not divide: refused)
+    yt = y.transpose(0, _DIM).contiguous()
+    out = torch.empty((yt.shape[0] // ch.size, *yt.shape[1:]), dtype=y.dtype, device=y.device)
+    C.reduce_scatter(out.view(-1), yt.view(-1), ch, Purpose.TENSOR, path, op=C.SUM, to=rt.observers, scope=rt.scope)
+    return out.transpose(0, _DIM)
+
+
+class _Scatter(torch.autograd.Function):
+    """``"sequence_start"``'s input: the rank's part forward; the parts' gradients all-gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+        ctx.rt, ctx.path = rt, path
+        return _part(x, rt.mesh.axis_size("tensor"), rt.mesh.axis_rank("tensor"), path).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _gather(grad, ctx.rt, ctx.path), None, None
+
+
+class _GatherWhole(torch.autograd.Function):
+    """``"sequence_end"``'s input: the whole sequence forward; every rank computes the same gradient
+    of it after, so backward keeps the rank's part."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+        ctx.rt, ctx.path = rt, path
+        return _gather(x, rt, path)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        mesh = ctx.rt.mesh
+        return _part(grad, mesh.axis_size("tensor"), mesh.axis_rank("tensor"), ctx.path).contiguous(), None, None
+
+
+class _GatherPartial(torch.autograd.Function):
+    """A block's input for its colwise layers: the whole sequence forward; their gradients
+    are partial sums, reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+        ctx.rt, ctx.path = rt, path
+        return _gather(x, rt, path)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _reduce_scatter(grad, ctx.rt, ctx.path), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """A rowwise layer's output in the region: partial sums reduce-scattered; the gradient's
+    parts all-gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+        ctx.rt, ctx.path = rt, path
+        return _reduce_scatter(y, rt, path)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _gather(grad, ctx.rt, ctx.path), None, None
+
+
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__len__, torch.Tensor.is_floating_point,
+             *(getattr(torch.Tensor, a).__get__ for a in ("shape", "dtype", "device", "ndim", "requires_grad",
+                                                            "is_cuda", "layout"))}
+
+
+class _Gathered(torch.Tensor):
+    """The whole-sequence input of a block, for its colwise layers only: any other operation
+    on it raises ([Note: the sequence region]); its shape and dtype may be read."""
+
+    block: str = ""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        block = next((a.block for a in args if isinstance(a, _Gathered)), "?")
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        raise ValueError(f"shardfn: {name} reads the input of {block!r}, which sequence parallelism gathered whole "
+                         "from the tensor ranks' parts of the sequence for the module's colwise layers: only they "
+                         "may read it (their input gradients are partial sums, reduce-scattered together; any other "
+                         "use would be summed once per tensor rank, silently). Give that computation a module "
+                         "of its own, in the plan, or leave the sequence styles out ([Note: the sequence region]).")
+
+
+def gathered_input(x: Any, path: str) -> torch.Tensor:
+    """A colwise layer's input in the region: the plain tensor its block gathered."""
+    if not isinstance(x, _Gathered):
+        raise ValueError(f"shardfn: the colwise layer {path!r} runs in a plan with sequence parallelism, and its input "
+                         "is not the sequence its enclosing module gathered (the output of a 'sequence' module that "
+                         "module was given): a colwise layer's input must come straight from there. Style the "
+                         "module that computes it 'sequence', or leave the sequence styles out of the plan.")
+    with torch._C.DisableTorchFunctionSubclass():
+        return x.as_subclass(torch.Tensor)
+
+
+def _region(now: Any) -> dict:
+    return now[2]
+
+
+def _checked(now: Any, path: str, style: str, need_open: bool = True) -> bool:
+    """Whether this call checks the region (not a recompute, not bind's block); raises
+    where ``path`` runs with the region in the wrong state."""
+    state = _region(now)
+    if state.get("again") or state.get("whole"):
+        return False
+    opened = state.get("open")
+    if need_open and opened is None:
+        raise ValueError(f"shardfn: {path!r} ({style!r}) ran outside the sequence region: no 'sequence_start' module "
+                         "ran before it in this call, so its input is not split on the sequence. Style the module "
+                         "whose input starts the region (e.g. the first layer, 'model.layers.0') 'sequence_start'.")
+    if not need_open and opened is not None:
+        raise ValueError(f"shardfn: {path!r} ('sequence_start') ran while the sequence region opened by {opened!r} "
+                         "was open; end a region ('sequence_end') before starting another.")
+    return True
+
+
+def _with_grads_reduced(module: nn.Module, rt: Any, path: str, names: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """Replaces ``module``'s parameters ``names`` by views whose gradient is all-reduced over
+    the tensor axis; returns what to put back."""
+    from ._tensor import _CopyToTensor
+
+    saved = []
+    for name in names:
+        p = module._parameters.get(name)
+        if p is not None and p.requires_grad and torch.is_grad_enabled():
+            saved.append((name, p))
+            module._parameters[name] = _CopyToTensor.apply(p, rt, f"{path}.{name}")
+    return saved
+
+
+def sequence_forward(active: Any, path: str, module: nn.Module) -> Any:
+    """``module``'s forward under its sequence style (inert in calls whose layout gives it none)."""
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        now = active()
+        style = dict(now[0].tensor).get(path) if now is not None else None
+        if style not in SEQUENCE_STYLES or _region(now).get("whole"):
+            return inner(*args, **kwargs)
+        rt = now[1]
+        state = _region(now)
+        if style in ("sequence_start", "sequence_end"):
+            if _checked(now, path, style, need_open=style == "sequence_end"):
+                state["open"] = path if style == "sequence_start" else None
+            if not (args and isinstance(args[0], torch.Tensor)):
+                raise ValueError(f"shardfn: {path!r} is styled {style!r}, which splits or gathers the module's first "
+                                 "positional argument on the sequence, and it was called without a tensor there. Give "
+                                 "the style to a module called with its activations first.")
+            fn = _Scatter if style == "sequence_start" else _GatherWhole
+            return inner(fn.apply(args[0], rt, path), *args[1:], **kwargs)
+        _checked(now, path, style)
+        saved = _with_grads_reduced(module, rt, path, tuple(n for n, p in module.named_parameters(recurse=False)))
+        try:
+            out = inner(*args, **kwargs)
+        finally:
+            for name, p in saved:
+                module._parameters[name] = p
+        if isinstance(out, torch.Tensor):  # (a weak reference: the call keeps no activation alive)
+            state.setdefault("split", {})[id(out)] = weakref.ref(out)
+        return out
+
+    return forward
+
+
+def container_forward(active: Any, path: str, module: nn.Module) -> Any:
+    """The forward of a module holding colwise layers: in the region, the one input that a
+    ``"sequence"`` module made is gathered whole for them."""
+    from ._tensor import blocks_of
+
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        now = active()
+        if now is None or not now[3] or path not in blocks_of(dict(now[0].tensor)) or _region(now).get("whole"):
+            return inner(*args, **kwargs)
+        rt, state = now[1], _region(now)
+        checked = _checked(now, path, "the module holding colwise layers")
+        split = state.get("split", {})
+        found = [(k, v) for k, v in [*enumerate(args), *kwargs.items()]
+                 if isinstance(v, torch.Tensor) and id(v) in split and split[id(v)]() is v]
+        if not found and not checked:  # a recompute: its 'sequence' module's output is the tensor given
+            found = [(k, v) for k, v in [*enumerate(args), *kwargs.items()] if isinstance(v, torch.Tensor)][:1]
+        if len(found) != 1:
+            raise ValueError(f"shardfn: {path!r} holds colwise layers in a plan with sequence parallelism and was given "
+                             f"{len(found)} tensors made by a 'sequence' module, not one: the one it gets is gathered "
+                             "whole for its colwise layers. Style the module that computes that input (its norm) "
+                             "'sequence'.")
+        key, x = found[0]
+        whole = _GatherPartial.apply(x, rt, path).as_subclass(_Gathered)
+        whole.block = path
+        if isinstance(key, int):
+            args = (*args[:key], whole, *args[key + 1:])
+        else:
+            kwargs = {**kwargs, key: whole}
+        return inner(*args, **kwargs)
+
+    return forward
+
+
+def reduce_scatter_output(now: Any, y: torch.Tensor, path: str) -> torch.Tensor:
+    """A rowwise layer's partial sums in the region, reduce-scattered on the sequence."""
+    _checked(now, path, "rowwise")
+    return _ReduceScatter.apply(y, now[1], path)
+
+
+def reduced_bias(bias: torch.Tensor, now: Any, path: str) -> torch.Tensor:
+    """A rowwise layer's whole bias in the region, its gradient (from the rank's tokens)
+    all-reduced over the tensor axis."""
+    from ._tensor import _CopyToTensor
+
+    if not (torch.is_grad_enabled() and bias.requires_grad):
+        return bias
+    return _CopyToTensor.apply(bias, now[1], f"{path}.bias")
+
+
+def region_check_hook(active: Any, path: str) -> Any:
+    """A forward pre-hook on a module with parameters outside the plan: refuses it while the
+    region is open (its input may be a part of the sequence)."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        now = active()
+        if now is None or not now[3] or path in dict(now[0].tensor):
+            return
+        state = _region(now)
+        opened = state.get("open")
+        if opened is not None and not (state.get("again") or state.get("whole")):
+            raise ValueError(f"shardfn: {path!r} ({type(module).__name__}, with parameters, not in the plan) ran inside "
+                             f"the sequence region opened by {opened!r}, where the activations are split on the "
+                             "sequence: it would read a part of it silently. Give it a style ('sequence' for a "
+                             "per-token module such as a norm), or end the region before it ('sequence_end').")
+
+    return hook
+
+
+def check_closed(now: Any) -> None:
+    """At the end of a call: the region it opened must be closed."""
+    state = _region(now)
+    opened = state.get("open")
+    if opened is not None and not (state.get("again") or state.get("whole")):
+        raise ValueError(f"shardfn: the sequence region opened by {opened!r} was not closed when the call returned: its "
+                         "output would be a part of the sequence on each tensor rank. Style the module that reads "
+                         "the region's last activations (e.g. the head) 'sequence_end'.")
+
+
+def sequence_parallel(layout: Any) -> bool:
+    return any(style in SEQUENCE_STYLES for _, style in layout.tensor)
+
+
+def from_torch_style(style: Any, pattern: str) -> tuple[str, bool | None]:
+    """``(shardfn style, whether it needs sequence parallelism (None: either))`` of one of
+    torch's ``ParallelStyle`` objects; those shardfn has no style for are refused by name."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    seq, rep, last = (Shard(_DIM),), (Replicate(),), (Shard(-1),)
+    kind, attrs = type(style), vars(style)
+    if kind is ColwiseParallel and attrs.get("output_layouts") == last:
+        if attrs.get("input_layouts") == rep:
+            return "colwise", None
+        if attrs.get("input_layouts") == seq:
+            return "colwise", True
+    if kind is RowwiseParallel and attrs.get("input_layouts") == last:
+        if attrs.get("output_layouts") == rep:
+            return "rowwise", False
+        if attrs.get("output_layouts") == seq:
+            return "rowwise", True
+    if kind is SequenceParallel and attrs.get("sequence_sharding") == seq:
+        return "sequence", True
+    if kind is PrepareModuleInput and not attrs.get("with_kwargs"):
+        if attrs.get("input_layouts") == rep and attrs.get("desired_input_layouts") == seq:
+            return "sequence_start", True
+        if attrs.get("input_layouts") == seq and attrs.get("desired_input_layouts") == rep:
+            return "sequence_end", True
+    raise ValueError(f"shard(tensor_parallel=...): {pattern!r} is given {kind.__name__}({attrs}), which shardfn has no "
+                     "style for. It takes ColwiseParallel() (input Replicate or Shard(1)), RowwiseParallel() (output "
+                     "Replicate or Shard(1)), SequenceParallel(), PrepareModuleInput(input_layouts=Replicate(), "
+                     "desired_input_layouts=Shard(1)) (the region's start) and PrepareModuleInput(input_layouts="
+                     "Shard(1), desired_input_layouts=Replicate()) (its end), or the strings 'colwise', 'rowwise', "
+                     "'sequence', 'sequence_start', 'sequence_end': see docs/tensor-parallel.md.")

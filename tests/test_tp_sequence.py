@@ -1,0 +1,259 @@
+"""Sequence parallelism: a tiny transformers Llama with its norms run on each tensor rank's
+part of the sequence, equal to one process; its all-gathers and reduce-scatters counted; a
+region that would read a part of the sequence silently refused ([Note: the sequence region])."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardfn as sf
+import test_tp_auto as auto
+from bounds import SGD_MOMENTUM
+from shardfn.testing._equivalence import split_batch
+
+L = "model.layers.*."
+PLAN = {"model.layers.0": "sequence_start", L + "input_layernorm": "sequence",
+        L + "self_attn.q_proj": "colwise", L + "self_attn.k_proj": "colwise", L + "self_attn.v_proj": "colwise",
+        L + "self_attn.o_proj": "rowwise", L + "post_attention_layernorm": "sequence",
+        L + "mlp.gate_proj": "colwise", L + "mlp.up_proj": "colwise", L + "mlp.down_proj": "rowwise",
+        "model.norm": "sequence", "lm_head": "sequence_end"}
+
+
+def torch_plan():
+    """PLAN in torch's ParallelStyle objects, as torchtitan writes it (PrepareModuleInput on
+    the attention and the MLP included)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    gather = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    plan = {"model.layers.0": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1)),
+            "model.norm": SequenceParallel(), "lm_head": gather, L + "self_attn": gather, L + "mlp": gather}
+    for pattern, style in PLAN.items():
+        if style == "sequence":
+            plan[pattern] = SequenceParallel()
+        elif style == "colwise":
+            plan[pattern] = ColwiseParallel()
+        elif style == "rowwise":
+            plan[pattern] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
+def _train(strategy, tensor, micro=1, objects=False):
+    mesh = sf.Mesh.from_group(tensor=tensor)
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(auto.llama())
+    sharded = sf.shard(params, mesh, strategy, tensor_parallel=torch_plan() if objects else PLAN)
+    opt = SGD_MOMENTUM()
+    state = opt.init(sharded)
+    step = sf.jit_step(auto.loss_fn, mesh, optimizer=opt, micro_batches=micro)
+    losses, norms, logs = [], [], []
+    for batch in auto.batches():
+        with sf.record_collectives() as log:
+            sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+        logs.append([(c.unit, c.kind.value, c.nbytes) for c in log.select("tensor")])
+    return losses, norms, logs, sf.gather(sharded), dict(sharded.layout.tensor)
+
+
+def _expected(data_size, micro=1):
+    """Per step: each layer's attention and MLP gather their input (forward) and
+    reduce-scatter its gradient (backward); o_proj and down_proj reduce-scatter their output
+    and all-gather its gradient; the head gathers the sequence; the first layer's split
+    input all-gathers its gradient; each norm's weight all-reduces its gradient. Each of the
+    rank's rows x sequence x hidden fp32 activations, the weights their hidden x 4 bytes."""
+    whole = auto.ROWS // data_size // micro * auto.SEQ * auto.HIDDEN * 4
+    out = []
+    for i in range(auto.LAYERS):
+        p = f"model.layers.{i}."
+        for block, layer in (("self_attn", "o_proj"), ("mlp", "down_proj")):
+            out += [(p + block, "all_gather", whole), (p + block, "reduce_scatter", whole),
+                    (f"{p}{block}.{layer}", "reduce_scatter", whole), (f"{p}{block}.{layer}", "all_gather", whole)]
+        out += [(p + norm + ".weight", "all_reduce", auto.HIDDEN * 4)
+                for norm in ("input_layernorm", "post_attention_layernorm")]
+    out += [("lm_head", "all_gather", whole), ("model.layers.0", "all_gather", whole),
+            ("model.norm.weight", "all_reduce", auto.HIDDEN * 4)]
+    return sorted(out * micro)
+
+
+def _check(results, data_size, micro=1):
+    ref_losses, ref_state, ref_norm = auto._reference()
+    expect = _expected(data_size, micro)
+    for losses, norms, logs, full, styles in results:
+        assert styles["model.layers.1.post_attention_layernorm"] == "sequence", styles
+        assert all(abs(a - b) <= auto.ATOL + auto.RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+        assert abs(norms[0] - ref_norm) <= auto.ATOL + auto.RTOL * ref_norm, (norms[0], ref_norm)
+        assert set(full) == {n for n, _ in auto.llama().named_parameters()}  # (the rotary buffers are not gathered)
+        for name in full:
+            ref = ref_state[name]
+            diff = (full[name] - ref).abs() - auto.RTOL * ref.abs()
+            assert float(diff.max()) <= auto.ATOL, (name, float(diff.max()))
+        for log in logs:
+            assert sorted(log) == expect, sorted(log)
+
+
+def test_sequence_parallel_llama_tensor_two_equals_one_process(clusters):
+    _check(clusters[2].run(_train, "FULL_SHARD", 2), 1)
+
+
+def test_sequence_parallel_llama_shard_two_by_tensor_two_equals_one_process(clusters):
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        _check(clusters[4].run(_train, strategy, 2), 2)
+
+
+def test_sequence_parallel_with_micro_batches_and_torch_styles(clusters):
+    _check(clusters[2].run(_train, "FULL_SHARD", 2, 2, True), 1, 2)
+
+
+class _MLP(nn.Module):
+    def __init__(self, d, leak=False):
+        super().__init__()
+        self.up, self.down, self.leak = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), leak
+
+    def forward(self, x):
+        y = self.down(F.gelu(self.up(x)))
+        return y + x if self.leak else y  # (leak: reads the gathered input besides its colwise layer)
+
+
+class _Block(nn.Module):
+    def __init__(self, d, leak):
+        super().__init__()
+        self.ln, self.mlp = nn.LayerNorm(d), _MLP(d, leak)
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+class Tiny(nn.Module):
+    """A model with biases everywhere (the rowwise bias and LayerNorm's bias, whose
+    gradients sequence parallelism all-reduces), two blocks."""
+
+    def __init__(self, leak=False, d=8, vocab=16, tied=False):
+        super().__init__()
+        self.tied = tied
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([_Block(d, leak) for _ in range(2)])
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        return F.linear(x, self.emb.weight) if self.tied else self.head(x)  # (tied: no module reads the output)
+
+
+TINY_PLAN = {"layers.0": "sequence_start", "layers.*.ln": "sequence", "layers.*.mlp.up": "colwise",
+             "layers.*.mlp.down": "rowwise", "norm": "sequence", "head": "sequence_end"}
+
+
+def tiny_batches(seq=8):
+    g = torch.Generator().manual_seed(4)
+    return [{"x": torch.randint(0, 16, (4, seq), generator=g), "y": torch.randint(0, 16, (4, seq), generator=g)}
+            for _ in range(3)]
+
+
+def _tiny(tensor, plan, leak=False, seq=8, tied=False):
+    mesh = sf.Mesh.from_group(tensor=tensor)
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(Tiny(leak, tied=tied))
+    opt = SGD_MOMENTUM()
+    try:
+        sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel=plan)
+        state = opt.init(sharded)
+        step = sf.jit_step(_tiny_loss, mesh, optimizer=opt)
+        losses = []
+        for batch in tiny_batches(seq):
+            sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+            losses.append(float(metrics["loss"]))
+    except ValueError as e:
+        return str(e).split("\n")[0]
+    return losses, sf.gather(sharded)
+
+
+def _tiny_loss(apply, params, batch):
+    return F.cross_entropy(apply(params, batch["x"]).flatten(0, 1), batch["y"].flatten())
+
+
+def test_sequence_parallel_with_biases_equals_one_process(clusters):
+    import test_tensor_parallel
+
+    ref_losses, ref_state, _ = test_tensor_parallel._reference(Tiny, _tiny_loss, tiny_batches)
+    for losses, full in clusters[2].run(_tiny, 2, TINY_PLAN):
+        assert all(abs(a - b) <= auto.ATOL + auto.RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+        for name, ref in ref_state.items():
+            diff = (full[name] - ref).abs() - auto.RTOL * ref.abs()
+            assert float(diff.max()) <= auto.ATOL, (name, float(diff.max()))
+
+
+def test_a_region_that_would_read_a_part_silently_is_refused_on_every_rank(clusters):
+    cases = {
+        "no end": {k: v for k, v in TINY_PLAN.items() if k != "head"},  # the head, not in the plan, reads a part
+        "tied output": {k: v for k, v in TINY_PLAN.items() if k != "head"},  # no module reads it: the call's end
+        "no start": {k: v for k, v in TINY_PLAN.items() if k != "layers.0"},
+        "a layer outside the plan": {k: v for k, v in TINY_PLAN.items() if "mlp" not in k},
+        "odd sequence": TINY_PLAN,
+        "leak": TINY_PLAN,
+    }
+    got = {}
+    for name, plan in cases.items():
+        first, second = clusters[2].run(_tiny, 2, plan, name == "leak", 7 if name == "odd sequence" else 8,
+                                        name == "tied output")
+        assert first == second and isinstance(first, str), (name, first, second)  # every rank, the same error
+        got[name] = first
+    assert "'head' (Linear, with parameters, not in the plan) ran inside the sequence region opened by 'layers.0'" in \
+        got["no end"], got
+    assert "region opened by 'layers.0' was not closed" in got["tied output"], got
+    assert "'layers.0.ln' ('sequence') ran outside the sequence region" in got["no start"], got
+    assert "'layers.0.mlp.up' (Linear, with parameters, not in the plan) ran inside" in got["a layer outside the plan"]
+    assert "the input of 'layers.0' (shape [4, 7, 8])" in got["odd sequence"], got
+    assert "reads the input of 'layers.0.mlp'" in got["leak"] and "add" in got["leak"], got
+
+
+def _plans_refused():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    mesh = sf.Mesh.from_group(tensor=2)
+    out = []
+    for plan in ({**TINY_PLAN, "layers.*.mlp.down": RowwiseParallel()},  # all-reduce in a sequence plan
+                 {"layers.*.mlp.up": "colwise", "layers.*.mlp.down": RowwiseParallel(output_layouts=Shard(1))},
+                 {**TINY_PLAN, "layers.*.mlp.up": ColwiseParallel(output_layouts=Replicate())},
+                 {**TINY_PLAN, "layers.*.mlp": "sequence_end"}):
+        try:
+            sf.shard(sf.functionalize(Tiny())[0], mesh, "FULL_SHARD", tensor_parallel=plan)
+            out.append("accepted")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_plans_that_disagree_with_themselves_are_refused(clusters):
+    first, second = clusters[2].run(_plans_refused)
+    assert first == second
+    rowwise, no_region, unknown, end = first
+    assert "'layers.*.mlp.down'" in rowwise and "has sequence styles" in rowwise, rowwise
+    assert "need sequence parallelism" in no_region and "has no sequence styles" in no_region, no_region
+    assert "ColwiseParallel" in unknown and "no style for" in unknown, unknown
+    assert "'layers.0.mlp' holds colwise layers and is styled 'sequence_end'" in end, end
+
+
+def _generate():
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    model = auto.llama().eval()
+    prompt = torch.randint(0, auto.VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))  # 5: odd on purpose
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        want = model.generate(prompt, **kw)
+    params, apply = sf.functionalize(model)
+    sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel=PLAN)
+    with sf.bind(apply, sharded) as bound, torch.no_grad():
+        got = bound.generate(prompt, **kw)
+    return want, got
+
+
+def test_generate_runs_a_sequence_parallel_plan_whole(clusters):
+    # A bound block runs the region whole (the same sums; a token at a time has no sequence to split)
+    for want, got in clusters[2].run(_generate):
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(want)), (got, want)
