@@ -16,7 +16,8 @@ input gradients are partial sums, summed and split in one collective; a rowwise 
 reduce-scatters its output instead of all-reducing it. A ``"sequence"`` module's
 parameters (and a rowwise bias) saw only the rank's tokens, so their gradients are
 all-reduced over the tensor axis in backward. A split activation read by anything else
-would be read silently on a part of the sequence, so each call checks what it can see:
+would be read silently on a part of the sequence, so each call checks what it can see
+(a graph step's first call, eager, checks for its program):
 the region opens and closes in order and is closed when the call returns; while it is open
 every module with parameters that runs is in the plan; and the gathered input of a block is
 a tensor only its colwise layers may read (:class:`_Gathered` refuses any other operation,
@@ -44,12 +45,16 @@ _DIM = 1  # the sequence dim of every activation in the region (batch first)
 
 def _part(x: torch.Tensor, t: int, r: int, path: str) -> torch.Tensor:
     """Tensor rank ``r``'s part of ``x`` along the sequence."""
+    _check_divides(x, t, path)
+    n = x.shape[_DIM] // t
+    return x.narrow(_DIM, r * n, n)
+
+
+def _check_divides(x: torch.Tensor, t: int, path: str) -> None:
     if x.dim() < 2 or x.shape[_DIM] % t:
         raise ValueError(f"shardfn: sequence parallelism splits the input of {path!r} (shape {list(x.shape)}) on dim "
                          f"{_DIM}, the sequence, over the mesh's 'tensor' axis's {t} ranks, which do not divide it. "
                          f"Pad the sequence to a multiple of {t}, or leave the sequence styles out of the plan.")
-    n = x.shape[_DIM] // t
-    return x.narrow(_DIM, r * n, n)
 
 
 def _gather(x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
@@ -64,7 +69,7 @@ def _gather(x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
 def _reduce_scatter(y: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
     """This rank's part of the sequence of ``y`` summed over the tensor ranks."""
     ch = rt.mesh.channel("tensor")
-    _part(y, ch.size, 0, path)  # (a sequence the ranks do not divide: refused)
+    _check_divides(y, ch.size, path)
     yt = y.transpose(0, _DIM).contiguous()
     out = torch.empty((yt.shape[0] // ch.size, *yt.shape[1:]), dtype=y.dtype, device=y.device)
     C.reduce_scatter(out.view(-1), yt.view(-1), ch, Purpose.TENSOR, path, op=C.SUM, to=rt.observers, scope=rt.scope)
@@ -153,8 +158,19 @@ class _Gathered(torch.Tensor):
                          "of its own, in the plan, or leave the sequence styles out ([Note: the sequence region]).")
 
 
+def _tracing() -> bool:
+    """Whether make_fx is recording a graph step's program (not its first call, eager)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
+
+
 def gathered_input(x: Any, path: str) -> torch.Tensor:
-    """A colwise layer's input in the region: the plain tensor its block gathered."""
+    """A colwise layer's input in the region: the plain tensor its block gathered. While
+    make_fx records a graph step's program, the block gives a plain tensor: the step's
+    first call, eager, ran the same code with the check."""
+    if _tracing():
+        return x
     if not isinstance(x, _Gathered):
         raise ValueError(f"shardfn: the colwise layer {path!r} runs in a plan with sequence parallelism, and its input "
                          "is not the sequence its enclosing module gathered (the output of a 'sequence' module that "
@@ -257,8 +273,10 @@ def container_forward(active: Any, path: str, module: nn.Module) -> Any:
                              "whole for its colwise layers. Style the module that computes that input (its norm) "
                              "'sequence'.")
         key, x = found[0]
-        whole = _GatherPartial.apply(x, rt, path).as_subclass(_Gathered)
-        whole.block = path
+        whole = _GatherPartial.apply(x, rt, path)
+        if not _tracing():  # (make_fx would hold a subclass's tensor as a constant: the first call checked)
+            whole = whole.as_subclass(_Gathered)
+            whole.block = path
         if isinstance(key, int):
             args = (*args[:key], whole, *args[key + 1:])
         else:

@@ -2,6 +2,9 @@
 part of the sequence, equal to one process; its all-gathers and reduce-scatters counted; a
 region that would read a part of the sequence silently refused ([Note: the sequence region])."""
 
+from collections import Counter
+
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -38,14 +41,21 @@ def torch_plan():
     return plan
 
 
-def _train(strategy, tensor, micro=1, objects=False):
+def loss_fn(apply, params, batch):
+    # use_cache=False: a transformers model in training otherwise fills a cache that a
+    # remat unit's recompute finds full (its keys twice as long)
+    logits = apply(params, batch["x"], use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+
+def _train(strategy, tensor, micro=1, objects=False, graph=False):
     mesh = sf.Mesh.from_group(tensor=tensor)
     torch.manual_seed(0)
     params, _ = sf.functionalize(auto.llama())
     sharded = sf.shard(params, mesh, strategy, tensor_parallel=torch_plan() if objects else PLAN)
     opt = SGD_MOMENTUM()
     state = opt.init(sharded)
-    step = sf.jit_step(auto.loss_fn, mesh, optimizer=opt, micro_batches=micro)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro, graph=graph)
     losses, norms, logs = [], [], []
     for batch in auto.batches():
         with sf.record_collectives() as log:
@@ -76,9 +86,9 @@ def _expected(data_size, micro=1):
     return sorted(out * micro)
 
 
-def _check(results, data_size, micro=1):
+def _check(results, data_size, micro=1, recomputed=()):
     ref_losses, ref_state, ref_norm = auto._reference()
-    expect = _expected(data_size, micro)
+    expect = sorted(_expected(data_size, micro) + list(recomputed))
     for losses, norms, logs, full, styles in results:
         assert styles["model.layers.1.post_attention_layernorm"] == "sequence", styles
         assert all(abs(a - b) <= auto.ATOL + auto.RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
@@ -89,7 +99,8 @@ def _check(results, data_size, micro=1):
             diff = (full[name] - ref).abs() - auto.RTOL * ref.abs()
             assert float(diff.max()) <= auto.ATOL, (name, float(diff.max()))
         for log in logs:
-            assert sorted(log) == expect, sorted(log)
+            assert sorted(log) == expect, (sorted((Counter(log) - Counter(expect)).elements()),
+                                           sorted((Counter(expect) - Counter(log)).elements()))
 
 
 def test_sequence_parallel_llama_tensor_two_equals_one_process(clusters):
@@ -103,6 +114,19 @@ def test_sequence_parallel_llama_shard_two_by_tensor_two_equals_one_process(clus
 
 def test_sequence_parallel_with_micro_batches_and_torch_styles(clusters):
     _check(clusters[2].run(_train, "FULL_SHARD", 2, 2, True), 1, 2)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_sequence_parallel_under_remat_equals_one_process(clusters, mode):
+    # A layer's recompute runs in backward, inside the region its forward checked, and makes
+    # the collectives before its last saved tensor again: the attention's and the MLP's
+    # gathers and o_proj's reduce-scatter (selective remat saves matmuls, not collectives);
+    # torch's checkpoint stops at down_proj's input, so down_proj's reduce-scatter is not.
+    plan = sf.Plan("FULL_SHARD", units=[f"model.layers.{i}" for i in range(auto.LAYERS)], remat=sf.Remat(mode=mode))
+    whole = auto.ROWS * auto.SEQ * auto.HIDDEN * 4
+    again = [(f"model.layers.{i}.{m}", kind, whole) for i in range(auto.LAYERS)
+             for m, kind in (("self_attn", "all_gather"), ("self_attn.o_proj", "reduce_scatter"), ("mlp", "all_gather"))]
+    _check(clusters[2].run(_train, plan, 2), 1, recomputed=again)
 
 
 class _MLP(nn.Module):
@@ -153,7 +177,7 @@ def tiny_batches(seq=8):
             for _ in range(3)]
 
 
-def _tiny(tensor, plan, leak=False, seq=8, tied=False):
+def _tiny(tensor, plan, leak=False, seq=8, tied=False, graph=False):
     mesh = sf.Mesh.from_group(tensor=tensor)
     torch.manual_seed(0)
     params, _ = sf.functionalize(Tiny(leak, tied=tied))
@@ -161,25 +185,40 @@ def _tiny(tensor, plan, leak=False, seq=8, tied=False):
     try:
         sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel=plan)
         state = opt.init(sharded)
-        step = sf.jit_step(_tiny_loss, mesh, optimizer=opt)
-        losses = []
+        step = sf.jit_step(_tiny_loss, mesh, optimizer=opt, graph=graph)
+        losses, logs = [], []
         for batch in tiny_batches(seq):
-            sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+            with sf.record_collectives() as log:
+                sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
             losses.append(float(metrics["loss"]))
+            logs.append(sorted((c.unit, c.kind.value) for c in log.select("tensor")))
     except ValueError as e:
         return str(e).split("\n")[0]
-    return losses, sf.gather(sharded)
+    return losses, sf.gather(sharded), logs
 
 
 def _tiny_loss(apply, params, batch):
     return F.cross_entropy(apply(params, batch["x"]).flatten(0, 1), batch["y"].flatten())
 
 
-def test_sequence_parallel_with_biases_equals_one_process(clusters):
+@pytest.mark.parametrize("graph", [False, True])
+def test_sequence_parallel_with_biases_equals_one_process(clusters, graph):
+    # graph=True (CPU): the region's collectives are recorded ops, counted at each replay
+    # (the third call) as the eager step counts them
     import test_tensor_parallel
 
     ref_losses, ref_state, _ = test_tensor_parallel._reference(Tiny, _tiny_loss, tiny_batches)
-    for losses, full in clusters[2].run(_tiny, 2, TINY_PLAN):
+    for losses, full, logs in clusters[2].run(_tiny, 2, TINY_PLAN, graph=graph):
+        # per block: its MLP's gather and reduce-scatter, down's reduce-scatter and all-gather,
+        # the gradients of ln's weight and bias and of down's bias all-reduced; the start's
+        # all-gather, the end's gather, the final norm's two all-reduces
+        block = [("mlp", "all_gather"), ("mlp", "reduce_scatter"), ("mlp.down", "reduce_scatter"),
+                 ("mlp.down", "all_gather"), ("mlp.down.bias", "all_reduce"), ("ln.weight", "all_reduce"),
+                 ("ln.bias", "all_reduce")]
+        expect = sorted([(f"layers.{i}.{m}", k) for i in range(2) for m, k in block]
+                        + [("layers.0", "all_gather"), ("head", "all_gather"), ("norm.weight", "all_reduce"),
+                           ("norm.bias", "all_reduce")])
+        assert all(log == expect for log in logs), logs
         assert all(abs(a - b) <= auto.ATOL + auto.RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
         for name, ref in ref_state.items():
             diff = (full[name] - ref).abs() - auto.RTOL * ref.abs()
@@ -194,11 +233,12 @@ def test_a_region_that_would_read_a_part_silently_is_refused_on_every_rank(clust
         "a layer outside the plan": {k: v for k, v in TINY_PLAN.items() if "mlp" not in k},
         "odd sequence": TINY_PLAN,
         "leak": TINY_PLAN,
+        "leak (graph)": TINY_PLAN,  # a graph step's first call, eager, checks for its program
     }
     got = {}
     for name, plan in cases.items():
-        first, second = clusters[2].run(_tiny, 2, plan, name == "leak", 7 if name == "odd sequence" else 8,
-                                        name == "tied output")
+        first, second = clusters[2].run(_tiny, 2, plan, name.startswith("leak"), 7 if name == "odd sequence" else 8,
+                                        name == "tied output", name == "leak (graph)")
         assert first == second and isinstance(first, str), (name, first, second)  # every rank, the same error
         got[name] = first
     assert "'head' (Linear, with parameters, not in the plan) ran inside the sequence region opened by 'layers.0'" in \
@@ -208,6 +248,7 @@ def test_a_region_that_would_read_a_part_silently_is_refused_on_every_rank(clust
     assert "'layers.0.mlp.up' (Linear, with parameters, not in the plan) ran inside" in got["a layer outside the plan"]
     assert "the input of 'layers.0' (shape [4, 7, 8])" in got["odd sequence"], got
     assert "reads the input of 'layers.0.mlp'" in got["leak"] and "add" in got["leak"], got
+    assert "reads the input of 'layers.0.mlp'" in got["leak (graph)"], got
 
 
 def _plans_refused():
