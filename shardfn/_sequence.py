@@ -158,18 +158,20 @@ class _Gathered(torch.Tensor):
                          "of its own, in the plan, or leave the sequence styles out ([Note: the sequence region]).")
 
 
-def _tracing() -> bool:
-    """Whether make_fx is recording a graph step's program (not its first call, eager)."""
+def _tracing(x: torch.Tensor) -> bool:
+    """Whether make_fx is recording a graph step's program (not its first call, eager), or
+    ``x`` is a planning run's fake tensor (a real run checks)."""
+    from torch._subclasses.fake_tensor import is_fake
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-    return get_proxy_mode() is not None
+    return get_proxy_mode() is not None or is_fake(x)
 
 
 def gathered_input(x: Any, path: str) -> torch.Tensor:
     """A colwise layer's input in the region: the plain tensor its block gathered. While
     make_fx records a graph step's program, the block gives a plain tensor: the step's
     first call, eager, ran the same code with the check."""
-    if _tracing():
+    if _tracing(x):
         return x
     if not isinstance(x, _Gathered):
         raise ValueError(f"shardfn: the colwise layer {path!r} runs in a plan with sequence parallelism, and its input "
@@ -274,7 +276,7 @@ def container_forward(active: Any, path: str, module: nn.Module) -> Any:
                              "'sequence'.")
         key, x = found[0]
         whole = _GatherPartial.apply(x, rt, path)
-        if not _tracing():  # (make_fx would hold a subclass's tensor as a constant: the first call checked)
+        if not _tracing(whole):  # (make_fx would hold a subclass's tensor as a constant: the first call checked)
             whole = whole.as_subclass(_Gathered)
             whole.block = path
         if isinstance(key, int):

@@ -48,8 +48,8 @@ def loss_fn(apply, params, batch):
     return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
 
 
-def _train(strategy, tensor, micro=1, objects=False, graph=False):
-    mesh = sf.Mesh.from_group(tensor=tensor)
+def _train(strategy, tensor, micro=1, objects=False, graph=False, replicate=None):
+    mesh = sf.Mesh.from_group(tensor=tensor, replicate=replicate)
     torch.manual_seed(0)
     params, _ = sf.functionalize(auto.llama())
     sharded = sf.shard(params, mesh, strategy, tensor_parallel=torch_plan() if objects else PLAN)
@@ -107,9 +107,14 @@ def test_sequence_parallel_llama_tensor_two_equals_one_process(clusters):
     _check(clusters[2].run(_train, "FULL_SHARD", 2), 1)
 
 
-def test_sequence_parallel_llama_shard_two_by_tensor_two_equals_one_process(clusters):
-    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        _check(clusters[4].run(_train, strategy, 2), 2)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "SHARD_OPTIMIZER"])
+def test_sequence_parallel_llama_shard_two_by_tensor_two_equals_one_process(clusters, strategy):
+    _check(clusters[4].run(_train, strategy, 2), 2)
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"])
+def test_sequence_parallel_llama_replicate_two_by_tensor_two_equals_one_process(clusters, strategy):
+    _check(clusters[4].run(_train, strategy, 2, replicate=2), 2)
 
 
 def test_sequence_parallel_with_micro_batches_and_torch_styles(clusters):
@@ -298,3 +303,144 @@ def test_generate_runs_a_sequence_parallel_plan_whole(clusters):
     # A bound block runs the region whole (the same sums; a token at a time has no sequence to split)
     for want, got in clusters[2].run(_generate):
         assert torch.equal(torch.as_tensor(got), torch.as_tensor(want)), (got, want)
+
+
+# -- memory and checkpoints ---------------------------------------------------------------------
+
+MLP_ONLY = {k: v for k, v in TINY_PLAN.items() if "mlp" in k}  # the same layers split, no region
+D, SEQ, ROWS = 16, 8, 4
+
+
+class _NormBytes:
+    """The bytes of each norm's output (the region's per-token activations)."""
+
+    def __init__(self, model):
+        self.out = []
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.register_forward_hook(lambda _m, _a, out: self.out.append(out.numel() * out.element_size()))
+
+
+def _forward_held(plan):
+    """A real forward of the whole batch at tensor 2: the norms' output bytes and the live
+    bytes it leaves for backward."""
+    import gc
+
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    model = Tiny(d=D)
+    seen = _NormBytes(model)
+    params, apply = sf.functionalize(model)
+    sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel=plan)
+    b = tiny_batches(SEQ)[0]
+    with sf.track_live_bytes() as mem:
+        loss = _tiny_loss(apply, sharded, b)
+        gc.collect()
+        held = mem.current
+    loss.backward()
+    return seen.out, held
+
+
+def test_the_regions_activations_are_split_by_the_tensor_size(clusters):
+    """At tensor 2, the same rows, the same layers split: with the region, each norm's output
+    is half of what it is without, in a real forward and in explain's fake step; the forward
+    leaves less for backward, and explain's peak is lower."""
+    whole = ROWS * SEQ * D * 4
+    sp, tp = (clusters[2].run(_forward_held, plan)[0] for plan in (TINY_PLAN, MLP_ONLY))
+    assert sp[0] == [whole // 2] * 3 and tp[0] == [whole] * 3, (sp[0], tp[0])  # 2 blocks' ln, the final norm
+    assert sp[1] < tp[1], (sp[1], tp[1])
+    with torch.device("meta"):
+        model = Tiny(d=D)
+    seen = _NormBytes(model)
+    peaks = {}
+    for name, plan in (("sp", TINY_PLAN), ("tp", MLP_ONLY)):
+        seen.out.clear()
+        e = sf.explain(model, 2, "FULL_SHARD", tiny_batches(SEQ)[0], loss_fn=_tiny_loss, tensor=2,
+                       tensor_parallel=plan, verbose=False)
+        peaks[name] = (e.persistent_bytes, e.peak_bytes)
+        assert seen.out[-3:] == [whole // (2 if name == "sp" else 1)] * 3, (name, seen.out)
+    assert peaks["sp"][0] == peaks["tp"][0] and peaks["sp"][1] < peaks["tp"][1], peaks
+
+
+def _save_and_load(path, save_plan, load_plan):
+    """One step under ``save_plan``, saved; loaded into a tree under ``load_plan`` (the same
+    storage: sequence styles change the collectives, not what a rank holds)."""
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    opt = SGD_MOMENTUM()
+    sharded = sf.shard(sf.functionalize(Tiny())[0], mesh, "FULL_SHARD", tensor_parallel=save_plan)
+    state = opt.init(sharded)
+    sharded, state, _ = sf.jit_step(_tiny_loss, mesh, optimizer=opt)(sharded, state, tiny_batches()[0])
+    sf.checkpoint.save(path, sharded, state)
+    torch.manual_seed(1)
+    other = sf.shard(sf.functionalize(Tiny())[0], mesh, "FULL_SHARD", tensor_parallel=load_plan)
+    other, other_state, _ = sf.checkpoint.load(path, other, opt.init(other))
+    return sf.gather(sharded), sf.gather(other)
+
+
+def test_checkpoints_move_between_plans_with_and_without_the_region(clusters, tmp_path):
+    for i, (save_plan, load_plan) in enumerate(((TINY_PLAN, MLP_ONLY), (MLP_ONLY, TINY_PLAN))):
+        for saved, loaded in clusters[2].run(_save_and_load, str(tmp_path / str(i)), save_plan, load_plan):
+            assert saved.keys() == loaded.keys()
+            assert all(torch.equal(saved[n], loaded[n]) for n in saved)
+
+
+# -- bf16 -----------------------------------------------------------------------------------------
+
+def _bf16_reference():
+    """One process with the policy's casts: parameters cast to bf16 for the forward, the
+    loss in fp32, plain SGD on fp32 masters (tests/test_precision.py's reference)."""
+    from test_precision import BF16, LR
+
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(Tiny())
+    masters = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    start = {n: p.detach().clone() for n, p in masters.items()}
+    losses, moved = [], 0.0
+    for b in tiny_batches():
+        compute = {n: p.to(BF16.param) for n, p in masters.items()}
+        loss = _tiny_loss(lambda c, x: apply(c, x).float(), compute, b)
+        grads = torch.autograd.grad(loss, list(masters.values()))
+        with torch.no_grad():
+            for p, g in zip(masters.values(), grads):
+                p.sub_(LR * g)
+        moved += LR * max(float(g.abs().max()) for g in grads)
+        losses.append(loss.item())
+    return losses, {n: masters[n].detach() - start[n] for n in masters}, moved
+
+
+def _bf16_run():
+    from test_precision import BF16, LR
+
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(Tiny())
+    start = {n: p.detach().clone() for n, p in params.items()}
+    sharded = sf.shard(params, mesh, "FULL_SHARD", precision=BF16, tensor_parallel=TINY_PLAN)
+    opt = sf.optim.sgd(LR)
+    state = opt.init(sharded)
+    step = sf.jit_step(_tiny_loss, mesh, optimizer=opt)
+    losses, dtypes = [], set()
+    for b in tiny_batches():
+        with sf.record_collectives() as log:
+            sharded, state, m = step(sharded, state, b)
+        losses.append(float(m["loss"]))
+        dtypes |= {str(c.dtype) for c in log.select("tensor")}
+    full = sf.gather(sharded)
+    return losses, {n: full[n] - start[n] for n in full}, dtypes
+
+
+def test_bf16_sequence_parallel_matches_a_reference_with_the_same_casts(clusters):
+    # tests/test_precision.py's bound, 8 eps of bf16 times the sum of the largest updates:
+    # the region adds roundings of the kind it derives, each a partial sum rounded to bf16
+    # and added in bf16 (a rowwise output's reduce-scatter, a norm's gradient all-reduced
+    # over the tensor ranks' tokens); its gathers only move values.
+    from test_precision import EPS
+
+    ref_losses, ref_delta, moved = _bf16_reference()
+    bound = 8 * EPS[torch.bfloat16]
+    for losses, delta, dtypes in clusters[2].run(_bf16_run):
+        assert dtypes == {"torch.bfloat16"}, dtypes
+        assert losses == pytest.approx(ref_losses, rel=bound)
+        worst = max((delta[n] - d).abs().max().item() for n, d in ref_delta.items())
+        assert worst <= bound * moved, (worst, bound * moved)
