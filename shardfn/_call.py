@@ -43,9 +43,9 @@ from ._precision import cast_floating
 from ._remat import remat_forward
 from ._replica import replica_of
 from ._runtime import Runtime, current
-from ._sequence import (SEQUENCE_STYLES, check_closed, container_forward, region_check_hook, sequence_forward,
-                        sequence_parallel)
-from ._tensor import blocks_of, tp_forward
+from ._sequence import (SEQUENCE_STYLES, blocks_of, check_closed, container_forward, region_check_hook,
+                        sequence_forward, sequence_parallel)
+from ._tensor import tp_forward
 from ._tree import check_names
 
 __all__ = ["sharded_call", "units_for"]

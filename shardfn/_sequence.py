@@ -35,8 +35,9 @@ import torch.nn as nn
 
 from . import _collectives as C
 from ._events import Purpose
+from ._tensor_ops import CopyToTensor
 
-__all__ = ["SEQUENCE_STYLES", "check_closed", "container_forward", "from_torch_style", "gathered_input",
+__all__ = ["SEQUENCE_STYLES", "blocks_of", "check_closed", "container_forward", "from_torch_style", "gathered_input",
            "reduce_scatter_output", "reduced_bias", "region_check_hook", "sequence_forward", "sequence_parallel"]
 
 SEQUENCE_STYLES = ("sequence", "sequence_start", "sequence_end")
@@ -206,14 +207,12 @@ def _checked(now: Any, path: str, style: str, need_open: bool = True) -> bool:
 def _with_grads_reduced(module: nn.Module, rt: Any, path: str, names: tuple[str, ...]) -> list[tuple[str, Any]]:
     """Replaces ``module``'s parameters ``names`` by views whose gradient is all-reduced over
     the tensor axis; returns what to put back."""
-    from ._tensor import _CopyToTensor
-
     saved = []
     for name in names:
         p = module._parameters.get(name)
         if p is not None and p.requires_grad and torch.is_grad_enabled():
             saved.append((name, p))
-            module._parameters[name] = _CopyToTensor.apply(p, rt, f"{path}.{name}")
+            module._parameters[name] = CopyToTensor.apply(p, rt, f"{path}.{name}")
     return saved
 
 
@@ -254,8 +253,6 @@ def sequence_forward(active: Any, path: str, module: nn.Module) -> Any:
 def container_forward(active: Any, path: str, module: nn.Module) -> Any:
     """The forward of a module holding colwise layers: in the region, the one input that a
     ``"sequence"`` module made is gathered whole for them."""
-    from ._tensor import blocks_of
-
     inner = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -297,11 +294,9 @@ def reduce_scatter_output(now: Any, y: torch.Tensor, path: str) -> torch.Tensor:
 def reduced_bias(bias: torch.Tensor, now: Any, path: str) -> torch.Tensor:
     """A rowwise layer's whole bias in the region, its gradient (from the rank's tokens)
     all-reduced over the tensor axis."""
-    from ._tensor import _CopyToTensor
-
     if not (torch.is_grad_enabled() and bias.requires_grad):
         return bias
-    return _CopyToTensor.apply(bias, now[1], f"{path}.bias")
+    return CopyToTensor.apply(bias, now[1], f"{path}.bias")
 
 
 def region_check_hook(active: Any, path: str) -> Any:
@@ -331,6 +326,12 @@ def check_closed(now: Any) -> None:
         raise ValueError(f"shardfn: the sequence region opened by {opened!r} was not closed when the call returned: its "
                          "output would be a part of the sequence on each tensor rank. Style the module that reads "
                          "the region's last activations (e.g. the head) 'sequence_end'.")
+
+
+def blocks_of(styles: Mapping[str, str]) -> set[str]:
+    """The modules that hold colwise layers: in a plan with sequence parallelism, each
+    gathers its input for them ([Note: the sequence region])."""
+    return {p.rpartition(".")[0] for p, s in styles.items() if s == "colwise"}
 
 
 def sequence_parallel(layout: Any) -> bool:

@@ -32,7 +32,9 @@ from . import _collectives as C
 from . import _guard as G
 from ._errors import DivergenceError
 from ._events import Collective, Purpose
-from ._sequence import SEQUENCE_STYLES, from_torch_style, gathered_input, reduce_scatter_output, reduced_bias
+from ._sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, reduce_scatter_output,
+                        reduced_bias)
+from ._tensor_ops import CopyToTensor, ReduceFromTensor
 
 __all__ = ["STYLES", "agree_on_batch", "auto_plan", "full_leaf", "local_state", "resolve_tensor_parallel",
            "split_sum_of_squares", "tp_forward"]
@@ -139,12 +141,6 @@ def _is_torch_style(style: Any) -> bool:
     from torch.distributed.tensor.parallel import ParallelStyle
 
     return isinstance(style, ParallelStyle)
-
-
-def blocks_of(styles: Mapping[str, str]) -> set[str]:
-    """The modules that hold colwise layers: in a plan with sequence parallelism, each
-    gathers its input for them ([Note: the sequence region])."""
-    return {p.rpartition(".")[0] for p, s in styles.items() if s == "colwise"}
 
 
 def _check_sequence(styles: dict[str, str], needs: Mapping[str, tuple[str, bool | None]],
@@ -275,38 +271,8 @@ def split_sum_of_squares(grads: Mapping[str, torch.Tensor], layout: Any, mesh: A
     return mine + rest if mesh.axis_rank("tensor") == 0 else mine + 0 * rest
 
 
-class _CopyToTensor(torch.autograd.Function):
-    """A colwise layer's input: the same forward, its gradient all-reduced over the tensor axis."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
-        ctx.rt, ctx.path = rt, path
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        g = grad.contiguous().clone()
-        C.all_reduce(g, ctx.rt.mesh.channel("tensor"), Purpose.TENSOR, ctx.path, op=C.SUM, to=ctx.rt.observers,
-                     scope=ctx.rt.scope)
-        return g, None, None
-
-
-class _ReduceFromTensor(torch.autograd.Function):
-    """A rowwise layer's output: the partial sums all-reduced over the tensor axis; the same backward."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
-        out = y.contiguous().clone()
-        C.all_reduce(out, rt.mesh.channel("tensor"), Purpose.TENSOR, path, op=C.SUM, to=rt.observers, scope=rt.scope)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None, None
-
-
 def _shared_copy(copies: dict[int, tuple], x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
-    """``x`` as a colwise layer's input: one :class:`_CopyToTensor` per input tensor and call.
+    """``x`` as a colwise layer's input: one :class:`CopyToTensor` per input tensor and call.
 
     [Note: one all-reduce per shared input]
     Colwise layers that read the same tensor (q, k and v; gate and up) share one copy of it,
@@ -321,7 +287,7 @@ def _shared_copy(copies: dict[int, tuple], x: torch.Tensor, rt: Any, path: str) 
         return x
     hit = copies.get(id(x))
     if hit is None or hit[0] is not x or hit[1] != x._version:
-        hit = copies[id(x)] = (x, x._version, _CopyToTensor.apply(x, rt, path))
+        hit = copies[id(x)] = (x, x._version, CopyToTensor.apply(x, rt, path))
     return hit[2]
 
 
@@ -344,7 +310,7 @@ def tp_forward(active: Any, path: str, module: nn.Linear) -> Any:
         if sequence:
             y = reduce_scatter_output(now, F.linear(x, module.weight), path)
             return y if module.bias is None else y + reduced_bias(module.bias, now, path)
-        y = _ReduceFromTensor.apply(F.linear(x, module.weight), rt, path)
+        y = ReduceFromTensor.apply(F.linear(x, module.weight), rt, path)
         return y if module.bias is None else y + module.bias
 
     return forward

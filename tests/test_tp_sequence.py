@@ -444,3 +444,12 @@ def test_bf16_sequence_parallel_matches_a_reference_with_the_same_casts(clusters
         assert losses == pytest.approx(ref_losses, rel=bound)
         worst = max((delta[n] - d).abs().max().item() for n, d in ref_delta.items())
         assert worst <= bound * moved, (worst, bound * moved)
+
+
+def test_check_equivalence_with_a_sequence_parallel_plan(clusters):
+    from shardfn.testing import check_equivalence
+
+    report = check_equivalence(Tiny, _tiny_loss, tiny_batches(), optimizer=SGD_MOMENTUM, strategies=("FULL_SHARD",),
+                               world_sizes=({"tensor": 2},), clusters=clusters, tensor_parallel=TINY_PLAN,
+                               rtol=auto.RTOL, atol=auto.ATOL)
+    assert report.failures() == [] and set(report.leaves) == {("FULL_SHARD", "(tensor=2)")}
