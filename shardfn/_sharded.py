@@ -231,7 +231,7 @@ def shard(
     init_fn: Callable[[nn.Module], None] | None = None,
     src_rank: int | None = None,
     weights: str | os.PathLike | None = None,
-    tensor_parallel: Mapping[str, str] | str | None = None,
+    tensor_parallel: Mapping[str, Any] | str | None = None,
 ) -> ShardedParams:
     """This rank's shards of ``params`` under ``plan`` on ``mesh``.
 
@@ -299,6 +299,9 @@ def shard(
             mapping from module-path patterns (fnmatch: ``"blocks.*.mlp.0"``) to ``"colwise"``
             or ``"rowwise"``: those ``nn.Linear`` layers are split over the tensor axis, and
             each rank's pieces are sharded over ``shard`` as any leaf (docs/tensor-parallel.md).
+            ``"sequence"``, ``"sequence_start"``, ``"sequence_end"``: sequence parallelism
+            (norms run on each tensor rank's part of the sequence; [Note: the sequence
+            region]). torch's ``ParallelStyle`` objects of those kinds are taken too.
             ``"auto"``: a transformers model's own plan (``model.config.base_model_tp_plan``).
 
     Returns:
