@@ -31,6 +31,7 @@ import torch
 
 from ._recording import recording
 from ._runtime import current
+from ._sequence import sequence_parallel
 
 __all__ = ["backend_of", "compilable", "compile_stats"]
 
@@ -58,6 +59,8 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
             return fn(*args, **kwargs)
         if backend not in compiled:
             compiled[backend] = torch.compile(traced or fn, backend=backend)
+            if traced is None and sequence_parallel(getattr(rt.owner, "layout", None)):
+                return fn(*args, **kwargs)  # once eagerly: the region's checks ([Note: the sequence region])
         if traced is not None:
             args = tuple(torch.tensor(a, dtype=torch.float32) if isinstance(a, float) else a for a in args)
         return compiled[backend](*args, **kwargs)

@@ -17,7 +17,7 @@ reduce-scatters its output instead of all-reducing it. A ``"sequence"`` module's
 parameters (and a rowwise bias) saw only the rank's tokens, so their gradients are
 all-reduced over the tensor axis in backward. A split activation read by anything else
 would be read silently on a part of the sequence, so each call checks what it can see
-(a graph step's first call, eager, checks for its program):
+(a graph step's first call and each compiled unit's first call run eagerly, with them):
 the region opens and closes in order and is closed when the call returns; while it is open
 every module with parameters that runs is in the plan; and the gathered input of a block is
 a tensor only its colwise layers may read (:class:`_Gathered` refuses any other operation,
@@ -160,12 +160,13 @@ class _Gathered(torch.Tensor):
 
 
 def _tracing(x: torch.Tensor) -> bool:
-    """Whether make_fx is recording a graph step's program (not its first call, eager), or
-    ``x`` is a planning run's fake tensor (a real run checks)."""
+    """Whether make_fx is recording a graph step's program or dynamo compiling a unit (the
+    first call of each ran eagerly, with the checks), or ``x`` is a planning run's fake
+    tensor (a real run checks)."""
     from torch._subclasses.fake_tensor import is_fake
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-    return get_proxy_mode() is not None or is_fake(x)
+    return get_proxy_mode() is not None or torch.compiler.is_compiling() or is_fake(x)
 
 
 def gathered_input(x: Any, path: str) -> torch.Tensor:
@@ -335,7 +336,8 @@ def blocks_of(styles: Mapping[str, str]) -> set[str]:
 
 
 def sequence_parallel(layout: Any) -> bool:
-    return any(style in SEQUENCE_STYLES for _, style in layout.tensor)
+    """Whether ``layout`` (or None) has sequence styles."""
+    return layout is not None and any(style in SEQUENCE_STYLES for _, style in layout.tensor)
 
 
 def from_torch_style(style: Any, pattern: str) -> tuple[str, bool | None]:

@@ -182,15 +182,16 @@ def tiny_batches(seq=8):
             for _ in range(3)]
 
 
-def _tiny(tensor, plan, leak=False, seq=8, tied=False, graph=False):
+def _tiny(tensor, plan, leak=False, seq=8, tied=False, graph=False, compile=False):
     mesh = sf.Mesh.from_group(tensor=tensor)
     torch.manual_seed(0)
     params, _ = sf.functionalize(Tiny(leak, tied=tied))
     opt = SGD_MOMENTUM()
     try:
-        sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel=plan)
+        units = sf.Plan("FULL_SHARD", units=["layers.0", "layers.1"])  # (compile=True compiles each unit)
+        sharded = sf.shard(params, mesh, units, tensor_parallel=plan)
         state = opt.init(sharded)
-        step = sf.jit_step(_tiny_loss, mesh, optimizer=opt, graph=graph)
+        step = sf.jit_step(_tiny_loss, mesh, optimizer=opt, graph=graph, compile=compile)
         losses, logs = [], []
         for batch in tiny_batches(seq):
             with sf.record_collectives() as log:
@@ -206,14 +207,15 @@ def _tiny_loss(apply, params, batch):
     return F.cross_entropy(apply(params, batch["x"]).flatten(0, 1), batch["y"].flatten())
 
 
-@pytest.mark.parametrize("graph", [False, True])
-def test_sequence_parallel_with_biases_equals_one_process(clusters, graph):
+@pytest.mark.parametrize("how", ["eager", "graph", "compile"])
+def test_sequence_parallel_with_biases_equals_one_process(clusters, how):
     # graph=True (CPU): the region's collectives are recorded ops, counted at each replay
-    # (the third call) as the eager step counts them
+    # (the third call) as the eager step counts them; compile=True compiles each layer after
+    # its first call, which runs eagerly with the region's checks
     import test_tensor_parallel
 
     ref_losses, ref_state, _ = test_tensor_parallel._reference(Tiny, _tiny_loss, tiny_batches)
-    for losses, full, logs in clusters[2].run(_tiny, 2, TINY_PLAN, graph=graph):
+    for losses, full, logs in clusters[2].run(_tiny, 2, TINY_PLAN, graph=how == "graph", compile=how == "compile"):
         # per block: its MLP's gather and reduce-scatter, down's reduce-scatter and all-gather,
         # the gradients of ln's weight and bias and of down's bias all-reduced; the start's
         # all-gather, the end's gather, the final norm's two all-reduces
@@ -239,11 +241,12 @@ def test_a_region_that_would_read_a_part_silently_is_refused_on_every_rank(clust
         "odd sequence": TINY_PLAN,
         "leak": TINY_PLAN,
         "leak (graph)": TINY_PLAN,  # a graph step's first call, eager, checks for its program
+        "leak (compile)": TINY_PLAN,  # so does each compiled unit's first call
     }
     got = {}
     for name, plan in cases.items():
         first, second = clusters[2].run(_tiny, 2, plan, name.startswith("leak"), 7 if name == "odd sequence" else 8,
-                                        name == "tied output", name == "leak (graph)")
+                                        name == "tied output", name == "leak (graph)", name == "leak (compile)")
         assert first == second and isinstance(first, str), (name, first, second)  # every rank, the same error
         got[name] = first
     assert "'head' (Linear, with parameters, not in the plan) ran inside the sequence region opened by 'layers.0'" in \
@@ -254,6 +257,7 @@ def test_a_region_that_would_read_a_part_silently_is_refused_on_every_rank(clust
     assert "the input of 'layers.0' (shape [4, 7, 8])" in got["odd sequence"], got
     assert "reads the input of 'layers.0.mlp'" in got["leak"] and "add" in got["leak"], got
     assert "reads the input of 'layers.0.mlp'" in got["leak (graph)"], got
+    assert "reads the input of 'layers.0.mlp'" in got["leak (compile)"], got
 
 
 def _plans_refused():
