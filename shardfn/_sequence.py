@@ -38,7 +38,8 @@ from ._events import Purpose
 from ._tensor_ops import CopyToTensor
 
 __all__ = ["SEQUENCE_STYLES", "blocks_of", "check_closed", "container_forward", "from_torch_style", "gathered_input",
-           "reduce_scatter_output", "reduced_bias", "region_check_hook", "sequence_forward", "sequence_parallel"]
+           "outside_region", "reduce_scatter_output", "reduced_bias", "region_check_hook", "sequence_forward",
+           "sequence_parallel"]
 
 SEQUENCE_STYLES = ("sequence", "sequence_start", "sequence_end")
 _DIM = 1  # the sequence dim of every activation in the region (batch first)
@@ -286,6 +287,16 @@ def container_forward(active: Any, path: str, module: nn.Module) -> Any:
     return forward
 
 
+def outside_region(now: Any, path: str) -> None:
+    """A layer that takes its input whole (a ``"colwise_gather_output"`` head) must run
+    after the region ends."""
+    state = _region(now)
+    if state.get("open") is not None and not state.get("again"):
+        raise ValueError(f"shardfn: {path!r} ('colwise_gather_output') ran inside the sequence region opened by "
+                         f"{state['open']!r}, where its input is a part of the sequence. End the region before it: "
+                         "style it 'sequence_end' instead (its input gathered, the layer whole).")
+
+
 def reduce_scatter_output(now: Any, y: torch.Tensor, path: str) -> torch.Tensor:
     """A rowwise layer's partial sums in the region, reduce-scattered on the sequence."""
     _checked(now, path, "rowwise")
@@ -348,6 +359,8 @@ def from_torch_style(style: Any, pattern: str) -> tuple[str, bool | None]:
 
     seq, rep, last = (Shard(_DIM),), (Replicate(),), (Shard(-1),)
     kind, attrs = type(style), vars(style)
+    if kind is ColwiseParallel and attrs.get("output_layouts") == rep and attrs.get("input_layouts") == rep:
+        return "colwise_gather_output", None
     if kind is ColwiseParallel and attrs.get("output_layouts") == last:
         if attrs.get("input_layouts") == rep:
             return "colwise", None
@@ -366,7 +379,8 @@ def from_torch_style(style: Any, pattern: str) -> tuple[str, bool | None]:
         if attrs.get("input_layouts") == seq and attrs.get("desired_input_layouts") == rep:
             return "sequence_end", True
     raise ValueError(f"shard(tensor_parallel=...): {pattern!r} is given {kind.__name__}({attrs}), which shardfn has no "
-                     "style for. It takes ColwiseParallel() (input Replicate or Shard(1)), RowwiseParallel() (output "
+                     "style for. It takes ColwiseParallel() (input Replicate or Shard(1); both Replicate: "
+                     "'colwise_gather_output'), RowwiseParallel() (output "
                      "Replicate or Shard(1)), SequenceParallel(), PrepareModuleInput(input_layouts=Replicate(), "
                      "desired_input_layouts=Shard(1)) (the region's start) and PrepareModuleInput(input_layouts="
                      "Shard(1), desired_input_layouts=Replicate()) (its end), or the strings 'colwise', 'rowwise', "

@@ -32,14 +32,14 @@ from . import _collectives as C
 from . import _guard as G
 from ._errors import DivergenceError
 from ._events import Collective, Purpose
-from ._sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, reduce_scatter_output,
-                        reduced_bias)
-from ._tensor_ops import CopyToTensor, ReduceFromTensor
+from ._sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
+                        reduce_scatter_output, reduced_bias)
+from ._tensor_ops import CopyToTensor, GatherOutput, ReduceFromTensor
 
 __all__ = ["STYLES", "agree_on_batch", "auto_plan", "full_leaf", "local_state", "resolve_tensor_parallel",
            "split_sum_of_squares", "tp_forward"]
 
-STYLES = ("colwise", "rowwise", *SEQUENCE_STYLES)
+STYLES = ("colwise", "rowwise", "colwise_gather_output", *SEQUENCE_STYLES)
 
 _NOT_YET = (
     "shard(tensor_parallel=...): {what} is not supported yet (tensor parallelism takes 'auto' or a mapping from "
@@ -104,6 +104,10 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                 styles[path] = style
                 continue
             attention = _attention_of(module, path)
+            if attention is not None and style == "colwise_gather_output":
+                raise ValueError(f"shard(tensor_parallel=...): {path!r} is inside the attention module {attention!r} "
+                                 "and styled 'colwise_gather_output': its heads would be whole while the others' are "
+                                 "split. Give the attention's layers 'colwise' and 'rowwise'.")
             if attention is not None:
                 attentions.add(attention)
             if type(m) is not nn.Linear:
@@ -120,7 +124,8 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
     for path, style in sorted(styles.items()):
         if style in SEQUENCE_STYLES:
             continue
-        for name, dim in (("weight", 0 if style == "colwise" else 1), ("bias", 0 if style == "colwise" else None)):
+        rows = style != "rowwise"  # colwise and colwise_gather_output split output features
+        for name, dim in (("weight", 0 if rows else 1), ("bias", 0 if rows else None)):
             leaf = f"{path}.{name}"
             if dim is None or getattr(module.get_submodule(path), name) is None:
                 continue
@@ -180,12 +185,28 @@ def auto_plan(module: nn.Module) -> dict[str, str]:
     prefix = getattr(module, "base_model_prefix", "")
     base = prefix + "." if prefix and isinstance(getattr(module, prefix, None), nn.Module) else ""
     for pattern, style in plan.items():
-        if style not in STYLES:
+        if style not in ("colwise", "rowwise"):
             raise ValueError(f"shard(tensor_parallel='auto'): the model's base_model_tp_plan splits {pattern!r} as "
                              f"{style!r}, a transformers style shardfn does not have (it has 'colwise' and "
                              "'rowwise'). Pass a mapping instead: the plan with that layer left out or given one of "
                              "those styles.")
-    return {base + pattern: style for pattern, style in plan.items()}
+    out = {base + pattern: style for pattern, style in plan.items()}
+    # The model class's own plan (its head: {"lm_head": "colwise_gather_output"}), where shardfn
+    # has the style and the head's weight is its own (a tied head stays whole, as it is exact).
+    tied = _tied_parameters(module)
+    for path, style in (getattr(type(module), "_tp_plan", None) or {}).items():
+        if (style == "colwise_gather_output" and isinstance(module.get_submodule(path), nn.Linear)
+                and f"{path}.weight" not in tied and "*" not in path):
+            out[path] = style
+    return out
+
+
+def _tied_parameters(module: nn.Module) -> set[str]:
+    """The names of parameters that share their tensor with another name."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n for group in names.values() if len(group) > 1 for n in group}
 
 
 def _attention_of(module: nn.Module, path: str) -> str | None:
@@ -300,10 +321,15 @@ def tp_forward(active: Any, path: str, module: nn.Linear) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
         now = active()
         style = dict(now[0].tensor).get(path) if now is not None else None
-        if style not in ("colwise", "rowwise"):  # (a sequence style is shardfn._sequence's)
+        if style not in ("colwise", "rowwise", "colwise_gather_output"):  # (a sequence style is shardfn._sequence's)
             return inner(x)
         rt = now[1]
         sequence = now[3] and not now[2].get("whole")  # (a bound block runs the region whole)
+        if style == "colwise_gather_output":  # a head: every rank gets the whole output
+            if sequence:
+                outside_region(now, path)
+            y = F.linear(_shared_copy(now[2], x, rt, path), module.weight, module.bias)
+            return GatherOutput.apply(y, rt, path)
         if style == "colwise":
             x = gathered_input(x, path) if sequence else _shared_copy(now[2], x, rt, path)
             return F.linear(x, module.weight, module.bias)

@@ -17,12 +17,12 @@ ROWS, STEPS = 4, 3
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def llama(heads=4, kv_heads=2, hidden=HIDDEN, plan=None):
+def llama(heads=4, kv_heads=2, hidden=HIDDEN, plan=None, tied=False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=LAYERS,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16,
-                      tie_word_embeddings=False)
+                      tie_word_embeddings=tied)
     if plan is not None:
         cfg.base_model_tp_plan = plan
     return LlamaForCausalLM(cfg)
@@ -66,11 +66,16 @@ def _check(results, data_size, micro=1):
     nbytes = ROWS // data_size // micro * SEQ * HIDDEN * 4  # fp32 hidden states of a micro-batch's rows
     # Per layer and step: o_proj's and down_proj's outputs in forward; in backward the
     # gradient of the input that q/k/v share (named by q_proj) and of the one gate/up share.
-    expect = sorted((f"model.layers.{i}.{layer}", "all_reduce", nbytes) for i in range(LAYERS)
-                    for layer in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
-                    for _ in range(micro))
+    # And the head (the model class's own plan, "colwise_gather_output"): its logits
+    # all-gathered in forward, its input's gradient all-reduced in backward.
+    logits = ROWS // data_size // micro * SEQ * VOCAB * 4
+    expect = sorted([(f"model.layers.{i}.{layer}", "all_reduce", nbytes) for i in range(LAYERS)
+                     for layer in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")]
+                    + [("lm_head", "all_gather", logits), ("lm_head", "all_reduce", nbytes)]) * micro
+    expect.sort()
     for losses, norms, logs, full, styles in results:
-        assert styles["model.layers.1.self_attn.k_proj"] == "colwise" and len(styles) == 7 * LAYERS, styles
+        assert styles["model.layers.1.self_attn.k_proj"] == "colwise" and len(styles) == 7 * LAYERS + 1, styles
+        assert styles["lm_head"] == "colwise_gather_output", styles
         assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
         assert abs(norms[0] - ref_norm) <= ATOL + RTOL * ref_norm, (norms[0], ref_norm)
         assert set(full) == {n for n, _ in llama().named_parameters()}  # (the rotary buffers are not gathered)
@@ -195,3 +200,24 @@ def _generate(tensor):
 def test_generate_on_tensor_parallel_shards_equals_the_full_model(clusters):
     for want, got in clusters[2].run(_generate, 2):
         assert torch.equal(torch.as_tensor(got), torch.as_tensor(want)), (got, want)
+
+
+def _head_styles():
+    """The styles "auto" gives the head: split when its weight is its own, whole when tied to
+    the embeddings; and torch's ColwiseParallel with both layouts Replicate() is the same style."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    out = []
+    for model, spec in ((llama(), "auto"), (llama(tied=True), "auto"),
+                        (llama(), {"lm_head": ColwiseParallel(output_layouts=Replicate())})):
+        sharded = sf.shard(sf.functionalize(model)[0], mesh, "FULL_SHARD", tensor_parallel=spec)
+        out.append(dict(sharded.layout.tensor).get("lm_head"))
+    return out
+
+
+def test_auto_splits_the_head_unless_it_is_tied(clusters):
+    for styles in clusters[2].run(_head_styles):
+        assert styles == ["colwise_gather_output", None, "colwise_gather_output"], styles

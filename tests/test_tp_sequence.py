@@ -242,6 +242,7 @@ def test_a_region_that_would_read_a_part_silently_is_refused_on_every_rank(clust
         "leak": TINY_PLAN,
         "leak (graph)": TINY_PLAN,  # a graph step's first call, eager, checks for its program
         "leak (compile)": TINY_PLAN,  # so does each compiled unit's first call
+        "a split head inside": {**TINY_PLAN, "head": "colwise_gather_output"},
     }
     got = {}
     for name, plan in cases.items():
@@ -258,17 +259,18 @@ def test_a_region_that_would_read_a_part_silently_is_refused_on_every_rank(clust
     assert "reads the input of 'layers.0.mlp'" in got["leak"] and "add" in got["leak"], got
     assert "reads the input of 'layers.0.mlp'" in got["leak (graph)"], got
     assert "reads the input of 'layers.0.mlp'" in got["leak (compile)"], got
+    assert "'head' ('colwise_gather_output') ran inside the sequence region" in got["a split head inside"], got
 
 
 def _plans_refused():
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
 
     mesh = sf.Mesh.from_group(tensor=2)
     out = []
     for plan in ({**TINY_PLAN, "layers.*.mlp.down": RowwiseParallel()},  # all-reduce in a sequence plan
                  {"layers.*.mlp.up": "colwise", "layers.*.mlp.down": RowwiseParallel(output_layouts=Shard(1))},
-                 {**TINY_PLAN, "layers.*.mlp.up": ColwiseParallel(output_layouts=Replicate())},
+                 {**TINY_PLAN, "layers.*.mlp.up": RowwiseParallel(input_layouts=Replicate())},
                  {**TINY_PLAN, "layers.*.mlp": "sequence_end"}):
         try:
             sf.shard(sf.functionalize(Tiny())[0], mesh, "FULL_SHARD", tensor_parallel=plan)
@@ -284,7 +286,7 @@ def test_plans_that_disagree_with_themselves_are_refused(clusters):
     rowwise, no_region, unknown, end = first
     assert "'layers.*.mlp.down'" in rowwise and "has sequence styles" in rowwise, rowwise
     assert "need sequence parallelism" in no_region and "has no sequence styles" in no_region, no_region
-    assert "ColwiseParallel" in unknown and "no style for" in unknown, unknown
+    assert "RowwiseParallel" in unknown and "no style for" in unknown, unknown
     assert "'layers.0.mlp' holds colwise layers and is styled 'sequence_end'" in end, end
 
 
