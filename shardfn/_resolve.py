@@ -34,7 +34,6 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
     tensor = mesh.axis_size("tensor")
     styles, splits = resolve_tensor_parallel(tensor_parallel, module, state, tensor)
     if tensor > 1:
-        _check_tensor(plan)
         state = local_state(state, splits, tensor, 0)  # (every tensor rank's piece has the same shape)
     info = tree_info(module, list(state))
     if module is not None:
@@ -42,6 +41,7 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
     unit_paths = plan.units.resolve(module, list(info.params))
     optional = plan.optional.resolve(module, list(info.params)) if plan.optional is not None else []
     unit_paths += [p for p in optional if p not in unit_paths]
+    _check_optional_split(styles, optional)
     check_unit_modules(module, unit_paths)
     _check_mesh(plan.strategy, mesh)
     world = mesh.axis_size("shard") if plan.strategy.sharded else 1
@@ -119,9 +119,14 @@ def _check_mesh(strategy: Strategy, mesh: Mesh) -> None:
         )
 
 
-def _check_tensor(plan: Plan) -> None:
-    """What a mesh with a tensor axis cannot run yet (docs/tensor-parallel.md), refused by name."""
-    if plan.optional is not None:
-        raise ValueError("shard(): on a mesh with a 'tensor' axis, optional units (Plan(optional=...)) are not "
-                         "supported yet (that the ranks of a tensor group skip a unit together is not checked yet). "
-                         "Drop optional=, or use a mesh without a tensor axis; see docs/tensor-parallel.md.")
+def _check_optional_split(styles: tuple[tuple[str, str], ...], optional: list[str]) -> None:
+    """A split layer inside an optional unit is refused: its tensor collectives would run on
+    the tensor groups whose data chose the unit only, and the ranks' histories of collectives
+    (the schedule guard's, [Note: the schedule guard]) would differ by data."""
+    inside = [(p, o) for p, _ in styles for o in optional if p == o or p.startswith(o + ".")]
+    if inside:
+        path, unit = inside[0]
+        raise ValueError(f"shard(): {path!r} is split over the mesh's 'tensor' axis inside the optional unit {unit!r}: "
+                         "its tensor collectives would run only where the data chose that unit, and the ranks could "
+                         "not agree on one order of collectives. Leave the optional units' layers out of "
+                         "tensor_parallel (split the layers around them), or drop optional= for that unit.")

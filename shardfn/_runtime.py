@@ -46,6 +46,7 @@ from . import _guard
 from ._events import CollectiveLog, observe, observers
 from ._offload import wait_for_device
 from ._options import Accumulate, StepOptions
+from ._tensor import agree_on_optional
 
 __all__ = ["Accumulate", "Runtime", "RunningUnit", "active", "current", "invariant"]
 
@@ -241,6 +242,9 @@ class Runtime:
         self.wait_pending()
         for tree, units in self._trees:
             if tree is self.owner:
+                ran = [(u.unit.index, u.grads.acc is not None) for u in units.values() if u.unit.optional]
+                if ran and self.mesh.axis_size("tensor") > 1 and not self.scope.recording:
+                    agree_on_optional(ran, self.mesh)
                 for unit in units.values():
                     unit.grads.flush(self.reduces_now())
                     self.wait_pending()

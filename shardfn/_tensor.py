@@ -36,7 +36,7 @@ from ._sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_i
                         reduce_scatter_output, reduced_bias)
 from ._tensor_ops import CopyToTensor, GatherOutput, ReduceFromTensor
 
-__all__ = ["STYLES", "agree_on_batch", "auto_plan", "full_leaf", "local_state", "resolve_tensor_parallel",
+__all__ = ["STYLES", "agree_on_batch", "agree_on_optional", "auto_plan", "full_leaf", "local_state", "resolve_tensor_parallel",
            "split_sum_of_squares", "tp_forward"]
 
 STYLES = ("colwise", "rowwise", "colwise_gather_output", *SEQUENCE_STYLES)
@@ -366,3 +366,27 @@ def agree_on_batch(batch: Any, mesh: Any) -> None:
     digests = [h[G.DETAIL] for h in headers]
     if len(set(digests)) > 1:
         raise G.told(DivergenceError(_OTHER_BATCHES.format(rank=mesh.rank, ranks=list(ch.ranks), digests=digests)), ch)
+
+
+_OTHER_UNITS = (
+    "[rank {rank}] shardfn: the ranks of tensor group {ranks} ran different optional units in this step (digests "
+    "{digests} of which ran): they hold the same values of the units' unsplit leaves, and a unit's gradients from "
+    "one rank and none from another would leave them different without an error. A tensor group's ranks see one "
+    "batch, so they skip a unit together unless the choice depends on something else (a random draw, the rank): "
+    "make it depend on the batch alone."
+)
+
+
+def agree_on_optional(ran: list[tuple[int, bool]], mesh: Any) -> None:
+    """Raises DivergenceError on every rank of this rank's tensor group unless all of them
+    ran the same optional units (``(unit index, whether its backward ran)``), before any of
+    those units is reduced: one header on the tensor axis after each backward."""
+    ch = mesh.channel("tensor")
+    if ch.off:
+        return
+    digest = zlib.crc32(repr(ran).encode())
+    headers = G.exchange(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", 0, digest), G.OK, 0],
+                         "the optional units a tensor group ran")
+    digests = [h[G.DETAIL] for h in headers]
+    if len(set(digests)) > 1:
+        raise G.told(DivergenceError(_OTHER_UNITS.format(rank=mesh.rank, ranks=list(ch.ranks), digests=digests)), ch)

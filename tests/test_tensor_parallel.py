@@ -139,7 +139,7 @@ def test_refusals_name_the_cause_and_the_fix(clusters):
     assert "tensor_parallel='auto'): GPT has no base_model_tp_plan" in auto  # (tests/test_tp_auto.py: HF's plan)
     assert "the style 'sequence_parallel'" in sequence and "'sequence_start'" in sequence  # (a transformers name)
     assert "'blocks.*.mlp.0' is given RowwiseParallel(" in style_object and "no style for" in style_object
-    assert "optional units (Plan(optional=...)) are not supported yet" in optional
+    assert "'blocks.1.mlp.0' is split over the mesh's 'tensor' axis inside the optional unit 'blocks.1'" in optional
     assert "src_rank= on a mesh with a 'tensor' axis is not supported yet; pass seed=" in src_rank
     assert "split over the mesh's 'tensor' axis (blocks.0.mlp.0.weight, blocks.0.mlp.2.weight" in muon
 
