@@ -201,36 +201,39 @@ def test_psum_sums_over_the_axes_where_a_values_other_parts_live(clusters):
 # -- Adafactor with a tensor axis ---------------------------------------------------------------
 
 
-def adafactor_and_sgd():  # Adafactor on every leaf outside the MLPs (none of them split), SGD on the MLPs
-    return sf.optim.partition({"adafactor": sf.optim.adafactor(0.05, weight_decay=0.01), "sgd": sf.optim.sgd(0.1)},
-                              lambda name, shape: "sgd" if ".mlp." in name else "adafactor")
+def adafactor():  # on every leaf, the MLPs' split ones included
+    return sf.optim.adafactor(0.05, weight_decay=0.01)
 
 
-def _train_adafactor():
+def _train_adafactor(placement):
     mesh = sf.Mesh.from_group(tensor=2)
     torch.manual_seed(0)
-    sharded = sf.shard(sf.functionalize(model())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
-    try:
-        sf.optim.adafactor(0.05).init(sharded)
-        refused = "accepted"
-    except ValueError as e:
-        refused = str(e)
-    opt = adafactor_and_sgd()
+    plan = sf.Plan("FULL_SHARD", placement=placement)
+    sharded = sf.shard(sf.functionalize(model())[0], mesh, plan, tensor_parallel=PLAN)
+    opt = adafactor()
     state = opt.init(sharded)
     step = sf.jit_step(loss_fn, mesh, optimizer=opt)
     losses = []
     for batch in batches():
-        sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+        with sf.record_collectives() as log:
+            sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
         losses.append(float(metrics["loss"]))
-    return refused, losses, sf.gather(sharded)
+    groups = sorted(tuple(c.group) for c in log.select("psum"))
+    return losses, sf.gather(sharded), groups
 
 
-def test_adafactor_on_the_leaves_that_are_not_split_equals_one_process(clusters):
-    ref_losses, ref_state = reference_training(model, loss_fn, batches(), adafactor_and_sgd)
-    for refused, losses, full in clusters[4].run(_train_adafactor):
-        assert refused.startswith("adafactor: 6 parameter(s) are split over the mesh's 'tensor' axis"), refused
-        assert "shardfn.optim.partition" in refused
+@pytest.mark.parametrize("placement", [None, "rows"])
+def test_adafactor_on_split_leaves_equals_one_process(clusters, placement):
+    # Each split leaf's row and column sums of g**2 are made at their places in the whole
+    # parameter and summed over the tensor axis too: two all-reduces more per step (the
+    # statistics and the updates' norms of the split leaves), each over the shard axis and
+    # then the tensor axis.
+    ref_losses, ref_state = reference_training(model, loss_fn, batches(), adafactor)
+    for rank, (losses, full, groups) in enumerate(clusters[4].run(_train_adafactor, placement)):
         assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
         for name, ref in ref_state.items():
             diff = (full[name] - ref).abs() - RTOL * ref.abs()
             assert float(diff.max()) <= ATOL, (name, float(diff.max()))
+        shard = tuple(r for r in range(4) if r % 2 == rank % 2)
+        tensor = tuple(r for r in range(4) if r // 2 == rank // 2)
+        assert groups == sorted([shard] * 4 + [tensor] * 2), groups

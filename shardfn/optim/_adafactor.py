@@ -13,6 +13,7 @@ from ._count import advance, host_count, incremented as _next, new_count
 from ._checks import _count, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _trainable
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
+from ._whole import _piece_shape as _piece
 from ._whole import full_shape, local_elements, split_of
 
 __all__ = ["AdafactorState", "adafactor"]
@@ -37,6 +38,27 @@ class AdafactorState(NamedTuple):
     variance: dict[str, torch.Tensor]
 
 
+def _places(params: Params, name: str, first: int, count: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``(batch, row, column)`` in the whole parameter ``name`` (its last two dims) of this
+    rank's ``count`` elements from ``first`` in its piece's row-major order: a piece split over
+    the tensor axis is moved by its tensor rank's offset along the split dim."""
+    piece = _piece(params, name)
+    rows, cols = piece[-2], piece[-1]
+    at = torch.arange(first, first + count, device=device)
+    b, r, c = at // (rows * cols), (at // cols) % rows, at % cols
+    split = split_of(params, name)
+    if split is not None:
+        t = params.mesh.axis_rank("tensor")
+        dim = split[0] % len(piece)
+        if dim == len(piece) - 2:
+            r = r + t * rows
+        elif dim == len(piece) - 1:
+            c = c + t * cols
+        else:
+            b = b + t * math.prod(piece[:-2])
+    return b, r, c
+
+
 def adafactor(
     learning_rate: ScalarOrSchedule = 1e-2,
     beta2_decay: float = -0.8,
@@ -55,8 +77,10 @@ def adafactor(
     squares of every parameter at once, then the updates' sums of squares), ``rows + cols + 1``
     floats per matrix and one per vector, and no parameter is ever gathered. Any placement
     works: flat pieces, row shards (their padding rows untouched) or whole parameters. A
-    parameter split over the mesh's ``tensor`` axis is refused at ``init``; the others are
-    the same on every tensor rank and summed over the shard axis only.
+    parameter split over the mesh's ``tensor`` axis adds its piece's sums at their places in
+    the whole parameter, summed over the tensor axis too (``psum(split=True)``: two
+    all-reduces more per step); the others are the same on every tensor rank and summed over
+    the shard axis only.
 
     Example:
         >>> opt = adafactor(1e-2, weight_decay=0.01)
@@ -76,13 +100,6 @@ def adafactor(
 
     def init(params: Params) -> AdafactorState:
         trainable = _trainable(params)
-        cut = [n for n in trainable if split_of(params, n) is not None]
-        if cut:  # its statistics are over the whole parameter's rows and columns: psum(split=False) only
-            raise ValueError(f"adafactor: {len(cut)} parameter(s) are split over the mesh's 'tensor' axis "
-                             f"({', '.join(cut[:4])}{' ...' if len(cut) > 4 else ''}), and adafactor does not sum "
-                             "their row and column statistics over that axis. Give them another optimizer "
-                             "(shardfn.optim.partition: sgd, adamw, or muon with placement=shardfn.whole(...)); "
-                             "see docs/tensor-parallel.md.")
         factored, plain = split(params, trainable)
         rows = tuple(torch.zeros((*full_shape(params, n)[:-1], 1), dtype=trainable[n].dtype,
                                  device=trainable[n].device) for n in factored)
@@ -101,56 +118,64 @@ def adafactor(
         names = factored + plain
         # where each factored parameter's moments are in the state: sorted, over every trainable one
         index = {n: i for i, n in enumerate(split(params, _trainable(params))[0]) if n in grads}
-        # round 1: each factored parameter's row and column sums of g**2, and every parameter's sum of squares
-        parts, local = [], {}
+        # round 1: each factored parameter's row and column sums of g**2, and every parameter's
+        # sum of squares; summed over the ranks where each parameter's other parts are (a
+        # parameter split over the tensor axis: over it too, each rank's elements at their
+        # places in the whole parameter)
+        parts: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+        local = {}
         for n in names:
             g = grads[n] if not maximize else -grads[n]
             g_elems, first = local_elements(g, params, n)
             p_elems, _ = local_elements(params[n], params, n)
-            local[n] = (g_elems, p_elems, first)
+            cut = split_of(params, n) is not None
+            local[n] = (g_elems, p_elems, first, cut)
             shape = full_shape(params, n)
             if n in index:
                 rows, cols = shape[-2], shape[-1]
                 batch = math.prod(shape[:-2])
-                at = torch.arange(first, first + g_elems.numel(), device=g.device)
-                b, r, c = at // (rows * cols), (at // cols) % rows, at % cols
+                b, r, c = _places(params, n, first, g_elems.numel(), g.device)
                 sq = g_elems * g_elems
-                parts.append(torch.zeros(batch * rows, dtype=g.dtype, device=g.device).index_add_(0, b * rows + r, sq))
-                parts.append(torch.zeros(batch * cols, dtype=g.dtype, device=g.device).index_add_(0, b * cols + c, sq))
-            parts.append(p_elems.float().square().sum().reshape(1).to(g.dtype))
-        summed = psum(torch.cat(parts), split=False) if parts else None
-        out, at = {}, 0
+                parts[cut].append(torch.zeros(batch * rows, dtype=g.dtype, device=g.device).index_add_(0, b * rows + r, sq))
+                parts[cut].append(torch.zeros(batch * cols, dtype=g.dtype, device=g.device).index_add_(0, b * cols + c, sq))
+            parts[cut].append(p_elems.float().square().sum().reshape(1).to(g.dtype))
+        summed = {cut: psum(torch.cat(ts), split=cut) for cut, ts in parts.items() if ts}
+        out, at = {}, {True: 0, False: 0}
         for n in names:
-            g_elems, p_elems, first = local[n]
+            g_elems, p_elems, first, cut = local[n]
             shape = full_shape(params, n)
             e1 = eps1 if eps1 is not None else torch.finfo(params[n].dtype).eps
             if n in index:
                 i = index[n]
                 rows, cols = shape[-2], shape[-1]
                 batch = math.prod(shape[:-2])
-                row_sum = summed[at : at + batch * rows]
-                col_sum = summed[at + batch * rows : at + batch * (rows + cols)]
-                at += batch * (rows + cols)
+                row_sum = summed[cut][at[cut] : at[cut] + batch * rows]
+                col_sum = summed[cut][at[cut] + batch * rows : at[cut] + batch * (rows + cols)]
+                at[cut] += batch * (rows + cols)
                 row_var, col_var = state.row_var[i], state.col_var[i]
                 row_var.lerp_(row_sum.view(row_var.shape) / cols, one_minus_beta2)
                 col_var.lerp_(col_sum.view(col_var.shape) / rows, one_minus_beta2)
-                idx = torch.arange(first, first + g_elems.numel(), device=g_elems.device)
-                b, r, c = idx // (rows * cols), (idx // cols) % rows, idx % cols
+                b, r, c = _places(params, n, first, g_elems.numel(), g_elems.device)
                 scale = row_var.mean(dim=-2, keepdim=True).clamp(min=e1).reshape(-1)[b]
                 estimate = row_var.reshape(-1)[b * rows + r] * col_var.reshape(-1)[b * cols + c] / scale
             else:
                 variance, _ = local_elements(state.variance[n], params, n)
                 variance.lerp_(g_elems * g_elems, one_minus_beta2)
                 estimate = variance.clone()
-            p_norm = float(summed[at]) ** 0.5
-            at += 1
+            p_norm = float(summed[cut][at[cut]]) ** 0.5
+            at[cut] += 1
             update = estimate.clamp_(min=e1 * e1).rsqrt_().mul_(g_elems)
             alpha = max(eps2, p_norm / math.prod(shape) ** 0.5) * rho
-            out[n] = (p_elems, update, alpha, math.prod(shape))
+            out[n] = (p_elems, update, alpha, math.prod(shape), cut)
         # round 2: the updates' sums of squares
-        norms = psum(torch.stack([u.float().square().sum() for _, u, _, _ in out.values()]), split=False) if out else None
-        for i, (n, (p_elems, update, alpha, numel)) in enumerate(out.items()):
-            denom = max(1.0, float(norms[i]) ** 0.5 / (numel ** 0.5 * d))
+        norms = {}
+        for cut in (True, False):
+            mine = [n for n, v in out.items() if v[4] == cut]
+            if mine:
+                sums = psum(torch.stack([out[n][1].float().square().sum() for n in mine]), split=cut)
+                norms.update(zip(mine, sums))
+        for n, (p_elems, update, alpha, numel, _) in out.items():
+            denom = max(1.0, float(norms[n]) ** 0.5 / (numel ** 0.5 * d))
             out[n] = (p_elems, update, -alpha / denom)
         return out, lr
 
