@@ -78,60 +78,38 @@ def _reduce_scatter(y: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
     return out.transpose(0, _DIM)
 
 
-class _Scatter(torch.autograd.Function):
-    """``"sequence_start"``'s input: the rank's part forward; the parts' gradients all-gathered."""
+def _mine(x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+    """This tensor rank's part of the sequence of ``x``, its own memory."""
+    return _part(x, rt.mesh.axis_size("tensor"), rt.mesh.axis_rank("tensor"), path).contiguous()
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+
+def _function(name: str, forward: Any, backward: Any, doc: str) -> type:
+    """An autograd Function whose forward is ``forward(x, rt, path)`` and whose backward is
+    ``backward(grad, rt, path)``; backward takes the runtime the forward had ([Note:
+    backward on device threads])."""
+
+    def fwd(ctx: Any, x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
         ctx.rt, ctx.path = rt, path
-        return _part(x, rt.mesh.axis_size("tensor"), rt.mesh.axis_rank("tensor"), path).contiguous()
+        return forward(x, rt, path)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _gather(grad, ctx.rt, ctx.path), None, None
+    def bwd(ctx: Any, grad: torch.Tensor) -> tuple:
+        return backward(grad, ctx.rt, ctx.path), None, None
 
-
-class _GatherWhole(torch.autograd.Function):
-    """``"sequence_end"``'s input: the whole sequence forward; every rank computes the same gradient
-    of it after, so backward keeps the rank's part."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
-        ctx.rt, ctx.path = rt, path
-        return _gather(x, rt, path)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        mesh = ctx.rt.mesh
-        return _part(grad, mesh.axis_size("tensor"), mesh.axis_rank("tensor"), ctx.path).contiguous(), None, None
+    return type(name, (torch.autograd.Function,), {"__doc__": doc, "forward": staticmethod(fwd),
+                                                     "backward": staticmethod(bwd)})
 
 
-class _GatherPartial(torch.autograd.Function):
-    """A block's input for its colwise layers: the whole sequence forward; their gradients
-    are partial sums, reduce-scattered."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
-        ctx.rt, ctx.path = rt, path
-        return _gather(x, rt, path)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _reduce_scatter(grad, ctx.rt, ctx.path), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """A rowwise layer's output in the region: partial sums reduce-scattered; the gradient's
-    parts all-gathered."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
-        ctx.rt, ctx.path = rt, path
-        return _reduce_scatter(y, rt, path)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _gather(grad, ctx.rt, ctx.path), None, None
+_Scatter = _function("_Scatter", _mine, _gather,
+                     "``sequence_start``'s input: the rank's part forward; the parts' gradients all-gathered.")
+_GatherWhole = _function("_GatherWhole", _gather, _mine,
+                         "``sequence_end``'s input: the whole sequence forward; every rank computes the same "
+                         "gradient of it after, so backward keeps the rank's part.")
+_GatherPartial = _function("_GatherPartial", _gather, _reduce_scatter,
+                           "A block's input for its colwise layers: the whole sequence forward; their gradients are "
+                           "partial sums, reduce-scattered.")
+_ReduceScatter = _function("_ReduceScatter", _reduce_scatter, _gather,
+                           "A rowwise layer's output in the region: partial sums reduce-scattered; the gradient's "
+                           "parts all-gathered.")
 
 
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__len__, torch.Tensor.is_floating_point,

@@ -13,15 +13,15 @@ FP16 = sf.Precision(param=torch.float16, reduce=torch.float16, output=torch.floa
 LR, STEPS = 0.1, 3
 
 
-def reference(precision):
+def reference(precision, model_fn=gpt_model, make_batches=lambda: gpt_batches(STEPS)):
     """Single process, same casts: params cast to `param` (autograd casts gradients back),
     output cast to `output`, the loss in fp32, plain SGD on the fp32 masters."""
     torch.manual_seed(0)
-    params, apply = sf.functionalize(gpt_model())
+    params, apply = sf.functionalize(model_fn())
     masters = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
     start = {n: p.detach().clone() for n, p in masters.items()}
     losses, moved = [], 0.0
-    for b in gpt_batches(STEPS):
+    for b in make_batches():
         compute = {n: p.to(precision.param) for n, p in masters.items()}
         logits = apply(compute, b["x"]).to(precision.output)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["y"].flatten())

@@ -39,14 +39,14 @@ def batches():
              "y": torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)} for _ in range(STEPS)]
 
 
-def _train(strategy, tensor, micro=1):
-    mesh = sf.Mesh.from_group(tensor=tensor)
+def _train(strategy, tensor, micro=1, spec="auto", loss=loss_fn, replicate=None):
+    mesh = sf.Mesh.from_group(tensor=tensor, replicate=replicate)
     torch.manual_seed(0)
     params, _ = sf.functionalize(llama())
-    sharded = sf.shard(params, mesh, strategy, tensor_parallel="auto")
+    sharded = sf.shard(params, mesh, strategy, tensor_parallel=spec)
     opt = SGD_MOMENTUM()
     state = opt.init(sharded)
-    step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro)
+    step = sf.jit_step(loss, mesh, optimizer=opt, micro_batches=micro)
     losses, norms, logs = [], [], []
     for batch in batches():
         with sf.record_collectives() as log:

@@ -48,22 +48,8 @@ def loss_fn(apply, params, batch):
     return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
 
 
-def _train(strategy, tensor, micro=1, objects=False, graph=False, replicate=None):
-    mesh = sf.Mesh.from_group(tensor=tensor, replicate=replicate)
-    torch.manual_seed(0)
-    params, _ = sf.functionalize(auto.llama())
-    sharded = sf.shard(params, mesh, strategy, tensor_parallel=torch_plan() if objects else PLAN)
-    opt = SGD_MOMENTUM()
-    state = opt.init(sharded)
-    step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro, graph=graph)
-    losses, norms, logs = [], [], []
-    for batch in auto.batches():
-        with sf.record_collectives() as log:
-            sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
-        logs.append([(c.unit, c.kind.value, c.nbytes) for c in log.select("tensor")])
-    return losses, norms, logs, sf.gather(sharded), dict(sharded.layout.tensor)
+def _train(strategy, tensor, micro=1, objects=False, replicate=None):
+    return auto._train(strategy, tensor, micro, torch_plan() if objects else PLAN, loss_fn, replicate)
 
 
 def _expected(data_size, micro=1):
@@ -393,59 +379,17 @@ def test_checkpoints_move_between_plans_with_and_without_the_region(clusters, tm
 
 # -- bf16 -----------------------------------------------------------------------------------------
 
-def _bf16_reference():
-    """One process with the policy's casts: parameters cast to bf16 for the forward, the
-    loss in fp32, plain SGD on fp32 masters (tests/test_precision.py's reference)."""
-    from test_precision import BF16, LR
-
-    torch.manual_seed(0)
-    params, apply = sf.functionalize(Tiny())
-    masters = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
-    start = {n: p.detach().clone() for n, p in masters.items()}
-    losses, moved = [], 0.0
-    for b in tiny_batches():
-        compute = {n: p.to(BF16.param) for n, p in masters.items()}
-        loss = _tiny_loss(lambda c, x: apply(c, x).float(), compute, b)
-        grads = torch.autograd.grad(loss, list(masters.values()))
-        with torch.no_grad():
-            for p, g in zip(masters.values(), grads):
-                p.sub_(LR * g)
-        moved += LR * max(float(g.abs().max()) for g in grads)
-        losses.append(loss.item())
-    return losses, {n: masters[n].detach() - start[n] for n in masters}, moved
-
-
-def _bf16_run():
-    from test_precision import BF16, LR
-
-    mesh = sf.Mesh.from_group(tensor=2)
-    torch.manual_seed(0)
-    params, _ = sf.functionalize(Tiny())
-    start = {n: p.detach().clone() for n, p in params.items()}
-    sharded = sf.shard(params, mesh, "FULL_SHARD", precision=BF16, tensor_parallel=TINY_PLAN)
-    opt = sf.optim.sgd(LR)
-    state = opt.init(sharded)
-    step = sf.jit_step(_tiny_loss, mesh, optimizer=opt)
-    losses, dtypes = [], set()
-    for b in tiny_batches():
-        with sf.record_collectives() as log:
-            sharded, state, m = step(sharded, state, b)
-        losses.append(float(m["loss"]))
-        dtypes |= {str(c.dtype) for c in log.select("tensor")}
-    full = sf.gather(sharded)
-    return losses, {n: full[n] - start[n] for n in full}, dtypes
-
-
 def test_bf16_sequence_parallel_matches_a_reference_with_the_same_casts(clusters):
     # tests/test_precision.py's bound, 8 eps of bf16 times the sum of the largest updates:
     # the region adds roundings of the kind it derives, each a partial sum rounded to bf16
     # and added in bf16 (a rowwise output's reduce-scatter, a norm's gradient all-reduced
     # over the tensor ranks' tokens); its gathers only move values.
-    from test_precision import EPS
+    from test_precision import BF16, EPS, reference
+    from test_tp_strategies import _bf16_run
 
-    ref_losses, ref_delta, moved = _bf16_reference()
+    ref_losses, ref_delta, moved = reference(BF16, Tiny, tiny_batches)
     bound = 8 * EPS[torch.bfloat16]
-    for losses, delta, dtypes in clusters[2].run(_bf16_run):
+    for losses, delta, _, dtypes in clusters[2].run(_bf16_run, BF16, Tiny, TINY_PLAN, tiny_batches):
         assert dtypes == {"torch.bfloat16"}, dtypes
         assert losses == pytest.approx(ref_losses, rel=bound)
         worst = max((delta[n] - d).abs().max().item() for n, d in ref_delta.items())

@@ -116,18 +116,19 @@ def test_offload_at_shard_two_by_tensor_two_equals_one_process(clusters):
     _check(results, 2)
 
 
-def _bf16_run(precision):
-    """test_precision's sharded run (plain SGD, 3 steps) at shard 2 x tensor 2, the MLPs split."""
+def _bf16_run(precision, model_fn=gpt_model, plan=PLAN, make_batches=lambda: gpt_batches(STEPS)):
+    """test_precision's sharded run (plain SGD, 3 steps) with a tensor axis of 2 (at world 4:
+    shard 2 x tensor 2), the MLPs split (or ``plan``)."""
     mesh = sf.Mesh.from_group(tensor=2)
     torch.manual_seed(0)
-    params, _ = sf.functionalize(gpt_model())
+    params, _ = sf.functionalize(model_fn())
     start = {n: p.detach().clone() for n, p in params.items()}
-    sharded = sf.shard(params, mesh, "FULL_SHARD", precision=precision, tensor_parallel=PLAN)
+    sharded = sf.shard(params, mesh, "FULL_SHARD", precision=precision, tensor_parallel=plan)
     opt = sf.optim.sgd(LR)
     state = opt.init(sharded)
     step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
     losses, dtypes = [], set()
-    for b in gpt_batches(STEPS):
+    for b in make_batches():
         with sf.record_collectives() as log:
             sharded, state, m = step(sharded, state, split_batch(b, mesh.data_rank, mesh.data_size))
         losses.append(float(m["loss"]))
