@@ -151,27 +151,36 @@ def scattered_state(params: Mapping[str, torch.Tensor], layout: Layout, mesh, sr
             f"tensor of the state, but {len(bad) or int(status)} are on the meta device"
             f"{': ' + ', '.join(bad[:4]) if bad else ''}. Load the weights on that rank before calling shard()."
         )
-    src_row = src_rank // mesh.axis_size("shard") if mesh.ndim == 2 else 0
-    in_src_row = mesh.ndim == 1 or mesh.axis_rank("replicate") == src_row
-    shard_src = src_rank % mesh.axis_size("shard") if layout.sharded else src_rank
+    tensor = mesh.axis_size("tensor")
+    data_src = src_rank // tensor  # the source's index among the data ranks (replicate x shard)
+    replicas = mesh.axis_size("replicate") if "replicate" in mesh.axis_names else 1
+    src_row = data_src // mesh.axis_size("shard")
+    in_src_row = replicas == 1 or mesh.axis_rank("replicate") == src_row
+    shard_src = data_src % mesh.axis_size("shard")
+    # [Note: loading from one rank with a tensor axis]: the source's tensor group holds the values
+    holder = i_am_src if tensor == 1 else mesh.data_rank == data_src
     out = {}
     for unit in layout.units:
+        values = params if tensor == 1 else _tensor_piece(params, layout, mesh, src_rank, unit, holder)
         flat = torch.empty(unit.numel, dtype=unit.dtype, device=device)
         if not layout.sharded:  # NO_SHARD: everyone gets everything
-            if i_am_src:
-                flat.copy_(torch.cat([params[n].reshape(-1).to(device) for n in unit.leaves]))
-            C.broadcast(flat, src_rank, mesh.channel("shard"), Purpose.LOAD, unit.name)
+            if holder:
+                flat.copy_(torch.cat([values[n].reshape(-1).to(device) for n in unit.leaves]))
+            if in_src_row:
+                C.broadcast(flat, shard_src, mesh.channel("shard"), Purpose.LOAD, unit.name)
+            if replicas > 1:
+                C.broadcast(flat, src_row, mesh.channel("replicate"), Purpose.LOAD, unit.name)
         else:
             if in_src_row and layout.gathers:
                 buf = None
-                if i_am_src:
+                if holder:
                     buf = (torch.zeros if unit.flat else torch.empty)(world, unit.numel, dtype=unit.dtype, device=device)
                     for n in unit.leaves:
-                        pack_leaf(buf, params[n].to(device), layout.leaves[n], world, layout.leaves[n].offset)
+                        pack_leaf(buf, values[n].to(device), layout.leaves[n], world, layout.leaves[n].offset)
                 C.scatter(flat, buf, shard_src, mesh.channel("shard"), Purpose.LOAD, unit.name)
             elif in_src_row:
-                flat.copy_(torch.cat([params[n].reshape(-1).to(device) for n in unit.leaves]))
-            if mesh.ndim == 2 and mesh.axis_size("replicate") > 1:
+                flat.copy_(torch.cat([values[n].reshape(-1).to(device) for n in unit.leaves]))
+            if replicas > 1:
                 C.broadcast(flat, src_row, mesh.channel("replicate"), Purpose.LOAD, unit.name)
         rank = layout.shard_rank(mesh)
         for n in unit.leaves:
@@ -191,6 +200,31 @@ def scattered_state(params: Mapping[str, torch.Tensor], layout: Layout, mesh, sr
         for n, t in zip(names, flat.split([s.numel() for s in shapes])):
             out[n] = t.view(layout.buffers[n].shape).clone()
     return out
+
+
+def _tensor_piece(params: Mapping[str, torch.Tensor], layout: Layout, mesh, src_rank: int, unit: UnitLayout,
+                  holder: bool) -> dict[str, torch.Tensor]:
+    """On the ranks of the source's tensor group: this tensor rank's values of ``unit``'s
+    leaves (a split leaf's block), from the source's whole values; nothing elsewhere.
+
+    [Note: loading from one rank with a tensor axis]
+    With a tensor axis, ``src_rank`` holds whole values and each tensor rank needs its own
+    block of a split leaf. The source broadcasts each unit's whole leaves over its tensor
+    group (one collective per unit: the group's other ranks hold one unit's whole values at a
+    time, not the model), every rank of the group cuts its block, and each then does what
+    the source does without a tensor axis for the ranks of its own tensor rank: scatter the
+    unit over the shard axis, and the replicate axis broadcasts it on.
+    """
+    if not holder:
+        return {}
+    whole = {n: shape for n, _, shape in layout.splits}
+    shapes = [torch.Size(whole.get(n, layout.leaves[n].shape)) for n in unit.leaves]
+    flat = torch.empty(sum(s.numel() for s in shapes), dtype=unit.dtype, device=mesh.device)
+    if mesh.rank == src_rank:
+        torch.cat([params[n].detach().reshape(-1).to(flat) for n in unit.leaves], out=flat)
+    C.broadcast(flat, src_rank % mesh.axis_size("tensor"), mesh.channel("tensor"), Purpose.LOAD, unit.name)
+    full = {n: t.view(shape) for n, t, shape in zip(unit.leaves, flat.split([s.numel() for s in shapes]), shapes)}
+    return local_state(full, layout.splits, mesh.axis_size("tensor"), mesh.axis_rank("tensor"))
 
 
 def materialize(model: nn.Module, seed: int, *, units=None, init_fn: InitFn | None = None,

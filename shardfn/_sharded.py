@@ -336,10 +336,6 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
     module: nn.Module | None = getattr(params, "module", None)
     layout = layout_for(params, module, mesh, plan, tensor_parallel)
     given = [k for k, v in (("seed", seed), ("src_rank", src_rank), ("weights", weights)) if v is not None]
-    if src_rank is not None and mesh.axis_size("tensor") > 1:
-        raise ValueError("shard(): src_rank= on a mesh with a 'tensor' axis is not supported yet; pass seed= "
-                         "(deferred init), weights= (a safetensors checkpoint) or the full values on every rank, "
-                         "see docs/tensor-parallel.md.")
     if len(given) > 1:
         raise ValueError(f"shard(): pass one of seed= (deferred init), src_rank= (load from one rank) or weights= "
                          f"(a safetensors checkpoint), not {' and '.join(given)}.")
@@ -364,7 +360,7 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
         raise ValueError(meta_error)
     if not given:
         verify_same_values(params, layout, mesh)  # (the full values, before each tensor rank takes its piece)
-    if mesh.axis_size("tensor") > 1:
+    if mesh.axis_size("tensor") > 1 and src_rank is None:  # (from src_rank each rank gets its block: _materialize)
         params = local_state(params, layout.splits, mesh.axis_size("tensor"), mesh.axis_rank("tensor"))
     rank = layout.shard_rank(mesh)
     with torch.no_grad():

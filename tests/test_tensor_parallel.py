@@ -120,7 +120,6 @@ def _refusals():
                  {"blocks.*.mlp.0": RowwiseParallel(input_layouts=Replicate())}):
         refused(sf.shard, params, mesh, "FULL_SHARD", tensor_parallel=spec)
     refused(sf.shard, params, mesh, sf.Plan("FULL_SHARD", optional=["blocks.1"]), tensor_parallel=PLAN)
-    refused(sf.shard, params, mesh, "FULL_SHARD", src_rank=0, tensor_parallel=PLAN)
     sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel=PLAN)
     matrices = sf.optim.partition({"muon": sf.optim.from_torch(torch.optim.Muon, lr=0.01), "sgd": sf.optim.sgd(0.1)},
                                   lambda name, shape: "muon" if len(shape) >= 2 else "sgd")
@@ -131,7 +130,7 @@ def _refusals():
 def test_refusals_name_the_cause_and_the_fix(clusters):
     first, second = clusters[2].run(_refusals)
     assert first == second  # every rank raises the same error
-    (no_match, not_linear, attention, indivisible, auto, sequence, style_object, optional, src_rank, muon) = first
+    (no_match, not_linear, attention, indivisible, auto, sequence, style_object, optional, muon) = first
     assert "'blocks.*.mlp.9' matches no module" in no_match
     assert "'blocks.0.mlp' (matched by 'blocks.*.mlp') is a Sequential" in not_linear
     assert "inside an attention module" in attention and "'blocks.0.attn.qkv'" in attention
@@ -140,7 +139,6 @@ def test_refusals_name_the_cause_and_the_fix(clusters):
     assert "the style 'sequence_parallel'" in sequence and "'sequence_start'" in sequence  # (a transformers name)
     assert "'blocks.*.mlp.0' is given RowwiseParallel(" in style_object and "no style for" in style_object
     assert "'blocks.1.mlp.0' is split over the mesh's 'tensor' axis inside the optional unit 'blocks.1'" in optional
-    assert "src_rank= on a mesh with a 'tensor' axis is not supported yet; pass seed=" in src_rank
     assert "split over the mesh's 'tensor' axis (blocks.0.mlp.0.weight, blocks.0.mlp.2.weight" in muon
 
 
