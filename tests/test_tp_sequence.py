@@ -403,3 +403,20 @@ def test_check_equivalence_with_a_sequence_parallel_plan(clusters):
                                world_sizes=({"tensor": 2},), clusters=clusters, tensor_parallel=TINY_PLAN,
                                rtol=auto.RTOL, atol=auto.ATOL)
     assert report.failures() == [] and set(report.leaves) == {("FULL_SHARD", "(tensor=2)")}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_block_that_is_a_remat_unit_keeps_its_gathered_input(clusters, mode):
+    # Each MLP its own unit, recomputed in backward: the block gathers its input before the
+    # checkpoint, which saves it as its input, so the recompute gathers nothing again; the
+    # losses and parameters equal one process's.
+    plan = sf.Plan("FULL_SHARD", units=[f"model.layers.{i}.mlp" for i in range(auto.LAYERS)], remat=sf.Remat(mode=mode))
+    ref_losses, ref_state, _ = auto._reference()
+    for losses, _, logs, full, _ in clusters[2].run(_train, plan, 2):
+        for log in logs:
+            assert sorted(u for u, kind, _ in log if kind == "all_gather" and u.endswith(".mlp")) == \
+                [f"model.layers.{i}.mlp" for i in range(auto.LAYERS)], log
+        assert all(abs(a - b) <= auto.ATOL + auto.RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+        for name in full:
+            diff = (full[name] - ref_state[name]).abs() - auto.RTOL * ref_state[name].abs()
+            assert float(diff.max()) <= auto.ATOL, (name, float(diff.max()))
