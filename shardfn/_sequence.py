@@ -265,14 +265,14 @@ def container_forward(active: Any, path: str, module: nn.Module) -> Any:
     return forward
 
 
-def outside_region(now: Any, path: str) -> None:
-    """A layer that takes its input whole (a ``"colwise_gather_output"`` head) must run
-    after the region ends."""
+def outside_region(now: Any, path: str, style: str) -> None:
+    """A layer that takes its input whole (a ``"colwise_gather_output"`` head, an
+    ``"embedding_rowwise"`` embedding) must run outside the region."""
     state = _region(now)
     if state.get("open") is not None and not state.get("again"):
-        raise ValueError(f"shardfn: {path!r} ('colwise_gather_output') ran inside the sequence region opened by "
-                         f"{state['open']!r}, where its input is a part of the sequence. End the region before it: "
-                         "style it 'sequence_end' instead (its input gathered, the layer whole).")
+        raise ValueError(f"shardfn: {path!r} ({style!r}) ran inside the sequence region opened by "
+                         f"{state['open']!r}, where its input is a part of the sequence. Run it outside the region: "
+                         "end the region before it ('sequence_end') or start it after it ('sequence_start').")
 
 
 def reduce_scatter_output(now: Any, y: torch.Tensor, path: str) -> torch.Tensor:
@@ -344,6 +344,8 @@ def from_torch_style(style: Any, pattern: str) -> tuple[str, bool | None]:
             return "colwise", None
         if attrs.get("input_layouts") == seq:
             return "colwise", True
+    if kind is RowwiseParallel and attrs.get("input_layouts") == rep and attrs.get("output_layouts") == rep:
+        return "embedding_rowwise", None  # (torch's rowwise style on an nn.Embedding: its rows split)
     if kind is RowwiseParallel and attrs.get("input_layouts") == last:
         if attrs.get("output_layouts") == rep:
             return "rowwise", False
@@ -358,8 +360,9 @@ def from_torch_style(style: Any, pattern: str) -> tuple[str, bool | None]:
             return "sequence_end", True
     raise ValueError(f"shard(tensor_parallel=...): {pattern!r} is given {kind.__name__}({attrs}), which shardfn has no "
                      "style for. It takes ColwiseParallel() (input Replicate or Shard(1); both Replicate: "
-                     "'colwise_gather_output'), RowwiseParallel() (output "
-                     "Replicate or Shard(1)), SequenceParallel(), PrepareModuleInput(input_layouts=Replicate(), "
-                     "desired_input_layouts=Shard(1)) (the region's start) and PrepareModuleInput(input_layouts="
-                     "Shard(1), desired_input_layouts=Replicate()) (its end), or the strings 'colwise', 'rowwise', "
-                     "'sequence', 'sequence_start', 'sequence_end': see docs/tensor-parallel.md.")
+                     "'colwise_gather_output'), RowwiseParallel() (output Replicate or Shard(1); on an nn.Embedding "
+                     "input Replicate: 'embedding_rowwise'), SequenceParallel(), PrepareModuleInput(input_layouts="
+                     "Replicate(), desired_input_layouts=Shard(1)) (the region's start) and PrepareModuleInput("
+                     "input_layouts=Shard(1), desired_input_layouts=Replicate()) (its end), or the strings "
+                     "'colwise', 'rowwise', 'colwise_gather_output', 'embedding_rowwise', 'sequence', "
+                     "'sequence_start', 'sequence_end': see docs/tensor-parallel.md.")

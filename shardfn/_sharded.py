@@ -299,6 +299,8 @@ def shard(
             mapping from module-path patterns (fnmatch: ``"blocks.*.mlp.0"``) to ``"colwise"``
             or ``"rowwise"``: those ``nn.Linear`` layers are split over the tensor axis, and
             each rank's pieces are sharded over ``shard`` as any leaf (docs/tensor-parallel.md).
+            ``"colwise_gather_output"`` (a head: its output gathered), ``"embedding_rowwise"``
+            (an ``nn.Embedding``'s vocabulary rows split);
             ``"sequence"``, ``"sequence_start"``, ``"sequence_end"``: sequence parallelism
             (norms run on each tensor rank's part of the sequence; [Note: the sequence
             region]). torch's ``ParallelStyle`` objects of those kinds are taken too.

@@ -39,7 +39,7 @@ from ._tensor_ops import CopyToTensor, GatherOutput, ReduceFromTensor
 __all__ = ["STYLES", "agree_on_batch", "agree_on_optional", "auto_plan", "full_leaf", "local_state", "resolve_tensor_parallel",
            "split_sum_of_squares", "tp_forward"]
 
-STYLES = ("colwise", "rowwise", "colwise_gather_output", *SEQUENCE_STYLES)
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", *SEQUENCE_STYLES)
 
 _NOT_YET = (
     "shard(tensor_parallel=...): {what} is not supported yet (tensor parallelism takes 'auto' or a mapping from "
@@ -110,9 +110,12 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                                  "split. Give the attention's layers 'colwise' and 'rowwise'.")
             if attention is not None:
                 attentions.add(attention)
-            if type(m) is not nn.Linear:
+            if style == "embedding_rowwise":
+                _check_embedding(m, path, pattern)
+            elif type(m) is not nn.Linear:
                 raise ValueError(f"shard(tensor_parallel=...): {path!r} (matched by {pattern!r}) is a "
-                                 f"{type(m).__name__}; only nn.Linear layers can be split yet. Narrow the pattern.")
+                                 f"{type(m).__name__}; only nn.Linear layers can be split {style}, and nn.Embedding "
+                                 "layers 'embedding_rowwise'. Narrow the pattern.")
             if path in styles and styles[path] != style:
                 raise ValueError(f"shard(tensor_parallel=...): {path!r} is matched as {styles[path]!r} and as "
                                  f"{style!r}; give each layer one style.")
@@ -124,10 +127,10 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
     for path, style in sorted(styles.items()):
         if style in SEQUENCE_STYLES:
             continue
-        rows = style != "rowwise"  # colwise and colwise_gather_output split output features
+        rows = style != "rowwise"  # colwise, colwise_gather_output: output features; an embedding: its rows
         for name, dim in (("weight", 0 if rows else 1), ("bias", 0 if rows else None)):
             leaf = f"{path}.{name}"
-            if dim is None or getattr(module.get_submodule(path), name) is None:
+            if dim is None or getattr(module.get_submodule(path), name, None) is None:
                 continue
             if leaf not in state:
                 raise ValueError(f"shard(tensor_parallel=...): {leaf!r} is tied to another parameter (it is not "
@@ -140,6 +143,32 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                                  "that divides it, or leave the layer out.")
             splits.append((leaf, dim, shape))
     return tuple(sorted(styles.items())), tuple(splits)
+
+
+def _check_embedding(m: nn.Module, path: str, pattern: str) -> None:
+    """An ``"embedding_rowwise"`` layer is a plain ``nn.Embedding``: what renormalises or
+    rescales by whole rows (``max_norm``, ``scale_grad_by_freq``) or makes sparse
+    gradients would see a rank's rows only."""
+    if type(m) is not nn.Embedding:
+        raise ValueError(f"shard(tensor_parallel=...): {path!r} (matched by {pattern!r}) is a {type(m).__name__}; "
+                         "'embedding_rowwise' splits an nn.Embedding's rows. Narrow the pattern.")
+    odd = [a for a in ("max_norm", "scale_grad_by_freq", "sparse") if getattr(m, a)]
+    if odd:
+        raise ValueError(f"shard(tensor_parallel=...): the embedding {path!r} has {', '.join(odd)} set, which would "
+                         "act on this rank's rows of the vocabulary only; leave it out of the plan.")
+
+
+def _embedding(module: nn.Embedding, ids: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+    """An ``"embedding_rowwise"`` lookup: each tensor rank holds a block of the vocabulary's
+    rows, looks up the ids in it (zeros for the others), and the all-reduce sums the blocks'
+    results: each id's row comes from the one rank that holds it."""
+    n = module.weight.shape[0]
+    start = rt.mesh.axis_rank("tensor") * n
+    outside = (ids < start) | (ids >= start + n)
+    pad = module.padding_idx
+    pad = pad - start if pad is not None and start <= pad < start + n else None
+    y = F.embedding((ids - start).masked_fill(outside, 0), module.weight, pad)
+    return ReduceFromTensor.apply(y.masked_fill(outside.unsqueeze(-1), 0), rt, path)
 
 
 def _is_torch_style(style: Any) -> bool:
@@ -312,7 +341,7 @@ def _shared_copy(copies: dict[int, tuple], x: torch.Tensor, rt: Any, path: str) 
     return hit[2]
 
 
-def tp_forward(active: Any, path: str, module: nn.Linear) -> Any:
+def tp_forward(active: Any, path: str, module: nn.Module) -> Any:
     """``module``'s forward, split as the active call's layout says (``active()``: its
     ``(layout, runtime, copies, sequence parallel)``, or None outside a sharded call); the
     module's own otherwise."""
@@ -321,13 +350,17 @@ def tp_forward(active: Any, path: str, module: nn.Linear) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
         now = active()
         style = dict(now[0].tensor).get(path) if now is not None else None
-        if style not in ("colwise", "rowwise", "colwise_gather_output"):  # (a sequence style is shardfn._sequence's)
+        if style not in ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"):  # (sequence: _sequence's)
             return inner(x)
         rt = now[1]
         sequence = now[3] and not now[2].get("whole")  # (a bound block runs the region whole)
+        if style == "embedding_rowwise":
+            if sequence:
+                outside_region(now, path, style)
+            return _embedding(module, x, rt, path)
         if style == "colwise_gather_output":  # a head: every rank gets the whole output
             if sequence:
-                outside_region(now, path)
+                outside_region(now, path, style)
             y = F.linear(_shared_copy(now[2], x, rt, path), module.weight, module.bias)
             return GatherOutput.apply(y, rt, path)
         if style == "colwise":

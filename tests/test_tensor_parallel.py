@@ -4,8 +4,7 @@ axis's all-reduces counted exactly, and everything not supported yet refused by 
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor.parallel import RowwiseParallel
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import SequenceParallel
 
 import shardfn as sf
 from bounds import SGD_MOMENTUM
@@ -117,7 +116,7 @@ def _refusals():
 
     for spec in ({"blocks.*.mlp.9": "colwise"}, {"blocks.*.mlp": "colwise"}, {"blocks.*.attn.qkv": "colwise"},
                  {"head": "colwise"}, "auto", {"blocks.*.mlp.0": "sequence_parallel"},
-                 {"blocks.*.mlp.0": RowwiseParallel(input_layouts=Replicate())}):
+                 {"blocks.*.mlp.0": SequenceParallel(sequence_dim=0)}):
         refused(sf.shard, params, mesh, "FULL_SHARD", tensor_parallel=spec)
     refused(sf.shard, params, mesh, sf.Plan("FULL_SHARD", optional=["blocks.1"]), tensor_parallel=PLAN)
     sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel=PLAN)
@@ -137,7 +136,7 @@ def test_refusals_name_the_cause_and_the_fix(clusters):
     assert "'head.weight' of shape [33, 16]" in indivisible and "33 % 2 = 1" in indivisible
     assert "tensor_parallel='auto'): GPT has no base_model_tp_plan" in auto  # (tests/test_tp_auto.py: HF's plan)
     assert "the style 'sequence_parallel'" in sequence and "'sequence_start'" in sequence  # (a transformers name)
-    assert "'blocks.*.mlp.0' is given RowwiseParallel(" in style_object and "no style for" in style_object
+    assert "'blocks.*.mlp.0' is given SequenceParallel(" in style_object and "no style for" in style_object
     assert "'blocks.1.mlp.0' is split over the mesh's 'tensor' axis inside the optional unit 'blocks.1'" in optional
     assert "split over the mesh's 'tensor' axis (blocks.0.mlp.0.weight, blocks.0.mlp.2.weight" in muon
 

@@ -17,12 +17,12 @@ ROWS, STEPS = 4, 3
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def llama(heads=4, kv_heads=2, hidden=HIDDEN, plan=None, tied=False):
+def llama(heads=4, kv_heads=2, hidden=HIDDEN, plan=None, tied=False, pad=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=LAYERS,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16,
-                      tie_word_embeddings=tied)
+                      tie_word_embeddings=tied, pad_token_id=pad)
     if plan is not None:
         cfg.base_model_tp_plan = plan
     return LlamaForCausalLM(cfg)
@@ -39,10 +39,10 @@ def batches():
              "y": torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)} for _ in range(STEPS)]
 
 
-def _train(strategy, tensor, micro=1, spec="auto", loss=loss_fn, replicate=None):
+def _train(strategy, tensor, micro=1, spec="auto", loss=loss_fn, replicate=None, pad=None):
     mesh = sf.Mesh.from_group(tensor=tensor, replicate=replicate)
     torch.manual_seed(0)
-    params, _ = sf.functionalize(llama())
+    params, _ = sf.functionalize(llama(pad=pad))
     sharded = sf.shard(params, mesh, strategy, tensor_parallel=spec)
     opt = SGD_MOMENTUM()
     state = opt.init(sharded)
@@ -57,12 +57,12 @@ def _train(strategy, tensor, micro=1, spec="auto", loss=loss_fn, replicate=None)
     return losses, norms, logs, sf.gather(sharded), dict(sharded.layout.tensor)
 
 
-def _reference():
-    return test_tensor_parallel._reference(llama, loss_fn, batches)
+def _reference(pad=None):
+    return test_tensor_parallel._reference(lambda: llama(pad=pad), loss_fn, batches)
 
 
-def _check(results, data_size, micro=1):
-    ref_losses, ref_state, ref_norm = _reference()
+def _check(results, data_size, micro=1, embedding=None):
+    ref_losses, ref_state, ref_norm = _reference(embedding)
     nbytes = ROWS // data_size // micro * SEQ * HIDDEN * 4  # fp32 hidden states of a micro-batch's rows
     # Per layer and step: o_proj's and down_proj's outputs in forward; in backward the
     # gradient of the input that q/k/v share (named by q_proj) and of the one gate/up share.
@@ -71,10 +71,12 @@ def _check(results, data_size, micro=1):
     logits = ROWS // data_size // micro * SEQ * VOCAB * 4
     expect = sorted([(f"model.layers.{i}.{layer}", "all_reduce", nbytes) for i in range(LAYERS)
                      for layer in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")]
-                    + [("lm_head", "all_gather", logits), ("lm_head", "all_reduce", nbytes)]) * micro
+                    + [("lm_head", "all_gather", logits), ("lm_head", "all_reduce", nbytes)]
+                    + ([("model.embed_tokens", "all_reduce", nbytes)] if embedding is not None else [])) * micro
     expect.sort()
     for losses, norms, logs, full, styles in results:
-        assert styles["model.layers.1.self_attn.k_proj"] == "colwise" and len(styles) == 7 * LAYERS + 1, styles
+        assert styles["model.layers.1.self_attn.k_proj"] == "colwise", styles
+        assert len(styles) == 7 * LAYERS + 1 + (embedding is not None), styles
         assert styles["lm_head"] == "colwise_gather_output", styles
         assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
         assert abs(norms[0] - ref_norm) <= ATOL + RTOL * ref_norm, (norms[0], ref_norm)
@@ -221,3 +223,33 @@ def _head_styles():
 def test_auto_splits_the_head_unless_it_is_tied(clusters):
     for styles in clusters[2].run(_head_styles):
         assert styles == ["colwise_gather_output", None, "colwise_gather_output"], styles
+
+
+EMBEDDING_PAD = 40  # a padding row in tensor rank 1's half of the vocabulary (its gradient stays zero)
+
+
+def _embedding_spec(objects):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    style = RowwiseParallel(input_layouts=Replicate()) if objects else "embedding_rowwise"
+    return {**auto_plan_of_llama(), "model.embed_tokens": style}
+
+
+def auto_plan_of_llama():
+    from shardfn._tensor import auto_plan
+
+    return auto_plan(llama())
+
+
+def _train_embedding(strategy, tensor, objects=False):
+    return _train(strategy, tensor, spec=_embedding_spec(objects), pad=EMBEDDING_PAD)
+
+
+def test_the_embedding_split_by_vocabulary_rows_equals_one_process(clusters):
+    # "embedding_rowwise" (torch: RowwiseParallel(input_layouts=Replicate()) on an
+    # nn.Embedding): each tensor rank looks up the ids in its rows, zeros elsewhere, and one
+    # all-reduce per step sums them; the padding row, on tensor rank 1, keeps a zero gradient.
+    _check(clusters[2].run(_train_embedding, "FULL_SHARD", 2), 1, embedding=EMBEDDING_PAD)
+    _check(clusters[2].run(_train_embedding, "FULL_SHARD", 2, True), 1, embedding=EMBEDDING_PAD)
+    _check(clusters[4].run(_train_embedding, "SHARD_GRAD_OP", 2), 2, embedding=EMBEDDING_PAD)

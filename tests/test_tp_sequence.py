@@ -249,14 +249,14 @@ def test_a_region_that_would_read_a_part_silently_is_refused_on_every_rank(clust
 
 
 def _plans_refused():
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import RowwiseParallel
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
     mesh = sf.Mesh.from_group(tensor=2)
     out = []
     for plan in ({**TINY_PLAN, "layers.*.mlp.down": RowwiseParallel()},  # all-reduce in a sequence plan
                  {"layers.*.mlp.up": "colwise", "layers.*.mlp.down": RowwiseParallel(output_layouts=Shard(1))},
-                 {**TINY_PLAN, "layers.*.mlp.up": RowwiseParallel(input_layouts=Replicate())},
+                 {**TINY_PLAN, "layers.*.mlp.up": SequenceParallel(sequence_dim=0)},
                  {**TINY_PLAN, "layers.*.mlp": "sequence_end"}):
         try:
             sf.shard(sf.functionalize(Tiny())[0], mesh, "FULL_SHARD", tensor_parallel=plan)
@@ -272,7 +272,7 @@ def test_plans_that_disagree_with_themselves_are_refused(clusters):
     rowwise, no_region, unknown, end = first
     assert "'layers.*.mlp.down'" in rowwise and "has sequence styles" in rowwise, rowwise
     assert "need sequence parallelism" in no_region and "has no sequence styles" in no_region, no_region
-    assert "RowwiseParallel" in unknown and "no style for" in unknown, unknown
+    assert "SequenceParallel" in unknown and "no style for" in unknown, unknown
     assert "'layers.0.mlp' holds colwise layers and is styled 'sequence_end'" in end, end
 
 
