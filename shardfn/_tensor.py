@@ -164,11 +164,13 @@ def _embedding(module: nn.Embedding, ids: torch.Tensor, rt: Any, path: str) -> t
     results: each id's row comes from the one rank that holds it."""
     n = module.weight.shape[0]
     start = rt.mesh.axis_rank("tensor") * n
-    outside = (ids < start) | (ids >= start + n)
+    # in another rank's block; an id outside the vocabulary stays out of range on every rank,
+    # so that the lookup raises there as the whole embedding's does (never a silent zero row)
+    elsewhere = ((ids < start) | (ids >= start + n)) & (ids >= 0) & (ids < n * rt.mesh.axis_size("tensor"))
     pad = module.padding_idx
     pad = pad - start if pad is not None and start <= pad < start + n else None
-    y = F.embedding((ids - start).masked_fill(outside, 0), module.weight, pad)
-    return ReduceFromTensor.apply(y.masked_fill(outside.unsqueeze(-1), 0), rt, path)
+    y = F.embedding((ids - start).masked_fill(elsewhere, 0), module.weight, pad)
+    return ReduceFromTensor.apply(y.masked_fill(elsewhere.unsqueeze(-1), 0), rt, path)
 
 
 def _is_torch_style(style: Any) -> bool:

@@ -253,3 +253,20 @@ def test_the_embedding_split_by_vocabulary_rows_equals_one_process(clusters):
     _check(clusters[2].run(_train_embedding, "FULL_SHARD", 2), 1, embedding=EMBEDDING_PAD)
     _check(clusters[2].run(_train_embedding, "FULL_SHARD", 2, True), 1, embedding=EMBEDDING_PAD)
     _check(clusters[4].run(_train_embedding, "SHARD_GRAD_OP", 2), 2, embedding=EMBEDDING_PAD)
+
+
+def _out_of_vocabulary():
+    """An id past the vocabulary: the split lookup raises as the whole one does."""
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(llama())
+    sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel={"model.embed_tokens": "embedding_rowwise"})
+    try:
+        apply(sharded, torch.tensor([[1, VOCAB]]))
+    except Exception as e:  # noqa: BLE001 - which error is what the test checks
+        return type(e).__name__
+    return "accepted"
+
+
+def test_an_id_outside_the_vocabulary_raises_on_every_rank(clusters):
+    assert clusters[2].run(_out_of_vocabulary) == ["IndexError", "IndexError"]
