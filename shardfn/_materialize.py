@@ -153,9 +153,9 @@ def scattered_state(params: Mapping[str, torch.Tensor], layout: Layout, mesh, sr
         )
     tensor = mesh.axis_size("tensor")
     data_src = src_rank // tensor  # the source's index among the data ranks (replicate x shard)
-    replicas = mesh.axis_size("replicate") if "replicate" in mesh.axis_names else 1
+    replicate_size = mesh.axis_size("replicate") if "replicate" in mesh.axis_names else 1
     src_row = data_src // mesh.axis_size("shard")
-    in_src_row = replicas == 1 or mesh.axis_rank("replicate") == src_row
+    in_src_row = replicate_size == 1 or mesh.axis_rank("replicate") == src_row
     shard_src = data_src % mesh.axis_size("shard")
     # [Note: loading from one rank with a tensor axis]: the source's tensor group holds the values
     holder = i_am_src if tensor == 1 else mesh.data_rank == data_src
@@ -168,7 +168,7 @@ def scattered_state(params: Mapping[str, torch.Tensor], layout: Layout, mesh, sr
                 flat.copy_(torch.cat([values[n].reshape(-1).to(device) for n in unit.leaves]))
             if in_src_row:
                 C.broadcast(flat, shard_src, mesh.channel("shard"), Purpose.LOAD, unit.name)
-            if replicas > 1:
+            if replicate_size > 1:
                 C.broadcast(flat, src_row, mesh.channel("replicate"), Purpose.LOAD, unit.name)
         else:
             if in_src_row and layout.gathers:
@@ -180,7 +180,7 @@ def scattered_state(params: Mapping[str, torch.Tensor], layout: Layout, mesh, sr
                 C.scatter(flat, buf, shard_src, mesh.channel("shard"), Purpose.LOAD, unit.name)
             elif in_src_row:
                 flat.copy_(torch.cat([values[n].reshape(-1).to(device) for n in unit.leaves]))
-            if replicas > 1:
+            if replicate_size > 1:
                 C.broadcast(flat, src_row, mesh.channel("replicate"), Purpose.LOAD, unit.name)
         rank = layout.shard_rank(mesh)
         for n in unit.leaves:
