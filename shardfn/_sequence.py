@@ -1,28 +1,18 @@
 """Sequence parallelism: the activations between split layers split on the sequence.
 
 [Note: the sequence region]
-A plan with a ``"sequence"`` style splits the activations between its tensor-parallel
-blocks on the sequence (dim 1, batch first) over the tensor axis, as Megatron does: each
-rank runs the norms (and any other per-token module styled ``"sequence"``) on its part of
-the sequence, so their activations are 1/T. The region is named, not guessed:
-``"sequence_start"`` splits a module's first argument (each rank keeps its part; backward
-all-gathers the gradient) and ``"sequence_end"`` gathers it whole (backward keeps the rank's
-part of a gradient every rank computed alike). The start is a module's input, not an
-embedding's output, because a transformers model reads the sequence length (positions,
-mask) from the embeddings before its first layer. Inside the region the
-module holding a block's colwise layers (an attention, an MLP) all-gathers the output of a
-``"sequence"`` module it is given, and reduce-scatters its gradient: the colwise layers'
-input gradients are partial sums, summed and split in one collective; a rowwise layer
-reduce-scatters its output instead of all-reducing it. A ``"sequence"`` module's
-parameters (and a rowwise bias) saw only the rank's tokens, so their gradients are
-all-reduced over the tensor axis in backward. A split activation read by anything else
-would be read silently on a part of the sequence, so each call checks what it can see
-(a graph step's first call and each compiled unit's first call run eagerly, with them):
-the region opens and closes in order and is closed when the call returns; while it is open
-every module with parameters that runs is in the plan; and the gathered input of a block is
-a tensor only its colwise layers may read (:class:`_Gathered` refuses any other operation,
-naming it). A function without parameters that mixes positions inside the region (a cumsum
-of the residual stream) is what shardfn cannot see.
+Between a ``"sequence_start"`` module (its first argument split on dim 1 over the tensor
+axis) and a ``"sequence_end"`` one (gathered whole), activations are split on the sequence:
+``"sequence"`` modules (norms) run on the rank's part and all-reduce their parameters'
+gradients over the tensor axis; a module holding colwise layers all-gathers its input for
+them and reduce-scatters its gradient; rowwise layers reduce-scatter their output. The rule:
+a split activation reaches planned modules only, since anything else would read a part of
+the sequence without an error. So each call checks what it can see: the region opens and
+closes in order and is closed at return, no module with parameters outside the plan runs in
+it, and a block's gathered input (:class:`_Gathered`) refuses any use but its colwise
+layers'. A parameter-free function that mixes positions is what it cannot see. The start is
+a layer's input, not the embeddings, which transformers read the sequence length from.
+Details and figures: docs/tensor-parallel.md, "Sequence parallelism".
 """
 
 from __future__ import annotations
@@ -149,9 +139,8 @@ def _tracing(x: torch.Tensor) -> bool:
 
 
 def gathered_input(x: Any, path: str) -> torch.Tensor:
-    """A colwise layer's input in the region: the plain tensor its block gathered. While
-    make_fx records a graph step's program, the block gives a plain tensor: the step's
-    first call, eager, ran the same code with the check."""
+    """A colwise layer's input in the region: the plain tensor its block gathered (already
+    plain while a program is recorded or compiled, or in a planning run: see :func:`_tracing`)."""
     if _tracing(x):
         return x
     if not isinstance(x, _Gathered):
