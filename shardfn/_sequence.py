@@ -29,7 +29,7 @@ from ._tensor_ops import CopyToTensor
 
 __all__ = ["SEQUENCE_STYLES", "blocks_of", "check_closed", "container_forward", "from_torch_style", "gathered_input",
            "outside_region", "reduce_scatter_output", "reduced_bias", "region_check_hook", "sequence_forward",
-           "sequence_parallel"]
+           "sequence_parallel", "styles_of"]
 
 SEQUENCE_STYLES = ("sequence", "sequence_start", "sequence_end")
 _DIM = 1  # the sequence dim of every activation in the region (batch first)
@@ -191,7 +191,7 @@ def sequence_forward(active: Any, path: str, module: nn.Module) -> Any:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         now = active()
-        style = dict(now[0].tensor).get(path) if now is not None else None
+        style = styles_of(now[0])[0].get(path) if now is not None else None
         if style not in SEQUENCE_STYLES or _region(now).get("whole"):
             return inner(*args, **kwargs)
         rt = now[1]
@@ -226,7 +226,7 @@ def container_forward(active: Any, path: str, module: nn.Module) -> Any:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         now = active()
-        if now is None or not now[3] or path not in blocks_of(dict(now[0].tensor)) or _region(now).get("whole"):
+        if now is None or not now[3] or path not in styles_of(now[0])[1] or _region(now).get("whole"):
             return inner(*args, **kwargs)
         rt, state = now[1], _region(now)
         checked = _checked(now, path, "the module holding colwise layers")
@@ -284,7 +284,7 @@ def region_check_hook(active: Any, path: str) -> Any:
 
     def hook(module: nn.Module, args: Any) -> None:
         now = active()
-        if now is None or not now[3] or path in dict(now[0].tensor):
+        if now is None or not now[3] or path in styles_of(now[0])[0]:
             return
         state = _region(now)
         opened = state.get("open")
@@ -311,6 +311,22 @@ def blocks_of(styles: Mapping[str, str]) -> set[str]:
     """The modules that hold colwise layers: in a plan with sequence parallelism, each
     gathers its input for them ([Note: the sequence region])."""
     return {p.rpartition(".")[0] for p, s in styles.items() if s == "colwise"}
+
+
+_STYLES: dict[int, tuple[Any, dict[str, str], frozenset[str]]] = {}
+
+
+def styles_of(layout: Any) -> tuple[dict[str, str], frozenset[str]]:
+    """``layout``'s styles by module path and its blocks (:func:`blocks_of`), made once per
+    layout: every split module's forward reads them at every call, and a dict rebuilt there
+    costs the host time in the number of split layers at each of them."""
+    hit = _STYLES.get(id(layout))
+    if hit is None or hit[0] is not layout:
+        if len(_STYLES) > 64:
+            _STYLES.clear()
+        styles = dict(layout.tensor)
+        hit = _STYLES[id(layout)] = (layout, styles, frozenset(blocks_of(styles)))
+    return hit[1], hit[2]
 
 
 def sequence_parallel(layout: Any) -> bool:

@@ -33,7 +33,7 @@ from . import _guard as G
 from ._errors import DivergenceError
 from ._events import Collective, Purpose
 from ._sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
-                        reduce_scatter_output, reduced_bias)
+                        reduce_scatter_output, reduced_bias, styles_of)
 from ._tensor_ops import CopyToTensor, GatherOutput, ReduceFromTensor
 
 __all__ = ["STYLES", "agree_on_batch", "agree_on_optional", "auto_plan", "full_leaf", "local_state", "resolve_tensor_parallel",
@@ -351,7 +351,7 @@ def tp_forward(active: Any, path: str, module: nn.Module) -> Any:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         now = active()
-        style = dict(now[0].tensor).get(path) if now is not None else None
+        style = styles_of(now[0])[0].get(path) if now is not None else None
         if style not in ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"):  # (sequence: _sequence's)
             return inner(x)
         rt = now[1]
