@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from . import _collectives as C
 from ._events import Purpose
-from ._tensor_ops import CopyToTensor
+from ._tensor_ops import CopyToTensor, full_leaf, function
 
 __all__ = ["SEQUENCE_STYLES", "blocks_of", "check_closed", "container_forward", "from_torch_style", "gathered_input",
            "outside_region", "reduce_scatter_output", "reduced_bias", "region_check_hook", "sequence_forward",
@@ -51,11 +51,7 @@ def _check_divides(x: torch.Tensor, t: int, path: str) -> None:
 
 def _gather(x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
     """Every tensor rank's part of the sequence, joined in rank order."""
-    ch = rt.mesh.channel("tensor")
-    xt = x.transpose(0, _DIM).contiguous()
-    out = torch.empty((ch.size * xt.shape[0], *xt.shape[1:]), dtype=x.dtype, device=x.device)
-    C.all_gather(out.view(-1), xt.view(-1), ch, Purpose.TENSOR, path, to=rt.observers, scope=rt.scope)
-    return out.transpose(0, _DIM)
+    return full_leaf(x, _DIM, rt.mesh, Purpose.TENSOR, path, rt.observers, rt.scope)
 
 
 def _reduce_scatter(y: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
@@ -73,31 +69,15 @@ def _mine(x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
     return _part(x, rt.mesh.axis_size("tensor"), rt.mesh.axis_rank("tensor"), path).contiguous()
 
 
-def _function(name: str, forward: Any, backward: Any, doc: str) -> type:
-    """An autograd Function whose forward is ``forward(x, rt, path)`` and whose backward is
-    ``backward(grad, rt, path)``; backward takes the runtime the forward had ([Note:
-    backward on device threads])."""
-
-    def fwd(ctx: Any, x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
-        ctx.rt, ctx.path = rt, path
-        return forward(x, rt, path)
-
-    def bwd(ctx: Any, grad: torch.Tensor) -> tuple:
-        return backward(grad, ctx.rt, ctx.path), None, None
-
-    return type(name, (torch.autograd.Function,), {"__doc__": doc, "forward": staticmethod(fwd),
-                                                     "backward": staticmethod(bwd)})
-
-
-_Scatter = _function("_Scatter", _mine, _gather,
+_Scatter = function("_Scatter", _mine, _gather,
                      "``sequence_start``'s input: the rank's part forward; the parts' gradients all-gathered.")
-_GatherWhole = _function("_GatherWhole", _gather, _mine,
+_GatherWhole = function("_GatherWhole", _gather, _mine,
                          "``sequence_end``'s input: the whole sequence forward; every rank computes the same "
                          "gradient of it after, so backward keeps the rank's part.")
-_GatherPartial = _function("_GatherPartial", _gather, _reduce_scatter,
+_GatherPartial = function("_GatherPartial", _gather, _reduce_scatter,
                            "A block's input for its colwise layers: the whole sequence forward; their gradients are "
                            "partial sums, reduce-scattered.")
-_ReduceScatter = _function("_ReduceScatter", _reduce_scatter, _gather,
+_ReduceScatter = function("_ReduceScatter", _reduce_scatter, _gather,
                            "A rowwise layer's output in the region: partial sums reduce-scattered; the gradient's "
                            "parts all-gathered.")
 

@@ -34,7 +34,7 @@ from ._errors import DivergenceError
 from ._events import Collective, Purpose
 from ._sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
                         reduce_scatter_output, reduced_bias, styles_of)
-from ._tensor_ops import CopyToTensor, GatherOutput, ReduceFromTensor
+from ._tensor_ops import CopyToTensor, GatherOutput, ReduceFromTensor, full_leaf
 
 __all__ = ["STYLES", "agree_on_batch", "agree_on_optional", "auto_plan", "full_leaf", "local_state", "resolve_tensor_parallel",
            "split_sum_of_squares", "tp_forward"]
@@ -305,14 +305,6 @@ def local_state(state: Mapping[str, torch.Tensor], splits: tuple[tuple[str, int,
     return out
 
 
-def full_leaf(local: torch.Tensor, dim: int, mesh: Any, purpose: Purpose, name: str) -> torch.Tensor:
-    """The whole of a split leaf from every tensor rank's piece (every tensor rank calls it)."""
-    t = mesh.axis_size("tensor")
-    got = torch.empty((t, *local.shape), dtype=local.dtype, device=local.device)
-    C.all_gather(got.view(-1), local.contiguous().view(-1), mesh.channel("tensor"), purpose, name)
-    return torch.cat(got.unbind(0), dim=dim)
-
-
 def split_sum_of_squares(grads: Mapping[str, torch.Tensor], layout: Any, mesh: Any, sum_of_squares: Any) -> torch.Tensor:
     """This rank's share of the gradients' sum of squares when summed over the whole mesh:
     split leaves on every tensor rank (each holds its own piece), the others on tensor rank 0
@@ -396,11 +388,16 @@ def agree_on_batch(batch: Any, mesh: Any) -> None:
         if isinstance(leaf, torch.Tensor):
             data = leaf.detach().reshape(-1).cpu().contiguous().view(torch.uint8)
             digest = zlib.crc32(data.numpy().tobytes(), zlib.crc32(repr((leaf.shape, leaf.dtype)).encode(), digest))
-    headers = G.exchange(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", 0, digest), G.OK, 0],
-                         "the batch of a tensor group")
+    _agree(ch, mesh, digest, "the batch of a tensor group", _OTHER_BATCHES)
+
+
+def _agree(ch: Any, mesh: Any, digest: int, what: str, message: str) -> None:
+    """One header on the tensor axis with this rank's ``digest``; ranks whose digests differ
+    all raise DivergenceError with ``message``, before anything changes."""
+    headers = G.exchange(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", 0, digest), G.OK, 0], what)
     digests = [h[G.DETAIL] for h in headers]
     if len(set(digests)) > 1:
-        raise G.told(DivergenceError(_OTHER_BATCHES.format(rank=mesh.rank, ranks=list(ch.ranks), digests=digests)), ch)
+        raise G.told(DivergenceError(message.format(rank=mesh.rank, ranks=list(ch.ranks), digests=digests)), ch)
 
 
 _OTHER_UNITS = (
@@ -419,9 +416,4 @@ def agree_on_optional(ran: list[tuple[int, bool]], mesh: Any) -> None:
     ch = mesh.channel("tensor")
     if ch.off:
         return
-    digest = zlib.crc32(repr(ran).encode())
-    headers = G.exchange(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", 0, digest), G.OK, 0],
-                         "the optional units a tensor group ran")
-    digests = [h[G.DETAIL] for h in headers]
-    if len(set(digests)) > 1:
-        raise G.told(DivergenceError(_OTHER_UNITS.format(rank=mesh.rank, ranks=list(ch.ranks), digests=digests)), ch)
+    _agree(ch, mesh, zlib.crc32(repr(ran).encode()), "the optional units a tensor group ran", _OTHER_UNITS)

@@ -1,5 +1,7 @@
-"""The two autograd Functions of tensor parallelism ([Note: hand-written tensor collectives]
-in shardfn._tensor), shared with sequence parallelism (shardfn._sequence)."""
+"""The autograd Functions of tensor parallelism ([Note: hand-written tensor collectives] in
+shardfn._tensor) and what they are made of, shared with sequence parallelism
+(shardfn._sequence): each is a forward and a backward over the tensor axis, both taking the
+runtime the forward had ([Note: backward on device threads])."""
 
 from __future__ import annotations
 
@@ -10,54 +12,54 @@ import torch
 from . import _collectives as C
 from ._events import Purpose
 
-__all__ = ["CopyToTensor", "GatherOutput", "ReduceFromTensor"]
+__all__ = ["CopyToTensor", "GatherOutput", "ReduceFromTensor", "full_leaf", "function"]
 
 
-class CopyToTensor(torch.autograd.Function):
-    """A colwise layer's input: the same forward, its gradient all-reduced over the tensor axis."""
+def full_leaf(local: torch.Tensor, dim: int, mesh: Any, purpose: Purpose, name: str, to: Any = None,
+              scope: Any = None) -> torch.Tensor:
+    """The whole of a tensor split on ``dim`` over the tensor axis, from every tensor rank's
+    piece (every tensor rank calls it); ``to``, ``scope``: as shardfn._collectives takes them."""
+    t = mesh.axis_size("tensor")
+    got = torch.empty((t, *local.shape), dtype=local.dtype, device=local.device)
+    C.all_gather(got.view(-1), local.contiguous().view(-1), mesh.channel("tensor"), purpose, name, to=to, scope=scope)
+    return torch.cat(got.unbind(0), dim=dim)
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+
+def function(name: str, forward: Any, backward: Any, doc: str) -> type:
+    """An autograd Function whose forward is ``forward(x, rt, path)`` and whose backward is
+    ``backward(grad, rt, path)``, with the forward's runtime ``rt``."""
+
+    def fwd(ctx: Any, x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
         ctx.rt, ctx.path = rt, path
-        return x.view_as(x)
+        return forward(x, rt, path)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        g = grad.contiguous().clone()
-        C.all_reduce(g, ctx.rt.mesh.channel("tensor"), Purpose.TENSOR, ctx.path, op=C.SUM, to=ctx.rt.observers,
-                     scope=ctx.rt.scope)
-        return g, None, None
+    def bwd(ctx: Any, grad: torch.Tensor) -> tuple:
+        return backward(grad, ctx.rt, ctx.path), None, None
 
-
-class ReduceFromTensor(torch.autograd.Function):
-    """A rowwise layer's output: the partial sums all-reduced over the tensor axis; the same backward."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
-        out = y.contiguous().clone()
-        C.all_reduce(out, rt.mesh.channel("tensor"), Purpose.TENSOR, path, op=C.SUM, to=rt.observers, scope=rt.scope)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None, None
+    return type(name, (torch.autograd.Function,), {"__doc__": doc, "forward": staticmethod(fwd),
+                                                     "backward": staticmethod(bwd)})
 
 
-class GatherOutput(torch.autograd.Function):
-    """A ``"colwise_gather_output"`` layer's output (a head's): every tensor rank's features
-    all-gathered into the whole output; every rank computes the same gradient of it after,
-    so backward keeps the rank's features."""
+def _summed(t: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+    """``t`` summed over the tensor axis, in a new tensor."""
+    out = t.contiguous().clone()
+    C.all_reduce(out, rt.mesh.channel("tensor"), Purpose.TENSOR, path, op=C.SUM, to=rt.observers, scope=rt.scope)
+    return out
 
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
-        ctx.rt = rt
-        ch = rt.mesh.channel("tensor")
-        got = torch.empty((ch.size, *y.shape), dtype=y.dtype, device=y.device)
-        C.all_gather(got.view(-1), y.contiguous().view(-1), ch, Purpose.TENSOR, path, to=rt.observers, scope=rt.scope)
-        return torch.cat(got.unbind(0), dim=-1)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        t, r = ctx.rt.mesh.axis_size("tensor"), ctx.rt.mesh.axis_rank("tensor")
-        n = grad.shape[-1] // t
-        return grad.narrow(-1, r * n, n).contiguous(), None, None
+def _features(t: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
+    """This tensor rank's block of ``t``'s last dim."""
+    n = t.shape[-1] // rt.mesh.axis_size("tensor")
+    return t.narrow(-1, rt.mesh.axis_rank("tensor") * n, n).contiguous()
+
+
+CopyToTensor = function("CopyToTensor", lambda x, rt, path: x.view_as(x), _summed,
+                        "A colwise layer's input: the same forward, its gradient all-reduced over the tensor axis.")
+ReduceFromTensor = function("ReduceFromTensor", _summed, lambda grad, rt, path: grad,
+                            "A rowwise layer's output: the partial sums all-reduced over the tensor axis; the same "
+                            "backward.")
+GatherOutput = function(
+    "GatherOutput",
+    lambda y, rt, path: full_leaf(y, -1, rt.mesh, Purpose.TENSOR, path, rt.observers, rt.scope), _features,
+    "A ``\"colwise_gather_output\"`` layer's output (a head's): every tensor rank's features all-gathered into the "
+    "whole output; every rank computes the same gradient of it after, so backward keeps the rank's features.")
