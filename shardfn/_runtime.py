@@ -242,9 +242,10 @@ class Runtime:
         self.wait_pending()
         for tree, units in self._trees:
             if tree is self.owner:
-                ran = [(u.unit.index, u.grads.acc is not None) for u in units.values() if u.unit.optional]
-                if ran and self.mesh.axis_size("tensor") > 1 and not self.scope.recording:
-                    agree_on_optional(ran, self.mesh)
+                if self.mesh.axis_size("tensor") > 1 and not self.scope.recording:
+                    ran = [(u.unit.index, u.grads.acc is not None) for u in units.values() if u.unit.optional]
+                    if ran:
+                        agree_on_optional(ran, self.mesh)
                 for unit in units.values():
                     unit.grads.flush(self.reduces_now())
                     self.wait_pending()
