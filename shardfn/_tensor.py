@@ -124,6 +124,7 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
         _check_attention(module, attention, styles, tensor)
     _check_sequence(styles, needs, from_torch)
     splits = []
+    tied = _tied_groups(module)
     for path, style in sorted(styles.items()):
         if style in SEQUENCE_STYLES:
             continue
@@ -132,9 +133,13 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
             leaf = f"{path}.{name}"
             if dim is None or getattr(module.get_submodule(path), name, None) is None:
                 continue
-            if leaf not in state:
-                raise ValueError(f"shard(tensor_parallel=...): {leaf!r} is tied to another parameter (it is not "
-                                 "a leaf of the state); a tied weight cannot be split yet. Leave its layer out.")
+            if leaf in tied or leaf not in state:  # a tie's other names would read the piece as the whole
+                others = [n for n in tied.get(leaf, ()) if n != leaf] or ["another parameter"]
+                raise ValueError(f"shard(tensor_parallel=...): {leaf!r} is tied to {', '.join(map(repr, others))} "
+                                 f"(one tensor under several names), and {path!r} splits it {style}: every other "
+                                 "name would read this rank's piece as the whole tensor. A tied weight cannot be "
+                                 f"split: untie it (e.g. tie_word_embeddings=False), or leave {path!r} out of the "
+                                 "plan.")
             shape = tuple(state[leaf].shape)
             if shape[dim] % tensor:
                 raise ValueError(f"shard(tensor_parallel=...): {leaf!r} of shape {list(shape)} is split {style} "
@@ -234,10 +239,15 @@ def auto_plan(module: nn.Module) -> dict[str, str]:
 
 def _tied_parameters(module: nn.Module) -> set[str]:
     """The names of parameters that share their tensor with another name."""
+    return set(_tied_groups(module))
+
+
+def _tied_groups(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each name of a parameter that shares its tensor with other names: all its names."""
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    return {n for group in names.values() if len(group) > 1 for n in group}
+    return {n: tuple(group) for group in names.values() if len(group) > 1 for n in group}
 
 
 def _attention_of(module: nn.Module, path: str) -> str | None:
