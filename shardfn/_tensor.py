@@ -42,10 +42,10 @@ __all__ = ["STYLES", "agree_on_batch", "agree_on_optional", "auto_plan", "full_l
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", *SEQUENCE_STYLES)
 
 _NOT_YET = (
-    "shard(tensor_parallel=...): {what} is not supported yet (tensor parallelism takes 'auto' or a mapping from "
-    "module-path patterns to 'colwise' or 'rowwise' (nn.Linear layers), 'sequence', 'sequence_start' or "
-    "'sequence_end' (sequence parallelism), or torch's ParallelStyle objects of those kinds). Pass such a "
-    "mapping; see docs/tensor-parallel.md."
+    "shard(tensor_parallel=...): {what} is not supported yet. Tensor parallelism takes 'auto' or a mapping from "
+    "module-path patterns to a style: 'colwise', 'rowwise' or 'colwise_gather_output' (nn.Linear layers), "
+    "'embedding_rowwise' (an nn.Embedding), 'sequence', 'sequence_start' or 'sequence_end' (sequence parallelism), "
+    "or one of torch's ParallelStyle objects of those kinds. Pass such a mapping; see docs/tensor-parallel.md."
 )
 _ATTENTION = (
     "shard(tensor_parallel=...): {path!r} is inside an attention module that shardfn cannot tell splits exactly: "
