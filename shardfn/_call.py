@@ -45,7 +45,7 @@ from ._replica import replica_of
 from ._runtime import Runtime, current
 from ._sequence import (SEQUENCE_STYLES, blocks_of, check_closed, container_forward, region_check_hook,
                         sequence_forward, sequence_parallel)
-from ._tensor import tp_forward
+from ._tensor import heads_of, tp_forward
 from ._tree import check_names
 
 __all__ = ["sharded_call", "units_for"]
@@ -239,7 +239,7 @@ def _prepare_tensor(apply: Any, layout: Layout) -> None:
         if style in SEQUENCE_STYLES:
             hook("sequence:", path, lambda m, p=path: sequence_forward(active, p, m))
         else:
-            hook("tensor:", path, lambda m, p=path: tp_forward(active, p, m))
+            hook("tensor:", path, lambda m, p=path: tp_forward(active, p, m, heads_of(apply.module, p) is not None))
     if not sequence_parallel(layout):
         return
     for path in blocks_of(styles):

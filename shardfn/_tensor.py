@@ -31,12 +31,14 @@ import torch.utils._pytree as pytree
 from . import _collectives as C
 from . import _guard as G
 from ._errors import DivergenceError
+from ._features import per_feature, plain
 from ._events import Collective, Purpose
 from ._sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
                         reduce_scatter_output, reduced_bias, styles_of)
 from ._tensor_ops import CopyToTensor, GatherOutput, ReduceFromTensor, full_leaf
 
-__all__ = ["STYLES", "agree_on_batch", "agree_on_optional", "auto_plan", "full_leaf", "local_state", "resolve_tensor_parallel",
+__all__ = ["STYLES", "agree_on_batch", "agree_on_optional", "auto_plan", "full_leaf", "heads_of", "local_state",
+           "resolve_tensor_parallel",
            "split_sum_of_squares", "tp_forward"]
 
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", *SEQUENCE_STYLES)
@@ -48,11 +50,11 @@ _NOT_YET = (
     "or one of torch's ParallelStyle objects of those kinds. Pass such a mapping; see docs/tensor-parallel.md."
 )
 _ATTENTION = (
-    "shard(tensor_parallel=...): {path!r} is inside an attention module that shardfn cannot tell splits exactly: "
-    "its output may be reshaped by the number of heads, and a rank's slice of it would be read with the wrong head "
-    "size without any error. Only a transformers attention module that reshapes by head_dim can be split ([Note: "
-    "attention split by heads]); split the MLP's layers only (e.g. 'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.2': "
-    "'rowwise')."
+    "shard(tensor_parallel=...): {path!r} is inside {attention!r}, a module with a head_dim that shardfn cannot "
+    "prove splits exactly by heads: its output may be reshaped by a head count of its own, and a rank's slice of "
+    "it would be read with the wrong head size without any error. Only a transformers attention module that "
+    "reshapes by head_dim can be split ([Note: attention split by heads]); split the MLP's layers only (e.g. "
+    "'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.2': 'rowwise')."
 )
 
 
@@ -103,7 +105,7 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                                      f"{style!r}; give each module one style.")
                 styles[path] = style
                 continue
-            attention = _attention_of(module, path)
+            attention = heads_of(module, path)
             if attention is not None and style == "colwise_gather_output":
                 raise ValueError(f"shard(tensor_parallel=...): {path!r} is inside the attention module {attention!r} "
                                  "and styled 'colwise_gather_output': its heads would be whole while the others' are "
@@ -250,16 +252,17 @@ def _tied_groups(module: nn.Module) -> dict[str, tuple[str, ...]]:
     return {n: tuple(group) for group in names.values() if len(group) > 1 for n in group}
 
 
-def _attention_of(module: nn.Module, path: str) -> str | None:
-    """The path of the attention module ``path`` is inside (the innermost parent named for
-    attention), or None; a layer named for attention with no such parent is refused."""
+def heads_of(module: nn.Module, path: str) -> str | None:
+    """The module that splits layer ``path``'s output by heads: its innermost parent with an
+    integer ``head_dim`` (checked by :func:`_check_attention`), or None: then the output is
+    split by features, and checked as it is used ([Note: a split layer's output]). A
+    module's name says nothing ([Note: attention split by heads])."""
     parts = path.split(".")
-    if not any("attn" in part or "attention" in part for part in parts):
-        return None
-    parents = [i for i in range(1, len(parts)) if "attn" in parts[i - 1] or "attention" in parts[i - 1]]
-    if not parents:
-        raise ValueError(_ATTENTION.format(path=path))
-    return ".".join(parts[:parents[-1]])
+    for i in range(len(parts) - 1, -1, -1):
+        parent = ".".join(parts[:i])
+        if isinstance(getattr(module.get_submodule(parent), "head_dim", None), int):
+            return parent
+    return None
 
 
 def _check_attention(module: nn.Module, path: str, styles: Mapping[str, str], tensor: int) -> None:
@@ -286,7 +289,8 @@ def _check_attention(module: nn.Module, path: str, styles: Mapping[str, str], te
     if not (type(att).__module__.startswith("transformers.") and isinstance(getattr(att, "head_dim", None), int)
             and isinstance(heads, int) and isinstance(kv, int) and kv > 0 and not own
             and getattr(att, "num_key_value_groups", None) == heads // kv):
-        raise ValueError(_ATTENTION.format(path=min(p for p in styles if p.startswith(path + "."))))
+        layer = min(p for p in styles if p.startswith(path + ".") or not path)
+        raise ValueError(_ATTENTION.format(path=layer, attention=path))
     linears = [f"{path}.{p}" for p, m in att.named_modules() if isinstance(m, nn.Linear)]
     left = [p for p in linears if p not in styles]
     if left:
@@ -345,10 +349,11 @@ def _shared_copy(copies: dict[int, tuple], x: torch.Tensor, rt: Any, path: str) 
     return hit[2]
 
 
-def tp_forward(active: Any, path: str, module: nn.Module) -> Any:
+def tp_forward(active: Any, path: str, module: nn.Module, by_heads: bool) -> Any:
     """``module``'s forward, split as the active call's layout says (``active()``: its
     ``(layout, runtime, copies, sequence parallel)``, or None outside a sharded call); the
-    module's own otherwise."""
+    module's own otherwise. ``by_heads``: a colwise layer's output is read by a checked
+    attention module (:func:`heads_of`), else it is checked as it is used."""
     inner = module.forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -369,7 +374,10 @@ def tp_forward(active: Any, path: str, module: nn.Module) -> Any:
             return GatherOutput.apply(y, rt, path)
         if style == "colwise":
             x = gathered_input(x, path) if sequence else _shared_copy(now[2], x, rt, path)
-            return F.linear(x, module.weight, module.bias)
+            y = F.linear(x, module.weight, module.bias)
+            ch = rt.mesh.channel("tensor")
+            return y if by_heads else per_feature(y, path, ch.size, rt.mesh.axis_rank("tensor"))
+        x = plain(x)
         if sequence:
             y = reduce_scatter_output(now, F.linear(x, module.weight), path)
             return y if module.bias is None else y + reduced_bias(module.bias, now, path)

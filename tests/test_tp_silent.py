@@ -8,8 +8,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardfn as sf
-from shardfn.testing.models import GPT, GPTConfig
-from test_tensor_parallel import CFG, PLAN, loss_fn
+from bounds import SGD_MOMENTUM
+from shardfn.testing._equivalence import reference_training, split_batch
+from shardfn.testing.models import GPT, Block, CausalSelfAttention, GPTConfig
+from test_tensor_parallel import ATOL, CFG, PLAN, RTOL, batches, loss_fn
 
 
 def gpt(**over):
@@ -61,3 +63,109 @@ def test_an_unknown_style_is_refused_listing_every_style_there_is(clusters):
     first, second = clusters[2].run(_shard_outcome, {}, {"blocks.*.mlp.0": "colwise_rep"})
     assert first == second and "the style 'colwise_rep'" in first
     assert all(f"'{style}'" in first for style in STYLES), first
+
+
+# -- what a split layer's output means: proven, never read from a name -----------------------
+
+
+class _RenamedBlock(Block):
+    """The test GPT's block with its attention (``attn``) or its MLP (``mlp``) under another name."""
+
+    def __init__(self, cfg, attn="attn", mlp="mlp"):
+        super().__init__(cfg)
+        self.names = (attn, mlp)
+        setattr(self, attn, self._modules.pop("attn"))
+        setattr(self, mlp, self._modules.pop("mlp"))
+
+    def forward(self, x):
+        attn, mlp = (getattr(self, n) for n in self.names)
+        x = x + attn(self.ln1(x))
+        return x + mlp(self.ln2(x))
+
+
+class _Renamed(GPT):
+    def __init__(self, attn="attn", mlp="mlp"):
+        super().__init__(GPTConfig(**CFG))
+        self.blocks = nn.ModuleList(_RenamedBlock(self.cfg, attn, mlp) for _ in range(self.cfg.n_layers))
+
+
+class _AttentionAtTop(nn.Module):
+    """A model whose root module is the (packed, head-counted) attention: its split layers
+    have no parent but the root."""
+
+    def __init__(self):
+        super().__init__()
+        cfg = GPTConfig(**CFG)
+        self.n_heads = cfg.n_heads
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, idx):
+        return self.head(CausalSelfAttention.forward(self, self.tok(idx)))
+
+
+_MODELS = {
+    "mixer": (lambda: _Renamed(attn="mixer"), {"blocks.*.mixer.qkv": "colwise", "blocks.*.mixer.proj": "rowwise"}),
+    "sa": (lambda: _Renamed(attn="sa"), {"blocks.*.sa.qkv": "colwise", "blocks.*.sa.proj": "rowwise"}),
+    "top": (_AttentionAtTop, {"qkv": "colwise", "proj": "rowwise"}),
+    # an MLP under a name that says attention: an MLP all the same
+    "attn_mlp": (lambda: _Renamed(mlp="attn_mlp"), {"blocks.*.attn_mlp.0": "colwise", "blocks.*.attn_mlp.2": "rowwise"}),
+}
+
+
+def _tp_outcome(kind, steps=3):
+    """3 steps at tensor 2 (SGD with momentum): ``("trained", losses, full state)``, or
+    ``("refused", error, whether every leaf is as before)``."""
+    make, plan = _MODELS[kind]
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(make())
+    try:
+        sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel=plan)
+    except (ValueError, TypeError) as e:
+        return "refused", f"{type(e).__name__}: {e}", True
+    opt = SGD_MOMENTUM()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    losses = []
+    for batch in batches()[:steps]:
+        before = {n: t.clone() for n, t in sharded.items()}
+        try:
+            sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+        except (ValueError, TypeError) as e:
+            return "refused", f"{type(e).__name__}: {e}", all(torch.equal(before[n], sharded[n]) for n in before)
+        losses.append(float(metrics["loss"]))
+    return "trained", losses, sf.gather(sharded)
+
+
+def _equal_to_one_process(kind, losses, full):
+    ref_losses, ref_state = reference_training(_MODELS[kind][0], loss_fn, batches()[:len(losses)], SGD_MOMENTUM)
+    assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (kind, losses, ref_losses)
+    for name, ref in ref_state.items():
+        if name in full:
+            assert float(((full[name] - ref).abs() - RTOL * ref.abs()).max()) <= ATOL, (kind, name)
+
+
+@pytest.mark.parametrize("kind", ["mixer", "sa", "top"])
+def test_an_attention_under_any_name_is_refused_when_its_split_cannot_be_proven(clusters, kind):
+    # Before: accepted under 'mixer', 'sa' and at the top level, and trained silently wrong
+    # (the packed qkv read by head count: one rank's half as the whole).
+    outcomes = clusters[2].run(_tp_outcome, kind)
+    assert outcomes[0][:2] == outcomes[1][:2]  # the same on every rank
+    what, message, unchanged = outcomes[0]
+    if what == "trained":
+        _equal_to_one_process(kind, message, unchanged)  # (fails: the split is not exact)
+    assert what == "refused" and unchanged, outcomes[0]
+    layer = {"mixer": "blocks.0.mixer.qkv", "sa": "blocks.0.sa.qkv", "top": "qkv"}[kind]
+    assert f"the output of the colwise layer {layer!r}" in message, message
+    assert "only elementwise operations" in message and "leave" in message, message
+
+
+def test_an_mlp_named_like_an_attention_trains_exactly(clusters):
+    # Before: refused by its name ("inside an attention module that shardfn cannot tell
+    # splits exactly"), though it is an MLP.
+    for what, losses, full in clusters[2].run(_tp_outcome, "attn_mlp"):
+        assert what == "trained", losses
+        _equal_to_one_process("attn_mlp", losses, full)
