@@ -107,7 +107,7 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
         # An error on one rank reaches the others at their next collective (guarded); ranks
         # that made different calls learn it at the latest here, at the end of the block
         # (see the agreement below).
-        with torch.no_grad(), guarded(sharded.mesh, Where.BIND):
+        with torch.no_grad(), guarded(sharded.mesh, Where.BIND), sharded.mesh.random.drawing(sharded.mesh):
             yield apply.module
         returned = True
     finally:

@@ -97,7 +97,7 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
     # Outside a step: a runtime for this call alone; an error in it reaches every rank.
     if sharded.mesh.size > 1:
         sharded.mesh.guard.check_alive("apply(sharded, ...)")
-    with _guard.guarded(sharded.mesh, _guard.Where.APPLY):
+    with _guard.guarded(sharded.mesh, _guard.Where.APPLY), sharded.mesh.random.drawing(sharded.mesh):
         return _call(apply, sharded, Runtime(sharded.mesh), args, kwargs)
 
 

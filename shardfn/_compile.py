@@ -31,7 +31,6 @@ import torch
 
 from ._recording import recording
 from ._runtime import current
-from ._sequence import sequence_parallel
 
 __all__ = ["backend_of", "compilable", "compile_stats"]
 
@@ -59,8 +58,10 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
             return fn(*args, **kwargs)
         if backend not in compiled:
             compiled[backend] = torch.compile(traced or fn, backend=backend)
-            if traced is None and sequence_parallel(getattr(rt.owner, "layout", None)):
-                return fn(*args, **kwargs)  # once eagerly: the region's checks ([Note: the sequence region])
+            if traced is None and getattr(getattr(rt.owner, "layout", None), "tensor", ()):
+                # once eagerly: the checks of split outputs and of a sequence region ([Note: a split
+                # layer's output], [Note: the sequence region]), which a compiled forward cannot make
+                return fn(*args, **kwargs)
         if traced is not None:
             args = tuple(torch.tensor(a, dtype=torch.float32) if isinstance(a, float) else a for a in args)
         return compiled[backend](*args, **kwargs)

@@ -52,6 +52,7 @@ class PerFeature(torch.Tensor):
     layer: str = ""
     parts: int = 1
     rank: int = 0
+    program: str = ""  # "graph" or "compile": the call runs to be recorded or compiled after (see _dropout)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -76,20 +77,21 @@ def _like(t: torch.Tensor, src: PerFeature) -> PerFeature:
         return t
     with torch._C.DisableTorchFunctionSubclass():
         out = t.as_subclass(PerFeature)
-    out.layer, out.parts, out.rank = src.layer, src.parts, src.rank
+    out.layer, out.parts, out.rank, out.program = src.layer, src.parts, src.rank, src.program
     return out
 
 
-def per_feature(y: torch.Tensor, layer: str, parts: int, rank: int) -> torch.Tensor:
+def per_feature(y: torch.Tensor, layer: str, parts: int, rank: int, program: str = "") -> torch.Tensor:
     """``y``, a colwise layer's output, as a :class:`PerFeature` (plain while make_fx records
-    or dynamo compiles, and in a planning run: see shardfn._sequence._tracing)."""
+    or dynamo compiles, and in a planning run: see shardfn._sequence._tracing). ``program``:
+    "graph" or "compile" where this call's forward is to be a program after."""
     from ._sequence import _tracing
 
     if _tracing(y):
         return y
     with torch._C.DisableTorchFunctionSubclass():
         out = y.as_subclass(PerFeature)
-    out.layer, out.parts, out.rank = layer, parts, rank
+    out.layer, out.parts, out.rank, out.program = layer, parts, rank, program
     return out
 
 
@@ -109,6 +111,16 @@ def _dropout(src: PerFeature, input: torch.Tensor, p: float = 0.5, training: boo
     x = plain(input)
     if not training or p == 0:
         return input
+    if src.program:  # a program would hold plain tensors, and draw the block's mask alone
+        why = (f"dropout of the output of the colwise layer {src.layer!r}, split over the tensor axis by features, "
+               "draws the whole output's mask and keeps the rank's block, which a recorded or compiled program "
+               "cannot do: it would draw the block's mask alone, the same on every tensor rank")
+        fix = "move the dropout after the rowwise layer, or leave dropout out between split layers"
+        if src.program == "graph":
+            from ._recording import Unrecordable
+
+            raise Unrecordable(why, fix, frozen=False)
+        raise ValueError(f"shardfn: jit_step(compile=True): {why}. Fix: {fix}, or build the step without compile=.")
     n = x.shape[-1]
     with torch._C.DisableTorchFunctionSubclass():
         whole = torch.ones((*x.shape[:-1], n * src.parts), dtype=x.dtype, device=x.device)

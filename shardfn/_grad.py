@@ -152,8 +152,10 @@ class Grad:
         layout = sharded.layout
         run = Run(self.schedule, self.mesh) if self.mesh.size > 1 else None
         rt = Runtime(self.mesh, self.options, order=self.order, owner=sharded, buffers=buffers, run=run)
-        rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None
         done = False
+        drawing = self.mesh.random.drawing(self.mesh)  # [Note: randomness on the tensor axis]
+        drawing.__enter__()
+        rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None
         try:
             with active(rt):
                 if run is not None and run.open(nonfinite):
@@ -210,6 +212,7 @@ class Grad:
                 buffers.restore()  # nothing the step changed stays changed
             raise
         finally:
+            drawing.__exit__(None, None, None)
             order = rt.finish()
             if done:
                 self.order = order

@@ -348,7 +348,7 @@ class GraphStep:
         self.mesh.guard.check_alive("jit_step(graph=True)")
         first = fn is not program.gm and not program.compiled  # it compiles first ([Note: a replay that raises ...])
         try:
-            with torch.no_grad(), bounded(self.mesh, not first):
+            with torch.no_grad(), bounded(self.mesh, not first), self.mesh.random.drawing(self.mesh):
                 out = fn(state, inputs)
         except Exception as e:
             lost = isinstance(e, RuntimeError) and any(
@@ -365,8 +365,8 @@ class GraphStep:
                 if peers:
                     self.mesh.guard.broken += f" What the other ranks said: {peers}."
                 raise CommError(self.mesh.guard.broken) from None
-            with torch.no_grad(), bounded(self.mesh, False):  # nothing ran: the program, op by op, for the peers
-                program.gm(state, inputs)
+            with torch.no_grad(), bounded(self.mesh, False), self.mesh.random.drawing(self.mesh):
+                program.gm(state, inputs)  # nothing ran: the program, op by op, for the peers
             e.add_note(_COMPILE_FAILED.format(rank=self.mesh.rank))
             with G.guarded(self.mesh, G.Where.STEP):
                 raise

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import _collectives as C
 from . import _guard
+from ._tensor_random import TensorRandom
 from ._events import Purpose
 
 __all__ = ["Mesh"]
@@ -72,7 +73,7 @@ class Mesh:
         Mesh(replicate=2, shard=4, device=cpu, backend=gloo, rank=0)
     """
 
-    __slots__ = ("_dm", "_device", "guard")
+    __slots__ = ("_dm", "_device", "guard", "random")
 
     def __init__(self, device_mesh: DeviceMesh, step_timeout: float = _guard.DEFAULT_STEP_TIMEOUT):
         names = tuple(device_mesh.mesh_dim_names or ())
@@ -90,6 +91,8 @@ class Mesh:
         # The schedule guard of this mesh's groups (see [Note: the guard's state]).
         self.guard = _guard.Guard(seconds(step_timeout, "Mesh(step_timeout=...)"))
         _add_channels(device_mesh, self.guard)
+        # The tensor group's random stream (see [Note: randomness on the tensor axis]).
+        self.random = TensorRandom()
 
     # -- construction ------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _collectives as C
 from ._events import Purpose
@@ -108,6 +109,28 @@ class _Gathered(torch.Tensor):
                          "of its own, in the plan, or leave the sequence styles out ([Note: the sequence region]).")
 
 
+_RANDOM = (
+    "shardfn: a random op (dropout, noise) ran inside the sequence region between {start!r} and {end!r}, where the "
+    "activations are split on the sequence over the mesh's 'tensor' axis: every tensor rank would draw one mask for "
+    "its own part of the sequence, the same on each, unlike one process's mask for the whole sequence "
+    "([Note: randomness on the tensor axis]). Fix: set the dropout inside the region to 0 (e.g. the config's "
+    "hidden and attention dropout), or leave the sequence styles out of the plan."
+)
+
+
+def _draws(device: torch.device) -> tuple[bytes, ...]:
+    """The default generators' states: what a random op would change (host bytes, read
+    outside any dispatch mode: a recording's, a planning run's)."""
+    with _disable_current_modes():
+        states = (torch.get_rng_state(), *((torch.cuda.get_rng_state(device),) if device.type == "cuda" else ()))
+        return tuple(bytes(s.untyped_storage()) for s in states)
+
+
+def _same_draws(before: Any, device: torch.device) -> bool:
+    """Whether no random op drew since the region opened (``before``: :func:`_draws` then)."""
+    return before is None or before == _draws(device)
+
+
 def _tracing(x: torch.Tensor) -> bool:
     """Whether make_fx is recording a graph step's program or dynamo compiling a unit (the
     first call of each ran eagerly, with the checks), or ``x`` is a planning run's fake
@@ -178,7 +201,10 @@ def sequence_forward(active: Any, path: str, module: nn.Module) -> Any:
         state = _region(now)
         if style in ("sequence_start", "sequence_end"):
             if _checked(now, path, style, need_open=style == "sequence_end"):
+                if style == "sequence_end" and not _same_draws(state.get("rng"), rt.mesh.device):
+                    raise ValueError(_RANDOM.format(start=state["open"], end=path))
                 state["open"] = path if style == "sequence_start" else None
+                state["rng"] = _draws(rt.mesh.device)
             if not (args and isinstance(args[0], torch.Tensor)):
                 raise ValueError(f"shardfn: {path!r} is styled {style!r}, which splits or gathers the module's first "
                                  "positional argument on the sequence, and it was called without a tensor there. Give "

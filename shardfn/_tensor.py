@@ -32,6 +32,7 @@ from . import _collectives as C
 from . import _guard as G
 from ._errors import DivergenceError
 from ._features import per_feature, plain
+from ._recording import recording
 from ._events import Collective, Purpose
 from ._sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
                         reduce_scatter_output, reduced_bias, styles_of)
@@ -299,6 +300,13 @@ def _check_attention(module: nn.Module, path: str, styles: Mapping[str, str], te
                          "not in others, and grouped attention would pair them wrongly without an error. Give "
                          "its layers styles so as to split all of them (query, key, value 'colwise', output "
                          "'rowwise'), or none.")
+    drop = max(float(getattr(att, "attention_dropout", 0) or 0), float(getattr(cfg, "attention_dropout", 0) or 0))
+    if drop > 0:  # [Note: randomness on the tensor axis]
+        raise ValueError(f"shard(tensor_parallel=...): the attention module {path!r} drops attention weights "
+                         f"(attention_dropout={drop}), and its heads are split over the mesh's 'tensor' axis: one "
+                         "mask drawn for a rank's heads would be the same on every tensor rank, unlike one process's "
+                         "mask for all the heads. Set the config's attention_dropout to 0.0, or leave the attention's "
+                         "layers out of the plan.")
     for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
         if n % tensor:
             raise ValueError(f"shard(tensor_parallel=...): the attention module {path!r} splits its heads over the "
@@ -375,8 +383,10 @@ def tp_forward(active: Any, path: str, module: nn.Module, by_heads: bool) -> Any
         if style == "colwise":
             x = gathered_input(x, path) if sequence else _shared_copy(now[2], x, rt, path)
             y = F.linear(x, module.weight, module.bias)
-            ch = rt.mesh.channel("tensor")
-            return y if by_heads else per_feature(y, path, ch.size, rt.mesh.axis_rank("tensor"))
+            if by_heads:
+                return y
+            program = "graph" if recording() else "compile" if getattr(rt.options, "compile", None) else ""
+            return per_feature(y, path, rt.mesh.axis_size("tensor"), rt.mesh.axis_rank("tensor"), program)
         x = plain(x)
         if sequence:
             y = reduce_scatter_output(now, F.linear(x, module.weight), path)

@@ -169,3 +169,173 @@ def test_an_mlp_named_like_an_attention_trains_exactly(clusters):
     for what, losses, full in clusters[2].run(_tp_outcome, "attn_mlp"):
         assert what == "trained", losses
         _equal_to_one_process("attn_mlp", losses, full)
+
+
+# -- dropout: one rule for the tensor axis -------------------------------------------------
+
+DROPOUT_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.3": "rowwise"}
+DROP_STEPS = 10
+
+
+class _DropoutGPT(GPT):
+    """The test GPT with dropout in each MLP: on the split hidden activation (between the
+    colwise and the rowwise layer) and on the replicated output (after the rowwise one)."""
+
+    def __init__(self):
+        super().__init__(GPTConfig(**CFG))
+        for block in self.blocks:
+            first, act, last = block.mlp
+            block.mlp = nn.Sequential(first, act, nn.Dropout(0.3), last, nn.Dropout(0.3))
+
+
+def _drop_batches():
+    g = torch.Generator().manual_seed(2)
+    return [{"x": torch.randint(0, CFG["vocab_size"], (4, CFG["seq_len"]), generator=g),
+             "y": torch.randint(0, CFG["vocab_size"], (4, CFG["seq_len"]), generator=g)} for _ in range(DROP_STEPS)]
+
+
+def _dropout_run(tensor, how="eager"):
+    """10 steps at ``tensor``, each rank seeded on its own after the model is built (as for
+    data order): the losses, the replicated leaves' local values, the gathered state.
+    ``how``: "eager", "graph" (jit_step(graph=True)) or "remat" (the blocks rematerialised)."""
+    mesh = sf.Mesh.from_group(tensor=tensor)
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(_DropoutGPT())
+    plan = sf.Plan("FULL_SHARD", remat=sf.by_module_type(Block) if how == "remat" else None)
+    sharded = sf.shard(params, mesh, plan, tensor_parallel=DROPOUT_PLAN)
+    torch.manual_seed(1000 + mesh.rank)  # a per-rank seed, for other reasons
+    opt = SGD_MOMENTUM()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, graph=how == "graph")
+    losses = []
+    for batch in _drop_batches():
+        sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+        losses.append(float(metrics["loss"]))
+    split = {leaf for leaf, _, _ in sharded.layout.splits}
+    replicated = {n: t.detach().clone() for n, t in sharded.items() if n not in split}
+    return losses, replicated, sf.gather(sharded)
+
+
+@pytest.mark.parametrize("how", ["eager", "remat"])
+def test_dropout_keeps_replicated_leaves_equal_across_tensor_ranks_and_equals_one_process(clusters, how):
+    # Before: the tensor ranks drew their own masks (their per-rank seeds) on replicated
+    # activations, and the unsplit leaves drifted apart without an error (eager: by up to
+    # 1.1e-3 after 10 steps).
+    (losses, mine, full), (losses1, theirs, _) = clusters[2].run(_dropout_run, 2, how)
+    drift = {n: float((mine[n] - theirs[n]).abs().max()) for n in mine}
+    assert all(d == 0 for d in drift.values()), drift  # bit for bit, after 10 steps
+    assert losses == losses1
+    # The reference: one process whose default generator starts where the tensor group's
+    # stream starts (tensor rank 0's seed, [Note: randomness on the tensor axis]): the same
+    # masks, the split activation's cut in blocks. SGD with momentum over 10 steps moves a
+    # parameter by at most sgd_bound(0.05, 0.9, 10, dg=6e-8) = 1.2e-7 < ATOL (tests/bounds.py).
+    from bounds import sgd_bound
+
+    assert sgd_bound(0.05, 0.9, DROP_STEPS, 6e-8) < ATOL
+
+    def model_then_seed():
+        model = _DropoutGPT()
+        torch.manual_seed(1000)
+        return model
+
+    ref_losses, ref_state = reference_training(model_then_seed, loss_fn, _drop_batches(), SGD_MOMENTUM)
+    assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    for name, ref in ref_state.items():
+        assert float(((full[name] - ref).abs() - RTOL * ref.abs()).max()) <= ATOL, name
+
+
+def test_dropout_at_shard_two_by_tensor_two_keeps_each_tensor_group_alike(clusters):
+    results = clusters[4].run(_dropout_run, 2)
+    for a, b in ((0, 1), (2, 3)):  # the tensor groups
+        differ = [n for n in results[a][1] if not torch.equal(results[a][1][n], results[b][1][n])]
+        assert not differ, (a, b, differ)
+
+
+def _dropout_in_a_program(how):
+    """The first step of _DropoutGPT at tensor 2 in a step that records or compiles: the error."""
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(_DropoutGPT())[0], mesh, "FULL_SHARD", tensor_parallel=DROPOUT_PLAN)
+    opt = SGD_MOMENTUM()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, **{how: True})
+    before = {n: t.clone() for n, t in sharded.items()}
+    try:
+        step(sharded, state, _drop_batches()[0])
+    except ValueError as e:
+        return str(e), all(torch.equal(before[n], sharded[n]) for n in before)
+    return "accepted", None
+
+
+@pytest.mark.parametrize("how", ["graph", "compile"])
+def test_dropout_between_split_layers_in_a_program_is_refused(clusters, how):
+    # A recorded or compiled forward holds plain tensors: its dropout would draw the rank's
+    # block of the mask alone, the same on every tensor rank (before: trained on, silently).
+    for message, unchanged in clusters[2].run(_dropout_in_a_program, how):
+        assert "dropout of the output of the colwise layer 'blocks.0.mlp.0'" in message, message
+        assert "move the dropout after the rowwise layer" in message and unchanged
+
+
+def _llama_with_attention_dropout():
+    from test_tp_auto import llama
+
+    model = llama()
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1  # as LlamaConfig(attention_dropout=0.1) sets it
+    mesh = sf.Mesh.from_group(tensor=2)
+    try:
+        sf.shard(sf.functionalize(model)[0], mesh, "FULL_SHARD", tensor_parallel="auto")
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_attention_dropout_on_heads_split_over_the_tensor_axis_is_refused(clusters):
+    # Before: accepted; each tensor rank drew one mask for its own heads, the same pattern on
+    # every rank (one process draws one for all the heads).
+    first, second = clusters[2].run(_llama_with_attention_dropout)
+    assert first == second and "'model.layers.0.self_attn' drops attention weights (attention_dropout=0.1)" in first
+    assert "attention_dropout to 0.0" in first, first
+
+
+class _DropBlock(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.ln, self.mlp = block.ln, block.mlp
+
+    def forward(self, x):
+        return x + F.dropout(self.mlp(self.ln(x)), 0.1, self.training)  # on activations split on the sequence
+
+
+def _tiny_with_dropout():
+    from test_tp_sequence import Tiny
+
+    model = Tiny()
+    model.layers = nn.ModuleList(_DropBlock(b) for b in model.layers)
+    return model
+
+
+def _sequence_dropout():
+    from test_tp_sequence import TINY_PLAN, _tiny_loss, tiny_batches
+
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(_tiny_with_dropout())[0], mesh, "FULL_SHARD", tensor_parallel=TINY_PLAN)
+    torch.manual_seed(1000 + mesh.rank)
+    opt = SGD_MOMENTUM()
+    state = opt.init(sharded)
+    step = sf.jit_step(_tiny_loss, mesh, optimizer=opt)
+    before = {n: t.clone() for n, t in sharded.items()}
+    try:
+        step(sharded, state, tiny_batches()[0])
+    except ValueError as e:
+        return str(e), all(torch.equal(before[n], sharded[n]) for n in before)
+    return "accepted", None
+
+
+def test_dropout_inside_a_sequence_region_is_refused(clusters):
+    # Before: accepted; each tensor rank drew one mask for its part of the sequence, the same
+    # pattern on every rank, unlike one process's mask for the whole sequence.
+    for message, unchanged in clusters[2].run(_sequence_dropout):
+        assert "a random op (dropout, noise) ran inside the sequence region between 'layers.0' and 'head'" in message
+        assert unchanged, message
