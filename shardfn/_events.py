@@ -68,6 +68,7 @@ class Purpose(str, enum.Enum):
     REPLICA = "replica"  # SHARD_OPTIMIZER: a unit's updated shards, gathered after the update
     TENSOR = "tensor"  # a tensor-parallel layer's all-reduce over the tensor axis (shardfn._tensor)
     EXIT = "exit"  # a context that issues collectives (bind) ends: every rank agrees it made the same calls; no data
+    BATCH = "batch"  # the digests of a tensor group's batches (shardfn._tensor_agree)
 
     def __str__(self) -> str:
         return self.value

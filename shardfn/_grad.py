@@ -57,7 +57,8 @@ from ._psum import sum_of_squares
 from ._recording import device_values, recording
 from ._runtime import Runtime, active
 from ._sharded import ShardedParams
-from ._tensor import agree_on_batch, split_sum_of_squares
+from ._tensor import split_sum_of_squares
+from ._tensor_agree import batch_digests, other_batches
 from ._verdict import agreed_error
 
 __all__ = ["Grad", "GradOut", "jit_grad"]
@@ -87,6 +88,9 @@ class GradOut(NamedTuple):
     loss: torch.Tensor
     grads: Gradients
     metrics: dict[str, Any]
+    # with a tensor axis: the tensor ranks, over the mesh, whose group got two batches (0-d;
+    # [Note: one batch per tensor group]); what a raise_next step's verdict carries
+    batches_differ: torch.Tensor | None = None
 
 
 class Grad:
@@ -160,8 +164,8 @@ class Grad:
             with active(rt):
                 if run is not None and run.open(nonfinite):
                     raise run.told(agreed_error(sharded, self.options.what))
-                if self.mesh.axis_size("tensor") > 1 and not recording():  # a graph step's: before its program
-                    agree_on_batch(batch, self.mesh)
+                # [Note: one batch per tensor group] (a graph step's: on the host, before its program)
+                digests = batch_digests(batch, rt) if self.mesh.axis_size("tensor") > 1 and not recording() else None
                 while True:  # once, or twice when every rank's schedule changed alike
                     try:
                         loss, count, grads, auxes = self._grads(rt, sharded, batch, scale)
@@ -184,10 +188,11 @@ class Grad:
                 summed = self.mesh.size > 1 and count is not None
                 sq = (split_sum_of_squares(grads, layout, self.mesh, sum_of_squares)
                       if self.mesh.axis_size("tensor") > 1 else sum_of_squares(grads))
+                differ = (digests != digests[0]).any() if digests is not None else None
                 reduced = self._reduce_metrics(layout, loss, count, sq,
                                                buffers.flags(self.mesh.device), auxes, len(auxes),
                                                rows=0 if count is not None else _size(batch),
-                                               tokens=tokens if summed else None)
+                                               tokens=tokens if summed else None, differ=differ)
                 tokens = reduced["tokens"] if summed else tokens * self.mesh.data_size
                 if run is not None:
                     self.schedule.learn(run.recorded, run.pipelined)
@@ -196,8 +201,11 @@ class Grad:
                 norm = reduced["norm"]
                 metrics: dict[str, Any] = {"loss": reduced["loss"], "grad_norm": norm}
                 if self.options.read_metrics:
-                    metrics["loss"], metrics["grad_norm"], *read = _scalars(reduced["loss"], norm,
+                    extra = [reduced["differ"]] if differ is not None else []
+                    metrics["loss"], metrics["grad_norm"], *read = _scalars(reduced["loss"], norm, *extra,
                                                                            *([tokens] if summed else []))
+                    if extra and read.pop(0):  # (the same sum on every rank: every rank raises here)
+                        raise run.told(other_batches(digests, reduced["differ"], self.mesh))
                     tokens = int(read[0]) if read and read[0] is not None else tokens
                     if not all(math.isfinite(v) for v in (metrics["loss"], metrics["grad_norm"]) if v is not None):
                         metrics["nonfinite"] = self._nonfinite_ranks(loss, grads)
@@ -206,7 +214,7 @@ class Grad:
                 if self.options.sync_buffers:
                     buffers.sync(reduced["changed"], self.mesh)
                 done = True  # from here on the caller updates the state
-                yield GradOut(reduced["loss"], Gradients(grads, norm), metrics)
+                yield GradOut(reduced["loss"], Gradients(grads, norm), metrics, reduced["differ"])
         except BaseException:
             if not done:
                 buffers.restore()  # nothing the step changed stays changed
@@ -280,7 +288,7 @@ class Grad:
 
     def _reduce_metrics(self, layout: Layout, loss: torch.Tensor, count: torch.Tensor | None, sq: torch.Tensor,
                         flags: torch.Tensor, auxes: list[Any], k: int, rows: int = 0,
-                        tokens: int | None = None) -> dict[str, Any]:
+                        tokens: int | None = None, differ: torch.Tensor | None = None) -> dict[str, Any]:
         """Global loss and gradient norm, which buffers changed on any rank (and Mean's global
         count, the tokens summed over the ranks, the averaged aux): one all-reduce (sum) per
         mesh axis of ``[loss, sum of squares, (count), (tokens as two words), flags..., (aux...)]``.
@@ -296,17 +304,20 @@ class Grad:
         if tokens is not None:  # exact in fp32 sums: 12 low bits, and the rest ([Note: tokens over the ranks])
             head += list(device_values([tokens >> 12, tokens & 4095], torch.float32, device))
         aux_flat, unflatten = _flat_aux(auxes) if self.options.aux is Aux.MEAN else (torch.zeros(0, device=device), None)
-        v = torch.cat([torch.stack([t.to(device) for t in head]), flags, aux_flat.to(device)])
+        tail = [differ.float().reshape(1)] if differ is not None else []  # [Note: one batch per tensor group]
+        v = torch.cat([torch.stack([t.to(device) for t in head]), flags, aux_flat.to(device), *tail])
         if self.mesh.axis_rank("tensor") > 0:  # a tensor axis's ranks share one batch: counted once, on its rank 0
             keep = torch.zeros_like(v)
             keep[1] = 1  # (the sum of squares: shardfn._tensor.split_sum_of_squares)
             keep[len(head) : len(head) + flags.numel()] = 1
+            keep[v.numel() - len(tail):] = 1
             v = v * keep
         if self.mesh.size > 1:
             C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM, detail=rows)
         n = len(head)
         norm = (v[1] / layout.replicas).sqrt()
-        out: dict[str, Any] = {"changed": v[n : n + flags.numel()], "rescale": None, "tokens": None}
+        out: dict[str, Any] = {"changed": v[n : n + flags.numel()], "rescale": None, "tokens": None,
+                               "differ": v[-1] if tail else None}
         if tokens is not None:
             out["tokens"] = (v[n - 2].double() * 4096 + v[n - 1].double()).to(torch.int64)
         if count is None:
@@ -320,7 +331,7 @@ class Grad:
             norm = norm * rescale
         out["norm"] = norm
         if self.has_aux:
-            out["aux"] = unflatten(v[n + flags.numel():] / self.mesh.data_size) if unflatten is not None else (
+            out["aux"] = unflatten(v[n + flags.numel():v.numel() - len(tail)] / self.mesh.data_size) if unflatten else (
                 auxes[0] if len(auxes) == 1 else list(auxes))
         return out
 

@@ -19,7 +19,7 @@ updated in place (donation), so the same tensors are its inputs on every call. A
 It reports as ``on_nonfinite="raise_next"`` does: the loss and gradient norm travel with
 the shards, and the next call (or a save) raises on every rank if they were not finite.
 On a mesh with a tensor axis each call first checks, on the host and outside the program,
-that the tensor group's ranks got the same batch (shardfn._tensor.agree_on_batch, one more
+that the tensor group's ranks got the same batch (shardfn._tensor_agree.agree_on_batch, one more
 header): a program cannot raise before its own update, and another batch would be silent.
 """
 
@@ -47,7 +47,7 @@ from ._host import refuse_host_tensors
 from ._graph_key import ModelAttributes, agree_on_key, group_values, refuse_moved, what_changed
 from ._recording import Unrecordable, record
 from ._restore import put_back
-from ._tensor import agree_on_batch
+from ._tensor_agree import agree_on_batch
 from ._replay import _COMPILE_FAILED, _HALF_RUN, _LOST, bounded, compile_error, note_failure, peer_failures
 from ._verdict import Verdict, agreed_error, check_verdict, read_ready
 from ._workspace import workspace

@@ -46,7 +46,7 @@ from . import _guard
 from ._events import CollectiveLog, observe, observers
 from ._offload import wait_for_device
 from ._options import Accumulate, StepOptions
-from ._tensor import agree_on_optional
+from ._tensor_agree import agree_on_optional
 
 __all__ = ["Accumulate", "Runtime", "RunningUnit", "active", "current", "invariant"]
 

@@ -96,7 +96,8 @@ class Step:
                      and read_ready(sharded, "step"))
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=self.options.donate,
                                track=self.options.sync_buffers)
-        with self.grad.run(sharded, batch, buffers, scale, nonfinite) as (_, grads, metrics):
+        with self.grad.run(sharded, batch, buffers, scale, nonfinite) as out:
+            grads, metrics = out.grads, out.metrics
             if not recording():  # a graph step's program computes them itself (shardfn._graph)
                 metrics.update(hyperparams(self.optimizer, inner))
             skip = False
@@ -127,7 +128,8 @@ class Step:
             if sharded.layout.keeps_replica and not recording():
                 new = refresh(new, current().observers, donated=self.options.donate)
             if not self.options.read_metrics and not is_fake(metrics["loss"]):
-                new = new._with_verdict(Verdict(metrics["loss"], metrics["grad_norm"], sharded._verdict))
+                new = new._with_verdict(Verdict(metrics["loss"], metrics["grad_norm"], sharded._verdict,
+                                                out.batches_differ))
         opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner
         return new, opt_state, metrics
 

@@ -38,8 +38,7 @@ from ._sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_i
                         reduce_scatter_output, reduced_bias, styles_of)
 from ._tensor_ops import CopyToTensor, GatherOutput, ReduceFromTensor, full_leaf
 
-__all__ = ["STYLES", "agree_on_batch", "agree_on_optional", "auto_plan", "full_leaf", "heads_of", "local_state",
-           "resolve_tensor_parallel",
+__all__ = ["STYLES", "auto_plan", "full_leaf", "heads_of", "local_state", "resolve_tensor_parallel",
            "split_sum_of_squares", "tp_forward"]
 
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", *SEQUENCE_STYLES)
@@ -395,53 +394,3 @@ def tp_forward(active: Any, path: str, module: nn.Module, by_heads: bool) -> Any
         return y if module.bias is None else y + module.bias
 
     return forward
-
-
-_OTHER_BATCHES = (
-    "[rank {rank}] shardfn: the ranks of tensor group {ranks} got different batches (digests {digests}): they split "
-    "each layer of one batch between them, and each rank's partial sums of another input would be added together. "
-    "Give every rank of a tensor group the same batch: split_batch(batch, mesh.data_rank, mesh.data_size)."
-)
-
-
-def agree_on_batch(batch: Any, mesh: Any) -> None:
-    """Raises DivergenceError on every rank of this rank's tensor group unless all of them
-    got the same batch (a CRC-32 of each tensor leaf's bytes, read on the host, in one
-    header on the tensor axis: [Note: hand-written tensor collectives])."""
-    ch = mesh.channel("tensor")
-    if ch.off:  # a planning run's fake group: no values to compare, nothing to exchange (as every guard header)
-        return
-    digest = 0
-    for leaf in pytree.tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor):
-            data = leaf.detach().reshape(-1).cpu().contiguous().view(torch.uint8)
-            digest = zlib.crc32(data.numpy().tobytes(), zlib.crc32(repr((leaf.shape, leaf.dtype)).encode(), digest))
-    _agree(ch, mesh, digest, "the batch of a tensor group", _OTHER_BATCHES)
-
-
-def _agree(ch: Any, mesh: Any, digest: int, what: str, message: str) -> None:
-    """One header on the tensor axis with this rank's ``digest``; ranks whose digests differ
-    all raise DivergenceError with ``message``, before anything changes."""
-    headers = G.exchange(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", 0, digest), G.OK, 0], what)
-    digests = [h[G.DETAIL] for h in headers]
-    if len(set(digests)) > 1:
-        raise G.told(DivergenceError(message.format(rank=mesh.rank, ranks=list(ch.ranks), digests=digests)), ch)
-
-
-_OTHER_UNITS = (
-    "[rank {rank}] shardfn: the ranks of tensor group {ranks} ran different optional units in this step (digests "
-    "{digests} of which ran): they hold the same values of the units' unsplit leaves, and a unit's gradients from "
-    "one rank and none from another would leave them different without an error. A tensor group's ranks see one "
-    "batch, so they skip a unit together unless the choice depends on something else (a random draw, the rank): "
-    "make it depend on the batch alone."
-)
-
-
-def agree_on_optional(ran: list[tuple[int, bool]], mesh: Any) -> None:
-    """Raises DivergenceError on every rank of this rank's tensor group unless all of them
-    ran the same optional units (``(unit index, whether its backward ran)``), before any of
-    those units is reduced: one header on the tensor axis after each backward."""
-    ch = mesh.channel("tensor")
-    if ch.off:
-        return
-    _agree(ch, mesh, zlib.crc32(repr(ran).encode()), "the optional units a tensor group ran", _OTHER_UNITS)

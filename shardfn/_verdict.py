@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ._errors import PeerError
+from ._errors import DivergenceError, PeerError
 
 __all__ = ["MAX_PENDING", "Unusable", "Verdict", "agreed_error", "check_alike", "check_usable", "check_verdict",
            "read_ready", "unusable_on_failure"]
@@ -68,6 +68,16 @@ _NOT_FINITE = (
     "opt_state) replaces the update) and find the cause (a bad batch, a learning rate too high, fp16 overflow: "
     "jit_step(loss_scale=...)), or leave on_nonfinite out (\"raise\"): it checks before updating, for one "
     "synchronisation with the device per step."
+)
+
+
+_OTHER_BATCHES = (
+    "[rank {rank}] {call}: in the last step on these shards, the ranks of a tensor group got different batches "
+    "([Note: one batch per tensor group] in shardfn._tensor_agree), and its update is in "
+    "them and in its optimizer state: with jit_step(..., on_nonfinite=\"raise_next\") a step does not wait to read "
+    "its check, so what uses the shards next tells. Nothing was changed or written now. Load a checkpoint from before "
+    "that step (checkpoint.load(path, sharded, opt_state)), and give every rank of a tensor group the same batch: "
+    "split_batch(batch, mesh.data_rank, mesh.data_size)."
 )
 
 
@@ -114,12 +124,15 @@ class Verdict:
     the verdicts of the earlier steps on the same shards that no call has read yet
     ([Note: reading a verdict when it is ready])."""
 
-    def __init__(self, loss: torch.Tensor, norm: torch.Tensor, earlier: Any = None) -> None:
-        values = torch.stack([loss.detach().float(), norm.detach().float()])
+    def __init__(self, loss: torch.Tensor, norm: torch.Tensor, earlier: Any = None,
+                 batches_differ: torch.Tensor | None = None) -> None:
+        # batches_differ: the tensor ranks whose group got two batches ([Note: one batch per tensor group])
+        extra = [batches_differ.detach().float().reshape(())] if batches_differ is not None else []
+        values = torch.stack([loss.detach().float(), norm.detach().float(), *extra])
         self.event = None
         self.read: list[float] | None = None
         if values.is_cuda:
-            self.values = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            self.values = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
             self.values.copy_(values, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
@@ -142,7 +155,9 @@ class Verdict:
         return self.read
 
     def finite(self) -> bool:
-        return all(math.isfinite(v) for v in self.loss_and_norm())
+        """Whether the step was good: its loss and norm finite (and its tensor groups' batches alike)."""
+        values = self.loss_and_norm()
+        return all(math.isfinite(v) for v in values[:2]) and not any(values[2:])
 
 
 def _first_bad(verdict: Any, wait: bool) -> Verdict | None:
@@ -160,8 +175,10 @@ def _first_bad(verdict: Any, wait: bool) -> Verdict | None:
     return None
 
 
-def _error(bad: Verdict, rank: int, call: str) -> FloatingPointError:
-    loss, norm = bad.loss_and_norm()
+def _error(bad: Verdict, rank: int, call: str) -> Exception:
+    loss, norm, *differ = bad.loss_and_norm()
+    if any(differ):
+        return DivergenceError(_OTHER_BATCHES.format(rank=rank, call=call))
     return FloatingPointError(_NOT_FINITE.format(rank=rank, call=call, loss=loss, norm=norm))
 
 

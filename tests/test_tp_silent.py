@@ -339,3 +339,84 @@ def test_dropout_inside_a_sequence_region_is_refused(clusters):
     for message, unchanged in clusters[2].run(_sequence_dropout):
         assert "a random op (dropout, noise) ran inside the sequence region between 'layers.0' and 'head'" in message
         assert unchanged, message
+
+
+# -- host work per step: no read of the device, bounded headers, one bucket --------------------
+
+
+def _steady_steps(on_nonfinite, steps=5):
+    """Steps of the split GPT at tensor 2: per step, the reads of device values by the host
+    (those of the verdict, host memory by design, left out), the header exchanges and the
+    tensor axis's collectives."""
+    from shardfn.testing._ops import count_ops
+
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(gpt())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
+    opt = SGD_MOMENTUM()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, on_nonfinite=on_nonfinite)
+    out = []
+    for batch in (batches() * 2)[:steps]:
+        verdict = [sharded._verdict.values] if getattr(sharded._verdict, "values", None) is not None else []
+        headers = mesh.guard.headers
+        with count_ops() as ops, sf.record_collectives() as log:
+            sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+        out.append((len(ops.device_reads(host=verdict, world=mesh.size)), mesh.guard.headers - headers,
+                    [(c.kind.value, c.nbytes) for c in log.select("batch")]))
+    return out
+
+
+def test_a_raise_next_step_with_a_tensor_axis_reads_nothing_of_the_device(clusters):
+    # Before: every step copied the batch to the host for its digest (1 read a step), and
+    # exchanged 3 headers once pipelined (the batch's digest had one of its own).
+    for out in clusters[2].run(_steady_steps, "raise_next"):
+        reads, headers, tensor = zip(*out)
+        assert reads == (0,) * 5, reads
+        # once pipelined (from the third step): the opening and the metrics header on the
+        # tensor axis, the only axis with more than one rank ([Note: the pipelined guard])
+        assert headers[2:] == (2, 2, 2), headers
+        # the batch's digests travel in one all-gather on the tensor axis: an int64 from each rank
+        assert all(t == [("all_gather", 2 * 8)] for t in tensor), tensor
+
+
+def test_a_checked_step_with_a_tensor_axis_reads_the_device_once(clusters):
+    for out in clusters[2].run(_steady_steps, "raise"):
+        reads, headers, _ = zip(*out)
+        assert reads == (1,) * 5, reads  # the loss, norm and batch verdict, in one copy
+        assert headers[2:] == (2, 2, 2), headers
+
+
+def _other_batches_later(on_nonfinite):
+    """Three calls; at the second, rank 1 of each tensor group gets its rows in another order:
+    each call's outcome and whether the state is as before it."""
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(gpt())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
+    opt = SGD_MOMENTUM()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, on_nonfinite=on_nonfinite)
+    out = []
+    for k, batch in enumerate(batches()):
+        local = split_batch(batch, mesh.data_rank, mesh.data_size)
+        if k == 1 and mesh.axis_rank("tensor") == 1:
+            local = {**local, "x": local["x"].flip(0)}
+        before = {n: t.clone() for n, t in sharded.items()}
+        try:
+            sharded, state, _ = step(sharded, state, local)
+            out.append("ok")
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            out.append((f"{type(e).__name__}: {e}", all(torch.equal(before[n], sharded[n]) for n in before)))
+            break
+    return out
+
+
+def test_a_raise_next_step_on_other_batches_raises_at_the_next_call_on_every_rank(clusters):
+    # The check reads nothing of the device: the digests ride on the step's collectives, and
+    # the verdict tells the next call, before it changes anything.
+    for rank, out in enumerate(clusters[2].run(_other_batches_later, "raise_next")):
+        assert out[:2] == ["ok", "ok"], out
+        error, unchanged = out[2]
+        assert error.startswith(f"DivergenceError: [rank {rank}] step: in the last step on these shards, the ranks "
+                                "of a tensor group got different batches"), error
+        assert unchanged
