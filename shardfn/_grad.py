@@ -57,6 +57,7 @@ from ._psum import sum_of_squares
 from ._recording import device_values, recording
 from ._runtime import Runtime, active
 from ._sharded import ShardedParams
+from ._sequence import sequence_parallel, sum_partial_grads
 from ._tensor import split_sum_of_squares
 from ._tensor_agree import batch_digests, other_batches
 from ._verdict import agreed_error
@@ -270,6 +271,8 @@ class Grad:
             if used:
                 raise ValueError(_USED_DIRECTLY.format(names=", ".join(used[:4])))
         out = {n: grads[n] if n in grads else torch.zeros_like(sharded[n]) for n in trainable}
+        if sequence_parallel(sharded.layout):  # [Note: the sequence region]: its partial gradients, once a step
+            sum_partial_grads(out, sharded.layout, rt)
         if scale != 1.0:
             out = {n: g.div_(scale) for n, g in out.items()}
         if counts[0] is None:

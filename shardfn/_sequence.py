@@ -3,8 +3,9 @@
 [Note: the sequence region]
 Between a ``"sequence_start"`` module (its first argument split on dim 1 over the tensor
 axis) and a ``"sequence_end"`` one (gathered whole), activations are split on the sequence:
-``"sequence"`` modules (norms) run on the rank's part and all-reduce their parameters'
-gradients over the tensor axis; a module holding colwise layers all-gathers its input for
+``"sequence"`` modules (norms) run on the rank's part, so their parameters' gradients (and
+rowwise biases') are partial sums, added over the tensor axis in one all-reduce a step,
+after the data axes' reduction; a module holding colwise layers all-gathers its input for
 them and reduce-scatters its gradient; rowwise layers reduce-scatter their output. The rule:
 a split activation reaches planned modules only, since anything else would read a part of
 the sequence without an error. So each call checks what it can see: the region opens and
@@ -26,11 +27,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _collectives as C
 from ._events import Purpose
-from ._tensor_ops import CopyToTensor, full_leaf, function
+from ._tensor_ops import full_leaf, function
 
 __all__ = ["SEQUENCE_STYLES", "blocks_of", "check_closed", "container_forward", "from_torch_style", "gathered_input",
-           "outside_region", "reduce_scatter_output", "reduced_bias", "region_check_hook", "sequence_forward",
-           "sequence_parallel", "styles_of"]
+           "outside_region", "partial_leaves", "reduce_scatter_output", "region_check_hook", "sequence_forward",
+           "sequence_parallel", "styles_of", "sum_partial_grads"]
 
 SEQUENCE_STYLES = ("sequence", "sequence_start", "sequence_end")
 _DIM = 1  # the sequence dim of every activation in the region (batch first)
@@ -176,18 +177,6 @@ def _checked(now: Any, path: str, style: str, need_open: bool = True) -> bool:
     return True
 
 
-def _with_grads_reduced(module: nn.Module, rt: Any, path: str, names: tuple[str, ...]) -> list[tuple[str, Any]]:
-    """Replaces ``module``'s parameters ``names`` by views whose gradient is all-reduced over
-    the tensor axis; returns what to put back."""
-    saved = []
-    for name in names:
-        p = module._parameters.get(name)
-        if p is not None and p.requires_grad and torch.is_grad_enabled():
-            saved.append((name, p))
-            module._parameters[name] = CopyToTensor.apply(p, rt, f"{path}.{name}")
-    return saved
-
-
 def sequence_forward(active: Any, path: str, module: nn.Module) -> Any:
     """``module``'s forward under its sequence style (inert in calls whose layout gives it none)."""
     inner = module.forward
@@ -212,12 +201,7 @@ def sequence_forward(active: Any, path: str, module: nn.Module) -> Any:
             fn = _Scatter if style == "sequence_start" else _GatherWhole
             return inner(fn.apply(args[0], rt, path), *args[1:], **kwargs)
         _checked(now, path, style)
-        saved = _with_grads_reduced(module, rt, path, tuple(n for n, p in module.named_parameters(recurse=False)))
-        try:
-            out = inner(*args, **kwargs)
-        finally:
-            for name, p in saved:
-                module._parameters[name] = p
+        out = inner(*args, **kwargs)  # (its parameters' gradients: summed once a step, see partial_grads)
         if isinstance(out, torch.Tensor):  # (a weak reference: the call keeps no activation alive)
             state.setdefault("split", {})[id(out)] = weakref.ref(out)
         return out
@@ -276,12 +260,30 @@ def reduce_scatter_output(now: Any, y: torch.Tensor, path: str) -> torch.Tensor:
     return _ReduceScatter.apply(y, now[1], path)
 
 
-def reduced_bias(bias: torch.Tensor, now: Any, path: str) -> torch.Tensor:
-    """A rowwise layer's whole bias in the region, its gradient (from the rank's tokens)
-    all-reduced over the tensor axis."""
-    if not (torch.is_grad_enabled() and bias.requires_grad):
-        return bias
-    return CopyToTensor.apply(bias, now[1], f"{path}.bias")
+def partial_leaves(layout: Any) -> list[str]:
+    """The leaves whose gradients sequence parallelism leaves partial, each tensor rank's from
+    its own part of the sequence: a ``"sequence"`` module's own parameters, a rowwise layer's
+    bias. :func:`sum_partial_grads` sums them once a step."""
+    return styles_of(layout)[2]
+
+
+def sum_partial_grads(grads: dict[str, torch.Tensor], layout: Any, rt: Any) -> None:
+    """Sums the shard gradients of :func:`partial_leaves` over the tensor axis, in place: one
+    all-reduce a step for all of them, after the data axes' reduction (a sum commutes with
+    it), instead of one per parameter and call."""
+    names = [n for n in partial_leaves(layout) if n in grads]
+    if not names:
+        return
+    # each leaf's slot as long as its largest shard on any rank: one size on every rank
+    sizes = [max(layout.piece(n, r)[1] for r in range(layout.world)) for n in names]
+    flat = torch.zeros(sum(sizes), dtype=grads[names[0]].dtype, device=rt.mesh.device)
+    slots = flat.split(sizes)
+    for n, slot in zip(names, slots):
+        slot[:grads[n].numel()].copy_(grads[n].reshape(-1))
+    C.all_reduce(flat, rt.mesh.channel("tensor"), Purpose.TENSOR, "sequence", op=C.SUM, to=rt.observers,
+                 scope=rt.scope)
+    for n, slot in zip(names, slots):
+        grads[n].copy_(slot[:grads[n].numel()].view_as(grads[n]))
 
 
 def region_check_hook(active: Any, path: str) -> Any:
@@ -319,20 +321,24 @@ def blocks_of(styles: Mapping[str, str]) -> set[str]:
     return {p.rpartition(".")[0] for p, s in styles.items() if s == "colwise"}
 
 
-_STYLES: dict[int, tuple[Any, dict[str, str], frozenset[str]]] = {}
+_STYLES: dict[int, tuple[Any, dict[str, str], frozenset[str], list[str]]] = {}
 
 
-def styles_of(layout: Any) -> tuple[dict[str, str], frozenset[str]]:
-    """``layout``'s styles by module path and its blocks (:func:`blocks_of`), made once per
-    layout: every split module's forward reads them at every call, and a dict rebuilt there
-    costs the host time in the number of split layers at each of them."""
+def styles_of(layout: Any) -> tuple[dict[str, str], frozenset[str], list[str]]:
+    """``layout``'s styles by module path, its blocks (:func:`blocks_of`) and its partial
+    leaves (:func:`partial_leaves`), made once per layout: every split module's forward reads
+    them at every call, and a dict rebuilt there costs host time per split layer."""
     hit = _STYLES.get(id(layout))
     if hit is None or hit[0] is not layout:
         if len(_STYLES) > 64:
             _STYLES.clear()
         styles = dict(layout.tensor)
-        hit = _STYLES[id(layout)] = (layout, styles, frozenset(blocks_of(styles)))
-    return hit[1], hit[2]
+        owners = {p for p, s in styles.items() if s == "sequence"}
+        partial = [n for n in layout.leaves if n.rpartition(".")[0] in owners]
+        if sequence_parallel(layout):
+            partial += [f"{p}.bias" for p, s in styles.items() if s == "rowwise" and f"{p}.bias" in layout.leaves]
+        hit = _STYLES[id(layout)] = (layout, styles, frozenset(blocks_of(styles)), partial)
+    return hit[1], hit[2], hit[3]
 
 
 def sequence_parallel(layout: Any) -> bool:

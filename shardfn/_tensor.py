@@ -35,7 +35,7 @@ from ._features import per_feature, plain
 from ._recording import recording
 from ._events import Collective, Purpose
 from ._sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
-                        reduce_scatter_output, reduced_bias, styles_of)
+                        reduce_scatter_output, styles_of)
 from ._tensor_ops import CopyToTensor, GatherOutput, ReduceFromTensor, full_leaf
 
 __all__ = ["STYLES", "auto_plan", "full_leaf", "heads_of", "local_state", "resolve_tensor_parallel",
@@ -389,7 +389,8 @@ def tp_forward(active: Any, path: str, module: nn.Module, by_heads: bool) -> Any
         x = plain(x)
         if sequence:
             y = reduce_scatter_output(now, F.linear(x, module.weight), path)
-            return y if module.bias is None else y + reduced_bias(module.bias, now, path)
+            # (the bias's gradient, from the rank's tokens: summed once a step, _sequence.partial_leaves)
+            return y if module.bias is None else y + module.bias
         y = ReduceFromTensor.apply(F.linear(x, module.weight), rt, path)
         return y if module.bias is None else y + module.bias
 

@@ -132,7 +132,9 @@ def _bf16_run(precision, model_fn=gpt_model, plan=PLAN, make_batches=lambda: gpt
         with sf.record_collectives() as log:
             sharded, state, m = step(sharded, state, split_batch(b, mesh.data_rank, mesh.data_size))
         losses.append(float(m["loss"]))
-        dtypes |= {str(c.dtype) for c in log.select("tensor")}
+        dtypes |= {str(c.dtype) for c in log.select("tensor") if c.unit != "sequence"}
+        # (a sequence region's partial gradients are summed as the gradients are kept: reduce's dtype)
+        dtypes |= {f"sequence {c.dtype}" for c in log.select("tensor", "sequence")}
     full = sf.gather(sharded)
     return losses, {n: full[n] - start[n] for n in full}, {str(t.dtype) for t in sharded.values()}, dtypes
 
