@@ -182,3 +182,62 @@ def test_a_plain_loss_counts_tokens_on_the_host(clusters, graph):
     # A plain mean loss needs equal batches on every rank (their headers agree, also when a
     # program is recorded): the count is this rank's times the ranks, an int.
     assert clusters[2].run(plain_tokens, graph) == [[2 * 3 * CFG.seq_len] * (3 if graph else 1)] * 2
+
+
+# -- a leaf whose size equals the rows (issue 56, item 5) -----------------------------------------
+
+SEQ = 16  # at world 2, a global batch of 32 gives each rank 16 rows: as many as the positions
+SQUARE = GPTConfig(vocab_size=17, seq_len=SEQ, d_model=8, n_layers=2, n_heads=2)
+
+
+def square_batches(steps=2, seed=3):
+    """Global batches of 32 rows of 16 tokens, each with the ``[16, 16]`` causal mask, unmarked."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, SQUARE.vocab_size, (32, SEQ), generator=g)
+        out.append({"x": x, "y": torch.roll(x, -1, 1), "mask": torch.tril(torch.ones(SEQ, SEQ))})
+    return out
+
+
+def position_weighted(apply, params, batch):
+    """A newcomer's loss: reads the mask without checking its shape (a mask cut to [8, 16] still
+    gives 16 weights, other ones), each position weighted by the mask rows that see it."""
+    weights = batch["mask"].sum(0)
+    losses = F.cross_entropy(apply(params, batch["x"]).flatten(0, 1), batch["y"].flatten(), reduction="none")
+    return (losses.view(-1, SEQ) * (weights / weights.mean())).mean()
+
+
+def newcomer_step(micro_batches):
+    """The newcomer's step at ``micro_batches``: its loss, or the error's text and whether
+    every shard and the optimizer state are as before."""
+    from bounds import ADAMW
+
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(GPT(SQUARE))
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    step = sf.jit_step(position_weighted, mesh, optimizer=ADAMW(), micro_batches=micro_batches)
+    state = step.init(sharded)
+    before = [t.clone() for t in torch.utils._pytree.tree_leaves((sharded, state)) if isinstance(t, torch.Tensor)]
+    global_batch = square_batches()[0]
+    batch = {k: v[16 * mesh.rank : 16 * (mesh.rank + 1)] if k != "mask" else v for k, v in global_batch.items()}
+    try:
+        _, _, metrics = step(sharded, state, batch)
+    except ValueError as e:
+        after = [t for t in torch.utils._pytree.tree_leaves((sharded, state)) if isinstance(t, torch.Tensor)]
+        return f"{type(e).__name__}: {e}", all(torch.equal(a, b) for a, b in zip(after, before))
+    return float(metrics["loss"])
+
+
+def test_a_square_mask_at_as_many_rows_is_refused_on_every_rank(clusters):
+    # The newcomer's case: 16 rows per rank, sequence 16, an unwrapped [16, 16] mask. Cut into
+    # [8, 16] halves, it would give other weights, and the step would train something else.
+    whole = clusters[2].run(newcomer_step, 1)
+    for rank, out in enumerate(clusters[2].run(newcomer_step, 2)):
+        assert isinstance(out, tuple), (f"rank {rank}: the step ran with the mask cut: loss {out} at "
+                                        f"micro_batches=2, {whole[rank]} at micro_batches=1")
+        message, unchanged = out
+        assert message.startswith("ValueError: jit_step(micro_batches=2): "), message
+        assert "batch['mask']" in message and "shardfn.Whole" in message, message
+        assert unchanged
