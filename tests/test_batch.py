@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import shardfn as sf
+from bounds import ADAMW  # as the other GPT equivalence tests; its tolerance: tests/bounds.py
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=17, seq_len=4, d_model=8, n_layers=2, n_heads=2)
@@ -19,10 +20,13 @@ def _setup():
     return mesh, sf.shard(params, mesh, "FULL_SHARD")
 
 
-def _rows(rows, seed):
+def _rows(rows, seed, mark=False):
+    """``rows`` rows of tokens; ``mark``: marked ``sf.Batched`` (at 4 rows of 4 tokens, both dims
+    equal the rows: a step with micro-batches refuses them unmarked)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, CFG.vocab_size, (rows, CFG.seq_len), generator=g)
-    return {"x": x, "y": torch.roll(x, -1, 1)}
+    batch = {"x": x, "y": torch.roll(x, -1, 1)}
+    return {k: sf.Batched(v) for k, v in batch.items()} if mark else batch
 
 
 def _weighted_loss(seen):
@@ -30,7 +34,8 @@ def _weighted_loss(seen):
 
     def loss_fn(apply, params, batch):
         mask = batch["mask"]
-        seen.append((type(mask).__name__, tuple(mask.shape), mask is MASK, tuple(batch["x"].shape)))
+        seen.append((type(mask).__name__, tuple(mask.shape), mask is MASK, type(batch["x"]).__name__,
+                     tuple(batch["x"].shape)))
         losses = F.cross_entropy(apply(params, batch["x"]).flatten(0, 1), batch["y"].flatten(), reduction="none")
         return (losses.view(-1, CFG.seq_len) * mask.sum(0)).mean()
 
@@ -42,13 +47,14 @@ def mask_in_the_batch(how, wrap, mask=MASK):
     mesh, sharded = _setup()
     seen = []
     loss_fn = _weighted_loss(seen)
-    batch = {**_rows(4, mesh.rank), "mask": sf.Whole(mask) if wrap else mask}
+    batch = {**_rows(4, mesh.rank, mark=True), "mask": sf.Whole(mask) if wrap else mask}
     losses = []
     try:
         if how == "grad":
             losses.append(float(sf.jit_grad(loss_fn, mesh, micro_batches=2)(sharded, batch)[0]))
         elif how == "micro_batches":
-            parts = [{"x": batch["x"][a:b], "y": batch["y"][a:b], "mask": batch["mask"]} for a, b in ((0, 1), (1, 4))]
+            parts = [{"x": sf.Batched(batch["x"].tensor[a:b]), "y": sf.Batched(batch["y"].tensor[a:b]),
+                      "mask": batch["mask"]} for a, b in ((0, 1), (1, 4))]
             step = sf.jit_step(lambda apply, p, b: sf.Mean(_weighted_loss(seen)(apply, p, b) * len(b["x"]), len(b["x"])),
                                mesh, optimizer=sf.optim.sgd(0.0))
             losses.append(step(sharded, step.init(sharded), sf.MicroBatches(parts))[2]["loss"])
@@ -68,10 +74,10 @@ def mask_in_the_batch(how, wrap, mask=MASK):
 def test_a_whole_leaf_reaches_every_micro_batch_as_the_plain_tensor(clusters, how):
     for seen, losses in clusters[2].run(mask_in_the_batch, how, True):
         # Every micro-batch gets the mask itself (not a slice, not a copy, not the wrapper),
-        # and its own rows of the batch leaves.
+        # and its own rows of the marked batch leaves, as plain tensors.
         rows = [(2, 4), (2, 4)] if how != "micro_batches" else [(1, 4), (3, 4)]
         calls = 2 if how == "graph" else 1  # the graph step's loss_fn runs eagerly once and once recording
-        assert seen == [("Tensor", (4, 4), True, r) for r in rows] * calls
+        assert seen == [("Tensor", (4, 4), True, "Tensor", r) for r in rows] * calls
         assert len(set(losses)) == 1  # the same batch at lr 0: the replay's loss is the eager one
 
 
@@ -90,17 +96,22 @@ def _replay_with(mask):
     step = sf.jit_step(_weighted_loss([]), mesh, optimizer=sf.optim.sgd(0.0), micro_batches=2, graph="eager")
     state = step.init(sharded)
     for m in (MASK, MASK, mask):  # eager, recorded, replayed with another mask
-        sharded, state, metrics = step(sharded, state, {**_rows(4, mesh.rank), "mask": sf.Whole(m)})
+        sharded, state, metrics = step(sharded, state, {**_rows(4, mesh.rank, mark=True), "mask": sf.Whole(m)})
     return float(metrics["loss"]), step.recordings
 
 
-@pytest.mark.parametrize("mask, path", [(MASK[:2].clone(), "['mask']"), (torch.tensor(3.0), "['mask']")])
-def test_a_leaf_that_is_not_a_batch_leaf_is_refused_not_cut(clusters, mask, path):
-    # 4 rows; a [2, 4] mask divides by 2 but is not the rows, and a 0-d leaf has no rows.
+@pytest.mark.parametrize("mask, line", [(MASK[:2].clone(), "batch['mask'] of shape (2, 4): dim 0 is 2, not the 4 rows"),
+                                        (torch.tensor(3.0), "batch['mask']: a 0-d tensor, which has no rows"),
+                                        (MASK, "batch['mask'] of shape (4, 4): ambiguous, dims 0 and 1 both equal the 4 rows")])
+def test_a_leaf_that_is_not_a_batch_leaf_is_refused_not_cut(clusters, mask, line):
+    # 4 rows; a [2, 4] mask divides by 2 but is not the rows, a 0-d leaf has no rows, and a
+    # [4, 4] mask could be rows or one value for the step.
     for out in clusters[2].run(mask_in_the_batch, "step", False, mask):
         assert isinstance(out, str), out
-        assert out.startswith("ValueError: jit_step(micro_batches=2): the leaf batch" + path), out
-        assert "wrap it in shardfn.Whole(...)" in out
+        assert out.startswith("ValueError: jit_step(micro_batches=2): cuts each batch leaf on dim 0 into 2 "
+                              "micro-batches, and the batch's rows are 4 (dim 0 of batch['x'], marked shardfn.Batched); "
+                              "this leaf cannot be cut as given:\n  " + line + "\nSay what each one is: "), out
+        assert "in shardfn.Whole(...)" in out and "with shardfn.Batched(...)" in out
 
 
 def test_whole_takes_a_tensor_and_rows_and_tokens_skip_it():
@@ -113,6 +124,58 @@ def test_whole_takes_a_tensor_and_rows_and_tokens_skip_it():
     assert rows(batch) == 3 and count_tokens(batch) == 15
     assert count_tokens({"a": sf.Whole(ids), "f": torch.zeros(2, 4)}) == 2
     assert repr(sf.Whole(ids)) == "Whole(tensor of shape (3, 5), torch.int64)"
+
+
+def test_batched_takes_a_tensor_with_rows_and_rows_and_tokens_read_it_first():
+    from shardfn._batch import count_tokens, rows
+
+    with pytest.raises(TypeError, match=r"shardfn.Batched\(tensor\): expected a tensor"):
+        sf.Batched([1, 2])
+    with pytest.raises(ValueError, match=r"shardfn.Batched\(tensor\): a 0-d tensor has no rows; wrap .* shardfn.Whole"):
+        sf.Batched(torch.tensor(1))
+    ids, pad = torch.zeros(6, 6, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)
+    assert repr(sf.Batched(ids)) == "Batched(tensor of shape (6, 6), torch.int64)"
+    # A marked leaf defines the rows and holds the tokens, wherever it is in the batch.
+    assert (rows({"pad": pad, "ids": sf.Batched(ids)}), count_tokens({"pad": pad, "ids": sf.Batched(ids)})) == (6, 36)
+    assert (rows({"pad": pad, "ids": ids}), count_tokens({"pad": pad, "ids": ids})) == (2, 10)
+
+
+def test_split_cuts_marked_leaves_keeps_whole_ones_and_checks_only_when_it_cuts():
+    from shardfn._batch import split
+
+    x, mask = torch.arange(256).view(16, 16), torch.tril(torch.ones(16, 16))
+    parts = split({"x": sf.Batched(x), "mask": sf.Whole(mask), "n": 3}, 2)
+    assert [type(p["x"]) for p in parts] == [torch.Tensor] * 2
+    assert torch.equal(torch.cat([p["x"] for p in parts]), x) and [p["x"].shape for p in parts] == [(8, 16)] * 2
+    assert all(p["mask"] is mask and p["n"] == 3 for p in parts)
+    # Without micro-batches nothing is cut, so nothing is ambiguous: the leaves come unwrapped.
+    (whole,) = split({"x": x, "mask": mask, "m": sf.Batched(x)}, 1)
+    assert whole["x"] is x and whole["mask"] is mask and whole["m"] is x
+
+
+def test_every_ambiguous_leaf_is_named_at_once_with_its_shape_the_rows_and_both_fixes():
+    from shardfn._batch import split
+
+    x, feats = torch.zeros(16, 16, dtype=torch.long), torch.zeros(16, 3, 16)
+    batch = {"x": x, "y": x, "feats": feats, "pos": torch.zeros(4, 16), "ok": torch.zeros(16, 4)}
+    with pytest.raises(ValueError) as e:
+        split(batch, 2, "jit_grad")
+    assert str(e.value).splitlines()[:5] == [
+        "jit_grad(micro_batches=2): cuts each batch leaf on dim 0 into 2 micro-batches, and the batch's rows are 16 "
+        "(dim 0 of batch['x'], its first batch leaf); 4 leaves cannot be cut as given:",
+        "  batch['x'] of shape (16, 16): ambiguous, dims 0 and 1 both equal the 16 rows",
+        "  batch['y'] of shape (16, 16): ambiguous, dims 0 and 1 both equal the 16 rows",
+        "  batch['feats'] of shape (16, 3, 16): ambiguous, dims 0 and 2 both equal the 16 rows",
+        "  batch['pos'] of shape (4, 16): dim 0 is 4, not the 16 rows"]
+    fix = str(e.value).splitlines()[5]
+    assert "wrap a per-step value" in fix and "shardfn.Whole(...)" in fix and "shardfn.Batched(...)" in fix
+    # Marked, the same leaves are cut; a marked leaf whose dim 0 is not the rows is refused.
+    parts = split({**batch, "x": sf.Batched(x), "y": sf.Batched(x), "feats": sf.Batched(feats),
+                   "pos": sf.Whole(batch["pos"])}, 2)
+    assert [tuple(v.shape) for v in parts[1].values()] == [(8, 16), (8, 16), (8, 3, 16), (4, 16), (8, 4)]
+    with pytest.raises(ValueError, match=r"\n  batch\['pos'\] \(shardfn.Batched\) of shape \(4, 16\): dim 0 is 4, "
+                                         r"not the 16 rows\n"):
+        split({"x": sf.Batched(x), "pos": sf.Batched(batch["pos"])}, 2)
 
 
 # -- tokens: summed over the ranks ----------------------------------------------------------------
@@ -190,6 +253,10 @@ SEQ = 16  # at world 2, a global batch of 32 gives each rank 16 rows: as many as
 SQUARE = GPTConfig(vocab_size=17, seq_len=SEQ, d_model=8, n_layers=2, n_heads=2)
 
 
+def square_gpt():
+    return GPT(SQUARE)
+
+
 def square_batches(steps=2, seed=3):
     """Global batches of 32 rows of 16 tokens, each with the ``[16, 16]`` causal mask, unmarked."""
     g = torch.Generator().manual_seed(seed)
@@ -211,8 +278,6 @@ def position_weighted(apply, params, batch):
 def newcomer_step(micro_batches):
     """The newcomer's step at ``micro_batches``: its loss, or the error's text and whether
     every shard and the optimizer state are as before."""
-    from bounds import ADAMW
-
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, _ = sf.functionalize(GPT(SQUARE))
@@ -241,3 +306,4 @@ def test_a_square_mask_at_as_many_rows_is_refused_on_every_rank(clusters):
         assert message.startswith("ValueError: jit_step(micro_batches=2): "), message
         assert "batch['mask']" in message and "shardfn.Whole" in message, message
         assert unchanged
+
