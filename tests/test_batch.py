@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import shardfn as sf
 from bounds import ADAMW  # as the other GPT equivalence tests; its tolerance: tests/bounds.py
+from shardfn.testing import check_equivalence
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=17, seq_len=4, d_model=8, n_layers=2, n_heads=2)
@@ -307,3 +308,73 @@ def test_a_square_mask_at_as_many_rows_is_refused_on_every_rank(clusters):
         assert "batch['mask']" in message and "shardfn.Whole" in message, message
         assert unchanged
 
+
+def _marked(batches):
+    return [{"x": sf.Batched(b["x"]), "y": sf.Batched(b["y"]), "mask": sf.Whole(b["mask"])} for b in batches]
+
+
+@pytest.mark.parametrize("accumulate", ["reduce_each", "local"])
+def test_the_newcomers_batch_marked_trains_as_one_process(clusters, accumulate):
+    # The mask wrapped, the token leaves marked: micro_batches=2 over 2 ranks equals one process
+    # on the global batch, 2 AdamW steps (tolerance: tests/bounds.py, summation order only).
+    report = check_equivalence(square_gpt, position_weighted, _marked(square_batches()), optimizer=ADAMW,
+                               strategies=["FULL_SHARD"], world_sizes=[2], clusters=clusters,
+                               step_options={"micro_batches": 2, "accumulate": accumulate})
+    assert report.failures() == []
+
+
+def test_the_mask_cut_with_the_rows_trains_something_else(clusters):
+    # The negative control: the same check with the mask marked Batched (so it is cut with the
+    # rows, as it was before the rule) fails: the comparison above can tell.
+    batches = [{**b, "mask": sf.Batched(b["mask"].tensor.repeat(2, 1))} for b in _marked(square_batches())]
+    report = check_equivalence(square_gpt, position_weighted, batches, optimizer=ADAMW,
+                               strategies=["FULL_SHARD"], world_sizes=[2], clusters=clusters,
+                               step_options={"micro_batches": 2}, raise_on_failure=False)
+    assert report.failures() != []
+
+
+def replayed_rows(graph):
+    """The losses of three calls at lr 0 on marked rows A, A, B, and the programs recorded (a
+    graph step: eager, recorded, replayed)."""
+    mesh, sharded = _setup()
+    step = sf.jit_step(_weighted_loss([]), mesh, optimizer=sf.optim.sgd(0.0), micro_batches=2,
+                       **({"graph": "eager"} if graph else {}))
+    state, losses = step.init(sharded), []
+    for seed in (0, 0, 1):
+        batch = {**_rows(4, 2 * seed + mesh.rank, mark=True), "mask": sf.Whole(MASK)}
+        sharded, state, metrics = step(sharded, state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, getattr(step, "recordings", 0)
+
+
+def test_a_batched_leaf_is_an_input_of_the_recorded_program(clusters):
+    # A replay cuts the rows it is given, not the ones it was recorded with.
+    for (eager, _), (replayed, recordings) in zip(clusters[2].run(replayed_rows, False),
+                                                  clusters[2].run(replayed_rows, True)):
+        assert replayed == eager and eager[2] != eager[0] and recordings == 1
+
+
+def ambiguous_on_rank_0():
+    """Rank 0 gives 16 rows of 16 tokens (ambiguous), rank 1 8 rows (not): a Mean loss allows
+    that. What each raised, and whether its state is as before."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(GPT(SQUARE))
+    sharded = sf.shard(params, mesh, "FULL_SHARD")
+    step = sf.jit_step(_token_mean, mesh, optimizer=ADAMW(), micro_batches=2)
+    state = step.init(sharded)
+    before = [t.clone() for t in torch.utils._pytree.tree_leaves((sharded, state)) if isinstance(t, torch.Tensor)]
+    x = square_batches()[0]["x"][: 16 if mesh.rank == 0 else 8]
+    try:
+        step(sharded, state, {"x": x, "y": torch.roll(x, -1, 1)})
+    except (ValueError, sf.PeerError) as e:
+        after = [t for t in torch.utils._pytree.tree_leaves((sharded, state)) if isinstance(t, torch.Tensor)]
+        return type(e).__name__, str(e), all(torch.equal(a, b) for a, b in zip(after, before))
+    return None
+
+
+def test_an_ambiguous_leaf_on_one_rank_stops_every_rank_before_anything_changes(clusters):
+    (kind0, text0, unchanged0), (kind1, text1, unchanged1) = clusters[2].run(ambiguous_on_rank_0)
+    assert kind0 == "ValueError" and "batch['x'] of shape (16, 16): ambiguous" in text0
+    assert kind1 == "PeerError" and text1.startswith("[rank 1] shardfn: rank 0 raised"), text1
+    assert unchanged0 and unchanged1
