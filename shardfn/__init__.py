@@ -5,6 +5,7 @@ from . import optim as optim
 from ._autoplan import AutoPlan as AutoPlan
 from ._autoplan import Candidate as Candidate
 from ._autoplan import autoplan as autoplan
+from ._batch import Batched as Batched
 from ._batch import Mean as Mean
 from ._batch import MicroBatches as MicroBatches
 from ._batch import Whole as Whole
@@ -61,6 +62,7 @@ __all__ = [
     "Apply",
     "AutoPlan",
     "Aux",
+    "Batched",
     "Candidate",
     "CollectiveLog",
     "CommError",

@@ -25,16 +25,22 @@ raises too, since each micro-batch would weigh the same whatever its size: retur
 :class:`Mean` to weigh every element alike.
 
 [Note: batch leaves]
-One rule says which tensors of a batch are cut into micro-batches (``micro_batches=k``):
-the batch's rows are dim 0 of its first tensor leaf that is not wrapped in :class:`Whole`
-(:func:`rows`); a leaf wrapped in ``Whole`` is a per-step value (an ``[S, S]`` mask, a
-position table) and reaches every micro-batch whole; every other tensor leaf is a batch
-leaf, and must have those rows as its dim 0, or the step raises naming its path. A size
-that happens to divide is no evidence that a leaf is batched, so nothing is cut because
-of it. The same leaves count tokens (:func:`count_tokens`) and rows, and ``loss_fn``
-always gets the plain tensor (``Whole`` is unwrapped, also without micro-batches).
-``Whole`` is a pytree node whose child is its tensor, so a recorded step (shardfn._graph)
-takes the tensor as an input of its program, as any batch tensor.
+One rule says which tensors of a batch ``micro_batches=k`` cuts, and it never guesses from a
+size. A leaf wrapped in :class:`Whole` is a per-step value (an ``[S, S]`` mask, a position
+table) and reaches every micro-batch whole; every other tensor leaf is a batch leaf, cut on
+dim 0. The batch's rows are dim 0 of its first batch leaf, one marked :class:`Batched` before
+unmarked ones (:func:`rows`; :func:`count_tokens` reads the same leaves in that order). A
+batch leaf whose dim 0 is not the rows, or a 0-d one, is refused, and so is an unmarked one
+with more than one dim equal to the rows (an ``[S, S]`` mask at ``S`` rows per rank, or the
+rows' own leaf at that size): a size that equals the rows is no evidence that a leaf holds
+rows, and a wrong cut is silent (a loss that reads ``mask.sum(0)`` gets as many weights
+either way). ``Batched`` says that a leaf holds rows. The refusal lists every such leaf at
+once with both fixes. It reads this rank's shapes only, before the micro-batches' first
+collective: ranks with the same shapes all raise it, a rank alone tells the others (they
+raise PeerError, shardfn._guard), and nothing has changed. Without micro-batches nothing is
+cut and nothing is checked, and ``loss_fn`` always gets the plain tensors. Both markers are
+pytree nodes whose child is their tensor, so a recorded step (shardfn._graph) takes it as an
+input of its program, and the program's key holds the markers.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from torch._subclasses.fake_tensor import is_fake
 from . import _collectives as C
 from ._events import Purpose
 
-__all__ = ["Mean", "MicroBatches", "Whole"]
+__all__ = ["Batched", "Mean", "MicroBatches", "Whole"]
 
 _NOT_A_LOSS = (
     "loss_fn(apply, params, batch): must return a scalar tensor or shardfn.Mean(total, count){aux}, got {got}."
@@ -67,11 +73,14 @@ _UNEVEN = (
     "(e.g. the sum of per-token losses and the number of tokens) to weigh every element alike, or give "
     "micro-batches of one size."
 )
-_NOT_BATCHED = (
-    "jit_step(micro_batches={k}): the leaf{s} {leaves} {verb} not batched: dim 0 is not the batch's {rows} rows (dim 0 "
-    "of its first tensor, {first}), so it cannot be cut into {k} micro-batches. If it is the same for every row "
-    "(a mask, a position table, a per-step constant), wrap it in shardfn.Whole(...): every micro-batch then gets it "
-    "whole. If it holds a row per example, give it the batch's rows."
+_CANNOT_CUT = (
+    "{call}(micro_batches={k}): cuts each batch leaf on dim 0 into {k} micro-batches, and the batch's rows are {rows} "
+    "(dim 0 of {first}); {count} cannot be cut as given:\n{lines}\n"
+    "Say what each one is: wrap a per-step value (an [S, S] attention mask, a position table, a constant) in "
+    "shardfn.Whole(...), and every micro-batch gets it whole; mark a leaf that holds one row per example (token "
+    "ids, labels, also the rows' own leaf) with shardfn.Batched(...), and it is cut on dim 0, which must be the "
+    "rows. E.g. batch = {{\"x\": shardfn.Batched(x), \"y\": shardfn.Batched(y), \"mask\": shardfn.Whole(mask)}}. "
+    "Nothing is cut because a size happens to equal the rows (docs/training.md, \"Gradient accumulation\")."
 )
 _COUNTS_DIFFER = (
     "[rank {rank}] step(..., MicroBatches(...)): ranks give different numbers of micro-batches ({counts} by "
@@ -129,14 +138,30 @@ class MicroBatches:
         return f"MicroBatches({len(self)} micro-batches, rows {[rows(b) for b in self.batches]})"
 
 
-class Whole:
+class _Marker:
+    """What :class:`Whole` and :class:`Batched` share: a tensor, said to be one thing or the other."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"shardfn.{type(self).__name__}(tensor): expected a tensor, got {type(tensor).__name__}.")
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(tensor of shape {tuple(self.tensor.shape)}, {self.tensor.dtype})"
+
+
+class Whole(_Marker):
     """A batch leaf that every micro-batch gets whole: a per-step value, not one per row.
 
     ``jit_step(micro_batches=k)`` cuts the batch leaves on dim 0 (see [Note: batch leaves]);
     a tensor wrapped in ``Whole`` (an ``[S, S]`` attention mask, a position table) is not
     cut, counts neither as the batch's rows nor as its tokens, and reaches ``loss_fn`` as
     the plain tensor, in every micro-batch (also in :class:`MicroBatches`, and without
-    micro-batches). A leaf whose dim 0 is not the batch's rows must be wrapped.
+    micro-batches). With micro-batches, a per-step leaf must be wrapped when its dim 0 is
+    not the batch's rows, or when more than one of its dims is (an ``[S, S]`` mask at ``S``
+    rows); its counterpart :class:`Batched` marks a leaf that holds rows.
 
     Args:
         tensor: the tensor.
@@ -150,67 +175,123 @@ class Whole:
         >>> sharded, opt_state, metrics = step(sharded, opt_state, {**batch, "mask": mask})
     """
 
-    __slots__ = ("tensor",)
+    __slots__ = ()
+
+
+class Batched(_Marker):
+    """A batch leaf that holds one row per example: cut on dim 0 into micro-batches.
+
+    ``jit_step(micro_batches=k)`` cuts a leaf only when it is sure the leaf holds rows (see
+    [Note: batch leaves]): one with more than one dim equal to the batch's rows (token ids
+    ``[S, S]`` at ``S`` rows per rank, a square feature map) could as well be a per-step
+    value, and the step refuses it until it is marked: ``Batched`` when it holds rows,
+    :class:`Whole` when it is one value for the step. A ``Batched`` leaf is cut on dim 0,
+    which must be the batch's rows; its dim 0 defines the rows (a marked leaf comes before
+    unmarked ones, for the tokens too), and ``loss_fn`` gets the plain tensor (also in
+    :class:`MicroBatches` and without micro-batches).
+
+    Args:
+        tensor: the tensor, with at least one dim (its rows).
+
+    Example:
+        >>> ids = torch.randint(0, 17, (4, 4))             # 4 rows of 4 tokens: dims 0 and 1 are both 4
+        >>> square = {"input_ids": shardfn.Batched(ids), "labels": shardfn.Batched(ids.roll(-1, 1)),
+        ...           "mask": shardfn.Whole(torch.ones(4, 4).tril())}
+        >>> step = shardfn.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=2)
+        >>> sharded, opt_state, metrics = step(sharded, opt_state, square)  # 2 rows each, the whole mask
+        >>> shardfn.Batched(ids)
+        Batched(tensor of shape (4, 4), torch.int64)
+    """
+
+    __slots__ = ()
 
     def __init__(self, tensor: torch.Tensor):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"shardfn.Whole(tensor): expected a tensor, got {type(tensor).__name__}.")
-        self.tensor = tensor
-
-    def __repr__(self) -> str:
-        return f"Whole(tensor of shape {tuple(self.tensor.shape)}, {self.tensor.dtype})"
+        super().__init__(tensor)
+        if not tensor.dim():
+            raise ValueError("shardfn.Batched(tensor): a 0-d tensor has no rows; wrap a per-step value in "
+                             "shardfn.Whole(...) instead.")
 
 
-pytree.register_pytree_node(
-    Whole, lambda w: ([w.tensor], None), lambda children, _: Whole(children[0]), serialized_type_name="shardfn.Whole",
-    flatten_with_keys_fn=lambda w: ([(pytree.GetAttrKey("tensor"), w.tensor)], None))
+for _cls in (Whole, Batched):
+    pytree.register_pytree_node(
+        _cls, lambda m: ([m.tensor], None), lambda children, _, cls=_cls: cls(children[0]),
+        serialized_type_name=f"shardfn.{_cls.__name__}",
+        flatten_with_keys_fn=lambda m: ([(pytree.GetAttrKey("tensor"), m.tensor)], None))
 
 
-def _is_whole(x: Any) -> bool:
-    return isinstance(x, Whole)
+def _is_marker(x: Any) -> bool:
+    return isinstance(x, _Marker)
 
 
-def _tensor_leaves(batch: Any) -> list[tuple[str, torch.Tensor]]:
-    """The batch leaves (see [Note: batch leaves]): ``(path, tensor)``, ``Whole`` leaves left out."""
-    leaves, _ = pytree.tree_flatten_with_path(batch, is_leaf=_is_whole)
-    return [(pytree.keystr(path), t) for path, t in leaves if isinstance(t, torch.Tensor)]
+class _Leaf(NamedTuple):
+    path: str  # as keystr writes it: "['mask']"
+    tensor: torch.Tensor
+    marked: bool  # wrapped in Batched
+
+
+def _batch_leaves(batch: Any) -> list[_Leaf]:
+    """The batch leaves (see [Note: batch leaves]) in the batch's order: ``Whole`` leaves left out."""
+    leaves, _ = pytree.tree_flatten_with_path(batch, is_leaf=_is_marker)
+    return [_Leaf(pytree.keystr(path), x.tensor if isinstance(x, Batched) else x, isinstance(x, Batched))
+            for path, x in leaves if isinstance(x, (torch.Tensor, Batched))]
+
+
+def _marked_first(leaves: list[_Leaf]) -> list[_Leaf]:
+    """The order in which leaves define the rows and hold the tokens: a marked one first."""
+    return sorted(leaves, key=lambda leaf: not leaf.marked)
 
 
 def unwrap(batch: Any) -> Any:
-    """The batch as ``loss_fn`` gets it: each :class:`Whole` replaced by its tensor."""
-    return pytree.tree_map(lambda x: x.tensor if isinstance(x, Whole) else x, batch, is_leaf=_is_whole)
+    """The batch as ``loss_fn`` gets it: each :class:`Whole` and :class:`Batched` replaced by its tensor."""
+    return pytree.tree_map(lambda x: x.tensor if isinstance(x, _Marker) else x, batch, is_leaf=_is_marker)
 
 
 def rows(batch: Any) -> int:
-    """Dim 0 of the batch's first tensor that is not a :class:`Whole` (0 when it has none)."""
-    leaves = _tensor_leaves(batch)
-    return leaves[0][1].shape[0] if leaves and leaves[0][1].dim() else 0
+    """Dim 0 of the batch's first batch leaf, a :class:`Batched` one first (0 when it has none)."""
+    leaves = _marked_first(_batch_leaves(batch))
+    return leaves[0].tensor.shape[0] if leaves and leaves[0].tensor.dim() else 0
 
 
-def split(batch: Any, micro_batches: int) -> list[Any]:
+def _cannot_cut(leaf: _Leaf, n: int) -> str | None:
+    """Why ``leaf`` cannot be cut into micro-batches of a batch of ``n`` rows, or None."""
+    shape = tuple(leaf.tensor.shape)
+    what = f"  batch{leaf.path}" + (" (shardfn.Batched)" if leaf.marked else "")
+    if not shape:
+        return f"{what}: a 0-d tensor, which has no rows"
+    if shape[0] != n:
+        return f"{what} of shape {shape}: dim 0 is {shape[0]}, not the {n} rows"
+    dims = [str(d) for d, size in enumerate(shape) if size == n]
+    if len(dims) > 1 and not leaf.marked:
+        return (f"{what} of shape {shape}: ambiguous, dims {', '.join(dims[:-1])} and {dims[-1]} "
+                f"{'both' if len(dims) == 2 else 'all'} equal the {n} rows")
+    return None
+
+
+def split(batch: Any, micro_batches: int, call: str = "jit_step") -> list[Any]:
     """The micro-batches of a step's batch, as ``loss_fn`` gets them: a :class:`MicroBatches`
     as given, or ``micro_batches`` equal parts of the batch leaves' dim 0 (see [Note: batch
-    leaves]); :class:`Whole` leaves unwrapped in each."""
+    leaves]); markers unwrapped in each. ``call`` names the entry point in errors."""
     if isinstance(batch, MicroBatches):
         if micro_batches != 1:
             raise ValueError(
-                f"jit_step(micro_batches={micro_batches}): splits each batch into equal parts; this batch is already "
+                f"{call}(micro_batches={micro_batches}): splits each batch into equal parts; this batch is already "
                 "given as MicroBatches. Use one or the other."
             )
         return [unwrap(b) for b in batch]
     if micro_batches == 1:
         return [unwrap(batch)]
-    leaves = _tensor_leaves(batch)
+    leaves = _batch_leaves(batch)
     n = rows(batch)
-    bad = [f"batch{path} ({'a 0-d tensor' if not t.dim() else f'shape {tuple(t.shape)}'})" for path, t in leaves
-           if not t.dim() or t.shape[0] != n]
+    bad = [line for leaf in leaves if (line := _cannot_cut(leaf, n)) is not None]
     if bad:
-        raise ValueError(_NOT_BATCHED.format(k=micro_batches, leaves=", ".join(bad), s="s" if len(bad) > 1 else "",
-                                             verb="are" if len(bad) > 1 else "is", rows=n,
-                                             first=f"batch{leaves[0][0]}"))
+        first = _marked_first(leaves)[0]
+        raise ValueError(_CANNOT_CUT.format(
+            call=call, k=micro_batches, rows=n, lines="\n".join(bad),
+            first=f"batch{first.path}, " + ("marked shardfn.Batched" if first.marked else "its first batch leaf"),
+            count=f"{len(bad)} leaves" if len(bad) > 1 else "this leaf"))
     if n % micro_batches:
         raise ValueError(
-            f"jit_step(micro_batches={micro_batches}): a local batch of {n} rows does not split into "
+            f"{call}(micro_batches={micro_batches}): a local batch of {n} rows does not split into "
             f"{micro_batches} equal micro-batches; use a per-rank batch size divisible by {micro_batches}, or "
             "pass shardfn.MicroBatches([...]) of any sizes."
         )
@@ -219,9 +300,10 @@ def split(batch: Any, micro_batches: int) -> list[Any]:
     def take(x: Any, i: int) -> Any:
         if isinstance(x, Whole):
             return x.tensor
+        x = x.tensor if isinstance(x, Batched) else x
         return x[i * b : (i + 1) * b] if isinstance(x, torch.Tensor) else x
 
-    return [pytree.tree_map(lambda x: take(x, i), batch, is_leaf=_is_whole) for i in range(micro_batches)]
+    return [pytree.tree_map(lambda x: take(x, i), batch, is_leaf=_is_marker) for i in range(micro_batches)]
 
 
 def agree_on_micro_batches(batches: MicroBatches, mesh: Any) -> list[tuple[int, int]]:
@@ -269,11 +351,12 @@ def objective(out: Any, has_aux: bool, needs_grad: bool,
 
 
 def count_tokens(batch: Any) -> int:
-    """Elements of the batch's first integer tensor (token ids), else its rows; :class:`Whole`
-    leaves are not the batch's (see [Note: batch leaves])."""
+    """Elements of the batch's first integer batch leaf (token ids), a :class:`Batched` one
+    first, else its rows; :class:`Whole` leaves are not the batch's (see [Note: batch leaves])."""
     if isinstance(batch, MicroBatches):
         return sum(count_tokens(b) for b in batch)
-    for _, t in _tensor_leaves(batch):
+    for leaf in _marked_first(_batch_leaves(batch)):
+        t = leaf.tensor
         if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
             return t.numel()
     return rows(batch)

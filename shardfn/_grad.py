@@ -237,7 +237,7 @@ class Grad:
         micro-batch."""
         trainable = [n for n, leaf in sharded.layout.leaves.items() if leaf.requires_grad]
         leaves = [sharded[n] for n in trainable]
-        batches = split(batch, self.options.micro_batches)
+        batches = split(batch, self.options.micro_batches, "jit_grad" if self.options.what == "grad_fn" else "jit_step")
         sizes = agree_on_micro_batches(batch, self.mesh) if isinstance(batch, MicroBatches) else None
         k = len(batches)
         grads: dict[str, torch.Tensor] = {}

@@ -305,7 +305,9 @@ def jit_step(
             equal micro-batches (dim 0), one forward and backward each, one optimizer
             update on the mean. Equals one step on the whole batch. Every tensor of the
             batch is cut except those wrapped in :class:`shardfn.Whole` (which every
-            micro-batch gets whole); a tensor whose dim 0 is not the batch's rows is refused.
+            micro-batch gets whole); a tensor whose dim 0 is not the batch's rows is refused,
+            and so is one with more than one dim equal to the rows (an ``[S, S]`` mask at
+            ``S`` rows) unless it is marked: ``Whole``, or :class:`shardfn.Batched` for rows.
         accumulate: with ``micro_batches > 1``: :attr:`Accumulate.REDUCE_EACH`
             (``"reduce_each"``) reduce-scatters every micro-batch's gradients and sums the
             shards (memory stays sharded; one reduce-scatter per unit and micro-batch),

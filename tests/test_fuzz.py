@@ -34,7 +34,7 @@ import shardfn as sf
 # behaviour, not a speed: 30 s holds on a machine with another heavy job on both cores (issue
 # 38: at 5 s, two meta-batch cases failed there), and a failing example costs at most that.
 STEP_TIMEOUT = 30.0
-ROWS, SEQ, FEATS, VOCAB = 4, 4, 3, 11
+ROWS, SEQ, FEATS, VOCAB = 4, 5, 3, 11  # SEQ != ROWS: a good batch is not ambiguous (docs/training.md)
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
 
@@ -74,7 +74,7 @@ KINDS: dict[str, tuple[list[tuple], bool]] = {
     # -- the batch (a step) ---------------------------------------------------------------
     "rows": ([(d,) for d in (-4, -2, -1, 1, 2)], False),  # -4: an empty batch
     "seq_shorter": ([(2,), (3,)], False),  # a sequence length the model accepts
-    "seq_longer": ([(5,), (6,)], True),  # longer than the model's positions
+    "seq_longer": ([(6,), (7,)], True),  # longer than the model's positions
     "dtype": ([("ids", "float32"), ("ids", "float64"), ("feats", "float64"), ("feats", "float16"),
                ("feats", "int64"), ("y", "float32"), ("y", "int32"), ("feats", "meta")], True),
     "indivisible_rows": ([(3,), (5,), (7,)], True),  # with micro_batches 2 or 4

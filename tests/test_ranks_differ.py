@@ -161,7 +161,8 @@ def stack_reference(at_step, steps, world=2, skip_ranks=None):
     step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=world)
     for n in range(steps):
         x = torch.cat([torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * n + r)) for r in range(world)])
-        sharded, state, _ = step(sharded, state, {"x": x, "n": n, "rank": torch.arange(world).repeat_interleave(4)})
+        rank = torch.arange(world).repeat_interleave(4)
+        sharded, state, _ = step(sharded, state, {"x": sf.Batched(x), "n": n, "rank": rank})  # x: [8, 8] at world 2
     return sf.gather(sharded)
 
 

@@ -69,7 +69,10 @@ def _train(name, strategy, replicate=None, steps=2, seed=0, micro_batches=1, opt
     step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro_batches)
     metrics = None
     for b in batches(steps):
-        sharded, state, metrics = step(sharded, state, split_batch(b, mesh.rank, mesh.size))
+        local = split_batch(b, mesh.rank, mesh.size)
+        if micro_batches > 1:  # 6 rows of [3, 6, 6] images at world 2: dims 2 and 3 equal the rows too
+            local = {**local, "x": sf.Batched(local["x"])}
+        sharded, state, metrics = step(sharded, state, local)
     return mesh, sharded, state, step, apply, metrics
 
 

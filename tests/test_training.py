@@ -32,8 +32,10 @@ def test_accumulation_equals_one_big_batch(clusters, world, strategy, k, mode, w
     # 12 rows per global batch, so a rank's batch (12 / world) must split into k micro-batches.
     if (12 // world) % k:
         k = 12 // world
+    # At world 1, x is [12, 12]: both dims equal the rows, so it is marked (docs/training.md).
+    batches = [{**b, "x": sf.Batched(b["x"])} for b in mlp_batches()]
     report = check_equivalence(
-        functools.partial(mlp_model, (12, width, 5)), mlp_loss, mlp_batches(), optimizer=SGD, strategies=[strategy],
+        functools.partial(mlp_model, (12, width, 5)), mlp_loss, batches, optimizer=SGD, strategies=[strategy],
         world_sizes=[world], clusters=clusters, step_options={"micro_batches": k, "accumulate": mode},
     )
     assert report.failures() == []
@@ -46,7 +48,7 @@ def accumulation_counts(mode, k):
     sharded = sf.shard(params, mesh, "FULL_SHARD", bucket_bytes=0)  # 3 units, each alone: layers.0, .1, .2
     opt = sgd(0.1)
     step = sf.jit_step(mlp_loss, mesh, optimizer=opt, micro_batches=k, accumulate=mode)
-    batch = {"x": torch.randn(2 * k, 6), "y": torch.randn(2 * k, 6)}
+    batch = {"x": sf.Batched(torch.randn(2 * k, 6)), "y": sf.Batched(torch.randn(2 * k, 6))}  # [6, 6] at k = 3
     with sf.record_collectives() as log:
         _, _, metrics = step(sharded, opt.init(sharded), batch)
     return dict(log.counts()), metrics["comm_bytes"]

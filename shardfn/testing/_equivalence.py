@@ -33,7 +33,8 @@ _log = logging.getLogger("shardfn.testing")
 
 def split_batch(batch: Any, rank: int, world: int) -> Any:
     """Rank ``rank``'s contiguous slice (dim 0) of every tensor in a global batch pytree; a
-    :class:`shardfn.Whole` leaf goes whole to every rank."""
+    :class:`shardfn.Whole` leaf goes whole to every rank, a :class:`shardfn.Batched` one is
+    sliced and stays marked."""
 
     def take(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
