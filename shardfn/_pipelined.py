@@ -94,6 +94,11 @@ class Schedule:
         self.reruns += 1
 
 
+def _bytes(e: Entry) -> int:
+    """The scratch bytes that playing out ``e`` takes: its whole tensor and one rank's part."""
+    return (e.numel + e.numel // e.channel.size) * e.dtype.itemsize
+
+
 class Run:
     """One step's walk through its collectives; see [Note: the pipelined guard]."""
 
@@ -173,17 +178,19 @@ class Run:
         raise Deviated()
 
     def play_out(self) -> None:
-        """Issues the rest of the schedule with scratch buffers, as the other ranks run it."""
+        """Issues the rest of the schedule with scratch buffers, as the other ranks run it.
+        Its scratch is allocated before the first of them: one buffer per device, for the
+        largest, whatever the dtypes."""
         if self.played or not self.pipelined or not self.phase1 or self.opening:
             return
         self.played = True
-        scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        for e in self.schedule.verified[self.position:]:
-            n = e.channel.size
-            key = (e.dtype, e.device)
-            if key not in scratch or scratch[key].numel() < e.numel + e.numel // n:
-                scratch[key] = torch.zeros(e.numel + e.numel // n, dtype=e.dtype, device=e.device)
-            full, part = scratch[key][: e.numel], scratch[key][e.numel : e.numel + e.numel // n]
+        rest = self.schedule.verified[self.position:]
+        scratch = {d: torch.zeros(max(_bytes(e) for e in rest if e.device == d), dtype=torch.uint8, device=d)
+                   for d in {e.device for e in rest}}
+        for e in rest:
+            size = e.numel * e.dtype.itemsize
+            full = scratch[e.device][:size].view(e.dtype)
+            part = scratch[e.device][size:_bytes(e)].view(e.dtype)
             if e.kind is Collective.ALL_GATHER:
                 work = issue_all_gather(full, part, e.channel.group)
             elif e.kind is Collective.REDUCE_SCATTER:
