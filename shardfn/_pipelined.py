@@ -112,6 +112,7 @@ class Run:
         self.recorded: list[Entry] = []
         self.deviation: tuple[int, list[int]] | None = None
         self.played = False
+        self.unplayed: Exception | None = None  # what made the play-out fail, if it did
 
     def _groups(self) -> list[G.Channel]:
         return [self.mesh.channel(a) for a in self.mesh.axis_names if not self.mesh.channel(a).off]
@@ -180,30 +181,41 @@ class Run:
     def play_out(self) -> None:
         """Issues the rest of the schedule with scratch buffers, as the other ranks run it.
         Its scratch is allocated before the first of them: one buffer per device, for the
-        largest, whatever the dtypes."""
+        largest, whatever the dtypes. What makes it fail is kept in ``unplayed`` (see
+        :meth:`before_fail`)."""
         if self.played or not self.pipelined or not self.phase1 or self.opening:
             return
         self.played = True
-        rest = self.schedule.verified[self.position:]
-        scratch = {d: torch.zeros(max(_bytes(e) for e in rest if e.device == d), dtype=torch.uint8, device=d)
-                   for d in {e.device for e in rest}}
-        for e in rest:
-            size = e.numel * e.dtype.itemsize
-            full = scratch[e.device][:size].view(e.dtype)
-            part = scratch[e.device][size:_bytes(e)].view(e.dtype)
-            if e.kind is Collective.ALL_GATHER:
-                work = issue_all_gather(full, part, e.channel.group)
-            elif e.kind is Collective.REDUCE_SCATTER:
-                work, _ = issue_reduce_scatter(part, full, e.channel.group, e.op)
-            else:
-                work = issue_all_reduce(full, e.channel.group, e.op)
-            G.wait(work, e.channel, f"{e.kind.value} (playing out the schedule after a deviation)")
+        try:
+            rest = self.schedule.verified[self.position:]
+            scratch = {d: torch.zeros(max(_bytes(e) for e in rest if e.device == d), dtype=torch.uint8, device=d)
+                       for d in {e.device for e in rest}}
+            for e in rest:
+                size = e.numel * e.dtype.itemsize
+                full = scratch[e.device][:size].view(e.dtype)
+                part = scratch[e.device][size:_bytes(e)].view(e.dtype)
+                if e.kind is Collective.ALL_GATHER:
+                    work = issue_all_gather(full, part, e.channel.group)
+                elif e.kind is Collective.REDUCE_SCATTER:
+                    work, _ = issue_reduce_scatter(part, full, e.channel.group, e.op)
+                else:
+                    work = issue_all_reduce(full, e.channel.group, e.op)
+                G.wait(work, e.channel, f"{e.kind.value} (playing out the schedule after a deviation)")
+        except Exception as error:
+            self.unplayed = error
+            raise
 
-    def before_fail(self) -> None:
+    def before_fail(self) -> Exception | None:
         """A rank whose step raises: play out the schedule, so that its failed header meets
-        the others' metrics header."""
-        self.play_out()
+        the others' metrics header. Returns what made the play-out fail, if it did (then the
+        peers wait in collectives this rank never issues: shardfn._guard.fail)."""
+        if self.unplayed is None:
+            try:
+                self.play_out()
+            except Exception:  # noqa: BLE001 - kept in self.unplayed
+                pass
         self.phase1 = False
+        return self.unplayed
 
     # -- the verdict -----------------------------------------------------------------------
 

@@ -24,9 +24,6 @@ from test_faults import PG_TIMEOUT, STEP_TIMEOUT, _run
 from test_ranks_differ import Stack
 from test_waits import _nccl_channel
 
-# Fails until the guard breaks the mesh and tells the peers when a play-out fails (issue 56, item 7).
-pytestmark = pytest.mark.xfail(strict=True, reason="a failed play-out leaves its peers to their timeouts, unnamed")
-
 FAKE_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (a fake, on rank 1)"
 _FACTORIES = {"empty", "zeros", "ones", "full", "empty_strided", "new_empty", "new_zeros", "new_full", "empty_like",
               "zeros_like"}
