@@ -15,10 +15,11 @@ A rank that leaves the schedule, or whose step raises, issues none of its own co
 it plays out the rest of the schedule with scratch buffers, so the other ranks'
 collectives complete, and reports in the header of the metrics all-reduce, which is always
 exchanged and waited for before anything is updated. There every rank sees every report
-and raises the same error. If every rank left the schedule alike (a layer skipped on all
-ranks), nothing is wrong but the data after that point was scratch: the step runs again,
-checked, from the same state, and pipelining waits longer after each such re-run, so a
-schedule that keeps changing stays checked.
+and raises the same error. A rank whose play-out fails leaves the others in collectives it
+never issues: the process group is unusable, and every rank says so (_failures.unplayable).
+If every rank left the schedule alike (a layer skipped on all ranks), nothing is wrong but
+the data after that point was scratch: the step runs again, checked, from the same state,
+and pipelining waits longer after each re-run, so a schedule that keeps changing stays checked.
 
 Collectives after the metrics all-reduce stay checked: they are few and their inputs are
 already the same on every rank. So a pipelined step costs two waited header exchanges per
