@@ -20,8 +20,11 @@ from ._errors import CommError, PeerError
 from ._header import DETAIL, FAILED, STATUS, Failure
 
 _ROLL_CALL_S = 3.0
+_UNPLAYED = "shardfn/unplayed/{}"  # the store's key for a rank's failed play-out
+_RESTART = "restart the job (torchrun --max-restarts) and resume from shardfn.checkpoint.latest(...)"
 
-__all__ = ["Told", "describe", "failed_at", "lost", "name_the_others", "peer_error", "raised_here", "read_failure"]
+__all__ = ["Told", "describe", "failed_at", "lost", "name_the_others", "peer_error", "raised_here", "read_failure",
+           "unplayable", "unplayed"]
 
 
 def peer_error(ranks: tuple[int, ...], headers: list[list[int]], run: Any) -> PeerError:
@@ -112,6 +115,48 @@ class Told(NamedTuple):
     raised: dict[int, str]
 
 
+def unplayable(mesh: Any, exc: BaseException, error: BaseException) -> None:
+    """This rank's pipelined step raised ``exc``, and playing out the rest of its schedule for
+    the peers failed with ``error`` ([Note: the pipelined guard]): they wait in collectives this
+    rank will never issue. The mesh's process group is unusable from now on: this rank refuses
+    every later call, and the store says why, for the peers' :func:`lost` and :func:`unplayed`."""
+    me = dist.get_rank()
+    did = (f"raised in a pipelined step ({describe(exc)}) and could not play out" if error is not exc else
+           "left its pipelined step's schedule and could not play out")
+    story = f"rank {me} {did} the rest of the step's collectives for the other ranks ({describe(error)})"
+    exc.__dict__["_shardfn_unplayed"] = describe(error)
+    if mesh.guard.broken is None:
+        mesh.guard.broken = (f"[rank {me}] shardfn: {story}, so they wait in collectives it never issues; the "
+                             f"process group is unusable (nothing was updated): {_RESTART}.")
+    try:
+        dist.distributed_c10d._get_default_store().set(_UNPLAYED.format(me), story)
+    except Exception:  # noqa: BLE001 - the store is gone with its host: the peers' timeouts name this rank
+        pass
+
+
+def unplayed(ch: Any, what: str, ranks: Any = None) -> CommError | None:
+    """The CommError of a wait on ``ch`` that cannot complete because a peer (of ``ranks``,
+    default: any of the group) could not play out its step (:func:`unplayable`), or None when
+    none did. Makes the process group unusable here too."""
+    me = dist.get_rank()
+    stories = []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        for r in (ch.ranks if ranks is None else ranks):
+            if r != me and (ranks is not None or store.check([_UNPLAYED.format(r)])):
+                stories.append(store.get(_UNPLAYED.format(r)).decode(errors="replace"))
+    except Exception as e:  # noqa: BLE001 - the store is gone with its host
+        stories += [f"rank {r} could not play out its step (its report could not be read: {e})" for r in ranks or ()]
+    if not stories:
+        return None
+    message = (f"[rank {me}] shardfn: {what} on ranks {list(ch.ranks)} cannot complete: {'; '.join(stories)}. So "
+               f"collectives of this step wait for ranks that will never issue them: the process group is unusable "
+               f"now (nothing was updated); {_RESTART}.")
+    if ch.guard.broken is None:
+        ch.guard.broken = message
+    return CommError(message)
+
+
 def raised_here(mesh: Any, exc: BaseException, seen: Told | None) -> str:
     """The note on an error this rank raised itself: its rank and mesh, and what the other
     ranks raise, as far as this rank's exchanges in :func:`fail` tell (``seen``).
@@ -122,6 +167,11 @@ def raised_here(mesh: Any, exc: BaseException, seen: Told | None) -> str:
     PeerError. On a 2-D mesh this rank exchanges with its own row and column only, so what
     the ranks beyond them raise is said with that reservation."""
     head = f"[rank {mesh.rank}] shardfn: raised on rank {mesh.rank} of {mesh!r}"
+    if "_shardfn_unplayed" in exc.__dict__:  # the peers wait in collectives this rank never issues
+        return (f"{head} in a pipelined step, and it could not play out the rest of the step's collectives for the "
+                f"other ranks ({exc.__dict__['_shardfn_unplayed']}): they wait in collectives it never issues, and "
+                f"raise CommError naming it (at their next header, or when their step timeout ends). The process "
+                f"group is unusable now (nothing was updated): every later shardfn call refuses it; {_RESTART}.")
     if failed_at(exc) != Failure.BEFORE:  # after the step's point of no return: say who updated
         raised = sorted({dist.get_rank(), *(seen.raised if seen is not None else ())})
         updated = sorted(seen.ranks - set(raised)) if seen is not None else "that did not raise"
@@ -156,9 +206,15 @@ def name_the_others(exc: PeerError, seen: Told) -> None:
 def lost(ch: Any, what: str, error: RuntimeError) -> CommError:
     """The CommError of a wait that timed out or whose peer's connection closed, naming the
     ranks of the group that do not answer a roll call in the store."""
+    told = unplayed(ch, what)  # a peer that could not play out its step said so in the store
+    if told is not None:
+        return told
     me = dist.get_rank()
     closed = "closed" in str(error).lower() or "reset" in str(error).lower()
     silent = _roll_call(ch)
+    told = unplayed(ch, what)  # (said while this rank called the roll)
+    if told is not None:
+        return told
     who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}" if silent else "a peer"
     cause = (f"{who} closed the connection (its process died or destroyed its process group)" if closed else
              f"no answer from {who} within the step timeout ({ch.timeout:g} s): stopped, dead, or busy outside "

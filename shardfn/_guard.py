@@ -54,7 +54,8 @@ import torch.distributed as dist
 
 from ._compat import all_gather_single
 from ._errors import CommError, DivergenceError, PeerError
-from ._failures import Told, describe, failed_at, lost, name_the_others, peer_error, raised_here, read_failure
+from ._failures import (Told, describe, failed_at, lost, name_the_others, peer_error, raised_here, read_failure,
+                        unplayable, unplayed)
 from ._header import (_CONTEXTS, _DTYPES, _KINDS, _PURPOSES, DETAIL, DIVERGED, FAILED, HEADER, NBYTES, OK,  # noqa: F401
                       POSITION, STATUS, UNIT, WHAT, WHERE, Failure, Where, describe_header, fix, label, unit_id)
 from ._events import Collective, Purpose
@@ -316,7 +317,8 @@ def _exchange(ch: Channel, mine: list[int], what: str, run: Any) -> list[list[in
     headers = _side_by_side([(ch, _rounds(ch, mine))], what)[0]
     failed = [(r, h[STATUS]) for r, h in zip(ch.ranks, headers) if h[STATUS] >= FAILED]
     if failed and mine[STATUS] < FAILED:
-        raise told(peer_error(ch.ranks, headers, run), ch)
+        stuck = [r for r, h in zip(ch.ranks, headers) if h[STATUS] >= FAILED and h[DETAIL] == Failure.UNPLAYED]
+        raise told(unplayed(ch, what, stuck) if stuck else peer_error(ch.ranks, headers, run), ch)
     return headers
 
 
@@ -360,6 +362,8 @@ def wait(work: Any, ch: Channel, what: str, host: bool = False) -> None:
     if ch.off:
         work.wait()
         return
+    if ch.guard.broken is not None and not host:
+        return  # an unusable process group's collectives may never complete: a step raising anyway waits for none
     try:
         if ch.on_stream and not host:
             work.wait()
@@ -408,14 +412,17 @@ def fail(mesh: Any, exc: BaseException) -> Told | None:
     guard = mesh.guard
     if guard.broken is not None or not dist.is_initialized() or isinstance(exc, CommError):
         return None
-    run = current_run()
-    if run is not None:  # a pipelined step first plays its collectives out, as the peers run them
-        try:
-            run.before_fail()
-        except Exception:  # noqa: BLE001 - a peer that is gone; the caller's error is the one to see
-            return None
+    run = current_run()  # a pipelined step first plays its collectives out, as the peers run them
+    error = run.before_fail() if run is not None else None
+    if isinstance(error, CommError):  # a peer that is gone; the caller's error is the one to see
+        return None
+    if error is not None:  # the peers wait in collectives this rank never issues: the mesh is unusable
+        unplayable(mesh, exc, error)
     known = _known(exc)
-    todo = [ch for ch in _live(guard.channels.values()) if not any(ch.group is g for g in known)]
+    # ... and they learn it from the store when their wait ends, or from a header where headers
+    # do not travel on the data group they wait on (NCCL's: see shardfn._mesh._add_channels)
+    todo = [ch for ch in _live(guard.channels.values()) if not any(ch.group is g for g in known)
+            and (error is None or ch.control is not ch.group)]
     if not todo:
         return None
     incident = guard.incidents
@@ -426,7 +433,7 @@ def fail(mesh: Any, exc: BaseException) -> Told | None:
         store = dist.distributed_c10d._get_default_store()
         origin = exc.rank if isinstance(exc, PeerError) else me
         store.set(f"shardfn/failure/{me}/{incident}", f"{origin}|{describe(exc)}")
-        failed = [0, 0, 0, failed_at(exc), 0, FAILED + incident, 0]
+        failed = [0, 0, 0, failed_at(exc) if error is None else Failure.UNPLAYED, 0, FAILED + incident, 0]
         for ch, headers in zip(todo, _exchange_all(todo, failed, "telling the other ranks of an error")):
             for r, h in zip(ch.ranks, headers):
                 if r != me and h[STATUS] >= FAILED:

@@ -32,11 +32,13 @@ _DTYPES = [None, torch.float32, torch.bfloat16, torch.float16, torch.float64, to
 class Failure:
     """Where a rank that failed was (the ``detail`` of its failed header): before the step's
     point of no return, or after it, when the others update (shardfn._no_return [Note: the point
-    of no return])."""
+    of no return]); or in a pipelined step whose collectives it could not play out for the
+    others (shardfn._failures.unplayable)."""
 
     BEFORE = 0  # nothing changed on any rank
     KEPT = 1  # after it: this rank's state is as before the step
     PARTLY = 2  # after it: this rank's state may be partly updated
+    UNPLAYED = 3  # before it, in a pipelined step it could not play out: the process group is unusable
 
 
 class Where:

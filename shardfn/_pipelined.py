@@ -15,10 +15,11 @@ A rank that leaves the schedule, or whose step raises, issues none of its own co
 it plays out the rest of the schedule with scratch buffers, so the other ranks'
 collectives complete, and reports in the header of the metrics all-reduce, which is always
 exchanged and waited for before anything is updated. There every rank sees every report
-and raises the same error. If every rank left the schedule alike (a layer skipped on all
-ranks), nothing is wrong but the data after that point was scratch: the step runs again,
-checked, from the same state, and pipelining waits longer after each such re-run, so a
-schedule that keeps changing stays checked.
+and raises the same error. A rank whose play-out fails leaves the others in collectives it
+never issues: the process group is unusable, and every rank says so (_failures.unplayable).
+If every rank left the schedule alike (a layer skipped on all ranks), nothing is wrong but
+the data after that point was scratch: the step runs again, checked, from the same state,
+and pipelining waits longer after each re-run, so a schedule that keeps changing stays checked.
 
 Collectives after the metrics all-reduce stay checked: they are few and their inputs are
 already the same on every rank. So a pipelined step costs two waited header exchanges per
@@ -94,6 +95,11 @@ class Schedule:
         self.reruns += 1
 
 
+def _bytes(e: Entry) -> int:
+    """The scratch bytes that playing out ``e`` takes: its whole tensor and one rank's part."""
+    return (e.numel + e.numel // e.channel.size) * e.dtype.itemsize
+
+
 class Run:
     """One step's walk through its collectives; see [Note: the pipelined guard]."""
 
@@ -107,6 +113,7 @@ class Run:
         self.recorded: list[Entry] = []
         self.deviation: tuple[int, list[int]] | None = None
         self.played = False
+        self.unplayed: Exception | None = None  # what made the play-out fail, if it did
 
     def _groups(self) -> list[G.Channel]:
         return [self.mesh.channel(a) for a in self.mesh.axis_names if not self.mesh.channel(a).off]
@@ -173,30 +180,43 @@ class Run:
         raise Deviated()
 
     def play_out(self) -> None:
-        """Issues the rest of the schedule with scratch buffers, as the other ranks run it."""
+        """Issues the rest of the schedule with scratch buffers, as the other ranks run it.
+        Its scratch is allocated before the first of them: one buffer per device, for the
+        largest, whatever the dtypes. What makes it fail is kept in ``unplayed`` (see
+        :meth:`before_fail`)."""
         if self.played or not self.pipelined or not self.phase1 or self.opening:
             return
         self.played = True
-        scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        for e in self.schedule.verified[self.position:]:
-            n = e.channel.size
-            key = (e.dtype, e.device)
-            if key not in scratch or scratch[key].numel() < e.numel + e.numel // n:
-                scratch[key] = torch.zeros(e.numel + e.numel // n, dtype=e.dtype, device=e.device)
-            full, part = scratch[key][: e.numel], scratch[key][e.numel : e.numel + e.numel // n]
-            if e.kind is Collective.ALL_GATHER:
-                work = issue_all_gather(full, part, e.channel.group)
-            elif e.kind is Collective.REDUCE_SCATTER:
-                work, _ = issue_reduce_scatter(part, full, e.channel.group, e.op)
-            else:
-                work = issue_all_reduce(full, e.channel.group, e.op)
-            G.wait(work, e.channel, f"{e.kind.value} (playing out the schedule after a deviation)")
+        try:
+            rest = self.schedule.verified[self.position:]
+            scratch = {d: torch.zeros(max(_bytes(e) for e in rest if e.device == d), dtype=torch.uint8, device=d)
+                       for d in {e.device for e in rest}}
+            for e in rest:
+                size = e.numel * e.dtype.itemsize
+                full = scratch[e.device][:size].view(e.dtype)
+                part = scratch[e.device][size:_bytes(e)].view(e.dtype)
+                if e.kind is Collective.ALL_GATHER:
+                    work = issue_all_gather(full, part, e.channel.group)
+                elif e.kind is Collective.REDUCE_SCATTER:
+                    work, _ = issue_reduce_scatter(part, full, e.channel.group, e.op)
+                else:
+                    work = issue_all_reduce(full, e.channel.group, e.op)
+                G.wait(work, e.channel, f"{e.kind.value} (playing out the schedule after a deviation)")
+        except Exception as error:
+            self.unplayed = error
+            raise
 
-    def before_fail(self) -> None:
+    def before_fail(self) -> Exception | None:
         """A rank whose step raises: play out the schedule, so that its failed header meets
-        the others' metrics header."""
-        self.play_out()
+        the others' metrics header. Returns what made the play-out fail, if it did (then the
+        peers wait in collectives this rank never issues: shardfn._guard.fail)."""
+        if self.unplayed is None:
+            try:
+                self.play_out()
+            except Exception:  # noqa: BLE001 - kept in self.unplayed
+                pass
         self.phase1 = False
+        return self.unplayed
 
     # -- the verdict -----------------------------------------------------------------------
 
