@@ -1,11 +1,11 @@
 """jit_step(graph=True) on CUDA: the recorded program replayed as one CUDA graph
 ([Note: capturing a step] in shardfn._capture), checked on the CPU with fakes of the pieces of
-``torch.cuda`` it uses: a fake graph whose capture records the callable and whose replay
-calls it, writing the same static output tensors each time, and fake streams that log what
-waits on what. No GPU is needed; the GPU run is ``python benchmarks/gpu_check.py --graph``.
+``torch.cuda`` it uses (tests/fake_cuda.py): a fake graph as strict as CUDA's, whose capture
+records the ops and runs nothing and whose replay runs the recorded ops on the captured
+memory, never the step's Python, and fake streams that log what waits on what. No GPU is
+needed; the GPU run is ``python benchmarks/gpu_check.py --graph``.
 """
 
-import contextlib
 import os
 
 import pytest
@@ -13,74 +13,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import shardfn as sf
+from fake_cuda import FakeCuda
 from shardfn import _capture
 from test_equivalence import gpt_batches, gpt_loss, gpt_model
-
-
-class FakeStream:
-    def __init__(self, name):
-        self.name = name
-
-    def wait_stream(self, other):
-        FakeCuda.log.append(("wait", self.name, other.name))
-
-
-class FakeGraph:
-    def __init__(self, body, outputs):
-        self.body, self.outputs = body, outputs  # capture records the callable; nothing runs
-        self.replays = 0
-        self.destroyed = False
-
-    def replay(self):  # writes the same static output tensors every time, as a real graph does
-        assert not self.destroyed, "replay of a destroyed graph"
-        FakeCuda.log.append(("replay", FakeCuda.on[-1].name))
-        new = self.body()
-        if not self.outputs:
-            self.outputs.extend(t.clone() for t in new)
-        for static, t in zip(self.outputs, new):
-            static.copy_(t)
-        self.replays += 1
-
-    def reset(self):
-        self.destroyed = True
-
-
-class FakeCuda:
-    """The pieces of torch.cuda that shardfn._capture uses, on the CPU."""
-
-    log: list = []
-    on: list = []
-
-    def __init__(self):
-        FakeCuda.log = []
-        FakeCuda.on = [FakeStream("current")]
-        self.graphs = []
-        self.pools = []
-
-    def side_stream(self, device):
-        return FakeStream(f"side{len(self.pools)}")
-
-    def current_stream(self, device):
-        return FakeCuda.on[-1]
-
-    @contextlib.contextmanager
-    def on_stream(self, stream):
-        FakeCuda.on.append(stream)
-        FakeCuda.log.append(("on", stream.name))
-        try:
-            yield
-        finally:
-            FakeCuda.on.pop()
-
-    def new_pool(self, device):
-        self.pools.append(object())
-        return self.pools[-1]
-
-    def capture(self, body, stream, pool):
-        assert pool in self.pools and FakeCuda.on[-1] is not stream
-        FakeCuda.log.append(("capture", stream.name))
-        self.graphs.append(FakeGraph(body, []))
-        return self.graphs[-1], self.graphs[-1].outputs
 
 
 def _program(calls):
@@ -103,8 +38,10 @@ def test_first_use_runs_eagerly_on_a_side_stream_then_captures_once_and_replays(
         outs.append(captured(state, [torch.full((2,), float(i + 1))]))
     # 1: eager on the side stream, fenced both ways; 2: captured (recorded, not run), then
     # replayed once for this call's step; 3, 4: replays only.
-    assert calls[0] == "side0" and FakeCuda.log[:3] == [("wait", "side0", "current"), ("on", "side0"),
-                                                        ("wait", "current", "side0")]
+    # The step's Python runs twice, both on the side stream: eagerly, and once while captured.
+    # A replay runs the recorded ops only.
+    assert calls == ["side0", "side0"] and FakeCuda.log[:3] == [("wait", "side0", "current"), ("on", "side0"),
+                                                                ("wait", "current", "side0")]
     assert len(fake.graphs) == 1 and fake.graphs[0].replays == 3 and captured.captures == 1
     assert [e for e in FakeCuda.log if e[0] in ("capture", "replay")] == [
         ("capture", "side0"), ("replay", "current"), ("replay", "current"), ("replay", "current")]
@@ -116,6 +53,74 @@ def test_first_use_runs_eagerly_on_a_side_stream_then_captures_once_and_replays(
     static = fake.graphs[0].outputs
     assert all(t.data_ptr() != s.data_ptr() for o in outs[1:] for t in o for s in static)
     assert captured.clone_bytes == 2 * 4  # two fp32 0-d outputs copied out per replayed call
+
+
+def _capture_alone(body, fake=None):
+    """``body`` captured by a fake graph, as Captured does (on a side stream, into a new pool)."""
+    fake = fake or FakeCuda()
+    return fake.capture(body, fake.side_stream(None), fake.new_pool(None))
+
+
+_HOST = "reads a tensor's value on the host while capturing"
+
+
+@pytest.mark.parametrize("read, why", [
+    (lambda t: t.sum().item(), _HOST), (lambda t: bool(t.sum() > 0), _HOST), (lambda t: torch.equal(t, t), _HOST),
+    (lambda t: t.nonzero(), _HOST), (lambda t: t.tolist(), r"Tensor.tolist\(\) while capturing"),
+    (lambda t: t.numpy(), r"Tensor.numpy\(\) while capturing"),
+    (lambda t: torch.get_rng_state(), r"torch.get_rng_state\(\) while capturing"),
+    (lambda t: torch.cuda.get_rng_state(), r"torch.cuda.get_rng_state\(\) while capturing"),
+    (lambda t: torch.random.set_rng_state(t), r"torch.random.set_rng_state\(\) while capturing"),
+    (lambda t: t + torch.tensor([1.0, 2.0, 3.0]), r"lift_fresh reads a \(3,\) tensor allocated while capturing "
+                                                 r"outside the graph's pool"),
+])
+def test_the_fake_refuses_what_a_capture_cannot_hold(read, why):
+    from fake_cuda import CaptureError
+
+    t = torch.ones(3)
+    with pytest.raises(CaptureError, match=why):
+        _capture_alone(lambda: [read(t)])
+    assert t.tolist() == [1.0, 1.0, 1.0]  # and nothing is left patched
+
+
+def test_the_fake_replays_the_captured_ops_on_the_captured_memory():
+    calls, state, given = [], torch.zeros(3), torch.ones(3)
+
+    def body():
+        calls.append(1)
+        state.add_(given)
+        return [state * 2, torch.rand(2)]
+
+    rng = torch.get_rng_state()
+    graph, (doubled, drawn) = _capture_alone(body)
+    # Capture runs nothing: the state and the generator are as before, the outputs garbage
+    assert state.tolist() == [0.0] * 3 and torch.equal(torch.get_rng_state(), rng)
+    assert doubled.isnan().all() and drawn.isnan().all()
+    expected = torch.rand(2)
+    torch.set_rng_state(rng)
+    graph.replay()
+    assert calls == [1] and state.tolist() == [1.0] * 3 and doubled.tolist() == [2.0] * 3
+    assert torch.equal(drawn, expected)  # a random op draws from the generator at replay, as eager does
+    first = drawn.clone()
+    given.fill_(5.0)  # the memory the capture read, changed in place: read by the next replay
+    graph.replay()
+    assert state.tolist() == [6.0] * 3 and doubled.tolist() == [12.0] * 3 and not torch.equal(drawn, first)
+    given = torch.full((3,), 100.0)  # another tensor in the Python name: the graph still reads the old one
+    graph.replay()
+    assert state.tolist() == [11.0] * 3 and calls == [1]
+
+
+def test_a_capture_that_raises_leaves_the_memory_as_it_was():
+    state = torch.zeros(3)
+
+    def body():
+        state.add_(1.0)
+        state.mul_(3.0)
+        return [state.sum()]
+
+    with pytest.raises(torch.OutOfMemoryError, match=r"op #1, mul"):
+        _capture_alone(body, FakeCuda(fail={0: 1}))
+    assert state.tolist() == [0.0] * 3
 
 
 def test_each_replay_copies_the_batch_into_the_same_static_buffers():
@@ -225,24 +230,29 @@ def test_a_host_tensor_in_a_device_program_is_refused_naming_it():
             assert "cuda:0" in caught.value.fix
 
 
-def _graph_step_captured(steps):
-    """A graph step on a world-1 CPU mesh with CUDA's pieces replaced by the fakes: the
-    device types that capture include the CPU's here. Losses and per-program captures."""
-    fake = FakeCuda()
+def _with_fakes(fake, run, *args):
+    """``run(*args)`` with CUDA's pieces replaced by ``fake`` and the CPU among the device types
+    whose programs are captured."""
     saved = _capture.CUDA, _capture.DEVICES
     _capture.CUDA, _capture.DEVICES = fake, ("cuda", "cpu")
     try:
-        out = _graph_step(steps)
-        step = out.pop("step")
-        out["captured"] = [p.fn for p in step.programs.values()]
-        out["captures"] = [c.captures for c in out["captured"]]
-        out["graphs"] = len(fake.graphs)
-        step.close()
-        out["destroyed"] = [g.destroyed for g in fake.graphs]
-        out["held"] = [c.graph for c in out.pop("captured")]
-        return out
+        return run(*args)
     finally:
         _capture.CUDA, _capture.DEVICES = saved
+
+
+def _graph_step_captured(steps):
+    """A graph step on a world-1 CPU mesh, captured by the fakes. Losses and per-program captures."""
+    fake = FakeCuda()
+    out = _with_fakes(fake, _graph_step, steps)
+    step = out.pop("step")
+    out["captured"] = [p.fn for p in step.programs.values()]
+    out["captures"] = [c.captures for c in out["captured"]]
+    out["graphs"] = len(fake.graphs)
+    step.close()
+    out["destroyed"] = [g.destroyed for g in fake.graphs]
+    out["held"] = [c.graph for c in out.pop("captured")]
+    return out
 
 
 def _graph_step(steps):
@@ -279,3 +289,4 @@ def test_a_graph_step_captures_each_program_once(clusters):
     # programs recorded at calls 2 and 6, run eagerly at calls 3 and 7, captured at 4 and 8
     assert got["captures"] == [1, 1] and got["graphs"] == 2
     assert got["destroyed"] == [True, True] and got["held"] == [None, None]  # step.close() dropped them
+
