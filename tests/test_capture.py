@@ -123,6 +123,24 @@ def test_a_capture_that_raises_leaves_the_memory_as_it_was():
     assert state.tolist() == [0.0] * 3
 
 
+def test_a_replay_reads_the_state_it_is_given():
+    fake, calls = FakeCuda(), []
+    captured = _capture.Captured(_program(calls), torch.device("cpu"), cuda=fake)
+    old = [torch.zeros(3)]
+    for _ in range(2):  # eager, then captured on `old`
+        captured(old, [torch.ones(2)])
+    new = [torch.full((3,), 10.0)]  # another tree of the same shapes: captured again, on it
+    outs = captured(new, [torch.ones(2)])
+    assert new[0].tolist() == [12.0] * 3 and old[0].tolist() == [4.0] * 3 and outs[0].item() == 2 * 36.0
+    assert captured.captures == 2 and fake.graphs[0].destroyed and not fake.graphs[1].destroyed
+    alias = [new[0].view(3)]  # another object over the same memory, shape and strides: the same state
+    captured(alias, [torch.ones(2)])
+    assert new[0].tolist() == [14.0] * 3 and captured.captures == 2
+    strided = [torch.zeros(6)[::2]]  # the same shape, other strides: captured again
+    captured(strided, [torch.ones(2)])
+    assert strided[0].tolist() == [2.0] * 3 and new[0].tolist() == [14.0] * 3 and captured.captures == 3
+
+
 def test_each_replay_copies_the_batch_into_the_same_static_buffers():
     fake, calls = FakeCuda(), []
     captured = _capture.Captured(_program(calls), torch.device("cpu"), cuda=fake)
@@ -289,4 +307,99 @@ def test_a_graph_step_captures_each_program_once(clusters):
     # programs recorded at calls 2 and 6, run eagerly at calls 3 and 7, captured at 4 and 8
     assert got["captures"] == [1, 1] and got["graphs"] == 2
     assert got["destroyed"] == [True, True] and got["held"] == [None, None]  # step.close() dropped them
+
+
+# -- a replay reads the state it is given (issue 56) -----------------------------------
+
+_CHANGE_AT = 4  # the steps run before a scenario's change: eager, recorded, run eagerly, captured
+
+
+def _dropout_loss(apply, params, batch):
+    """gpt_loss with dropout on the logits: a random op in the program."""
+    return gpt_loss(lambda p, x: torch.nn.functional.dropout(apply(p, x), 0.2), params, batch)
+
+
+def _scenario(name, directory, graph="eager", steps=8):
+    """``steps`` steps of the test GPT at world 1 (FULL_SHARD, AdamW, ``graph="eager"``) with the
+    change ``name`` before step :data:`_CHANGE_AT`: the losses, the final full parameters and
+    the captures of each program (none when nothing is captured)."""
+    mesh = sf.Mesh.from_group()
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(gpt_model())
+    plan = {"remat": sf.Plan("FULL_SHARD", remat=sf.Remat()),
+            "bf16": sf.Plan("FULL_SHARD", precision=sf.Precision(param=torch.bfloat16, reduce=torch.float32)),
+            }.get(name, sf.Plan("FULL_SHARD"))
+    opt = {"schedule": sf.optim.adamw(lambda count: 1e-3 * 0.8**count),
+           "clipping": sf.optim.chain(sf.optim.clip_by_global_norm(0.05), sf.optim.adamw(1e-3)),
+           }.get(name, sf.optim.adamw(1e-3))
+    step = sf.jit_step(_dropout_loss if name == "dropout" else gpt_loss, mesh, optimizer=opt, graph=graph,
+                       micro_batches=2 if name == "micro_batches" else 1)
+    sharded = sf.shard(params, mesh, plan)
+    state = opt.init(sharded)
+    path = os.path.join(directory, "ckpt")
+    torch.manual_seed(1)  # the dropout's draws, alike in every run from here
+    losses = []
+    for i, batch in enumerate(gpt_batches(steps)):
+        if i == 2 and name.startswith("load"):
+            sf.checkpoint.save(path, sharded, state)
+        if i == _CHANGE_AT:
+            if name == "reset_optimizer":
+                state = opt.init(sharded)
+            elif name == "reshard":  # the same model's parameters sharded again, a new optimizer state
+                sharded = sf.shard(params, mesh, plan)
+                state = opt.init(sharded)
+            elif name.startswith("load_fresh"):  # a checkpoint loaded into a fresh tree: of this model, or a new one
+                model_params = params if name == "load_fresh" else sf.functionalize(gpt_model())[0]
+                fresh = sf.shard(model_params, mesh, plan)
+                sharded, state, _ = sf.checkpoint.load(path, fresh, opt.init(fresh))
+            elif name == "load_same":
+                sharded, state, _ = sf.checkpoint.load(path, sharded, state)
+        if name == "eval" and i in (_CHANGE_AT, steps - 1):  # eval for a few steps (a program of its own), then train
+            apply.eval() if i == _CHANGE_AT else apply.train()
+        sharded, state, metrics = step(sharded, state, batch)
+        losses.append(float(metrics["loss"]))
+    captures = [p.fn.captures for p in getattr(step, "programs", {}).values() if isinstance(p.fn, _capture.Captured)]
+    getattr(step, "close", lambda: None)()
+    return {"losses": losses, "params": sf.gather(sharded), "captures": captures}
+
+
+def _scenario_captured(name, directory):
+    return _with_fakes(FakeCuda(), _scenario, name, directory)
+
+
+def _compare(got, plain):
+    """The captured run against the uncaptured one, bit for bit, with the figures when they part."""
+    moved = {n: float((got["params"][n].float() - p.float()).abs().max()) for n, p in plain["params"].items()
+             if not torch.equal(got["params"][n], p)}
+    most = max(abs(a - b) for a, b in zip(got["losses"], plain["losses"]))
+    assert got["losses"] == plain["losses"] and not moved, (
+        f"captured losses {got['losses'][_CHANGE_AT - 1:]} != uncaptured {plain['losses'][_CHANGE_AT - 1:]} "
+        f"(from step {_CHANGE_AT - 1}; largest difference {most:.3g}); {len(moved)} parameters differ, "
+        f"by up to {max(moved.values(), default=0):.3g}")
+
+
+@pytest.mark.parametrize("name", ["reset_optimizer", "reshard", "load_fresh"])
+def test_a_replay_reads_a_new_tree_it_is_given(clusters, tmp_path, name):
+    """Issue 56: a new tree of the same structure and shapes (a reset optimizer state, the
+    parameters sharded again, a checkpoint loaded into a fresh tree) is what the next call
+    steps, not the tree the graph was captured with."""
+    got = clusters[1].run(_scenario_captured, name, str(tmp_path / "captured"))[0]
+    plain = clusters[1].run(_scenario, name, str(tmp_path / "plain"))[0]
+    unchanged = clusters[1].run(_scenario, "none", str(tmp_path / "none"))[0]
+    # The uncaptured program takes the state as its inputs: it steps the new tree, which
+    # trains differently from the old one (a new optimizer state shows from the second step)
+    assert plain["losses"][:_CHANGE_AT] == unchanged["losses"][:_CHANGE_AT]
+    assert all(a != b for a, b in zip(plain["losses"][_CHANGE_AT + 1:], unchanged["losses"][_CHANGE_AT + 1:]))
+    _compare(got, plain)
+    assert got["captures"] == [2], "captured again, once, for the new tree"
+
+
+@pytest.mark.parametrize("name", ["load_same", "load_fresh_model", "schedule", "eval", "micro_batches", "remat", "dropout", "clipping",
+                                  "bf16"])
+def test_a_replay_on_the_same_tree_matches_the_uncaptured_program(clusters, tmp_path, name):
+    got = clusters[1].run(_scenario_captured, name, str(tmp_path / "captured"))[0]
+    plain = clusters[1].run(_scenario, name, str(tmp_path / "plain"))[0]
+    _compare(got, plain)
+    # a new model is a new program ([Note: a program's key]); the same tree is never captured again
+    assert got["captures"] == ([1, 1] if name in ("eval", "load_fresh_model") else [1])
 
