@@ -21,6 +21,15 @@ allocation per buffer). Graphs are destroyed before the process group (``close()
 fresh values at each replay; nothing reads a generator's state while capturing (remat's
 reads are Python of the eager and recording calls: [Note: random ops in a program] in
 shardfn._remat).
+
+[Note: a capture that fails on one rank]
+A capture issues nothing, but the peers of a rank whose capture raised (out of memory, a
+capture error) would replay, and their collectives wait inside the graph for a rank that
+never comes (on NCCL, until the watchdog). So after capturing, before the first replay, the
+ranks exchange one header per mesh axis (:func:`agree_on_capture`): a rank whose capture
+raised sends a failed one instead (the guard's failure path), and every other rank raises
+PeerError naming it, within the step timeout. No rank replayed, so every state is as it
+was; each rank drops its graph, and the next call captures again, on every rank.
 """
 
 from __future__ import annotations
@@ -33,9 +42,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["Captured", "check_capturable", "close_all"]
+from . import _guard as G
+from ._events import Collective, Purpose
+
+__all__ = ["Captured", "agree_on_capture", "check_capturable", "close_all"]
 
 DEVICES: tuple[str, ...] = ("cuda",)  # the mesh device types whose programs are captured (tests add "cpu")
+
+_NOT_CAPTURED = (
+    "[rank {rank}] jit_step(graph=True): capturing the recorded program as a CUDA graph failed on this rank. No rank "
+    "replayed it, so every rank's shards and optimizer state are as before this call, and the next call captures "
+    "again on every rank. If it fails again, the graph does not fit (it holds a memory pool of its own beside "
+    "the eager step's memory): use smaller batches, or build the step with graph=False."
+)
 
 _EXPANDABLE = re.compile(r"expandable_segments\s*:\s*true", re.I)
 
@@ -79,12 +98,15 @@ class Captured:
         fn: a recorded program (the op-by-op graph module, or inductor's compiled one).
         device: the mesh's device.
         cuda: the pieces of ``torch.cuda`` to use (default: :data:`CUDA`).
+        agree: ``agree(error)`` after each capture, ``error`` None where it succeeded: raises
+            on every rank if a capture failed on any ([Note: a capture that fails on one rank]).
     """
 
-    def __init__(self, fn: Any, device: torch.device, cuda: Any = None) -> None:
+    def __init__(self, fn: Any, device: torch.device, cuda: Any = None, agree: Any = None) -> None:
         self.fn = fn
         self.device = device
         self.cuda = cuda if cuda is not None else CUDA
+        self.agree = agree
         self.stream: Any = None
         self.graph: Any = None
         self.pool: Any = None
@@ -118,7 +140,8 @@ class Captured:
 
     def prepare(self, state: list[torch.Tensor], inputs: list[Any]) -> None:
         """Makes the graph read ``state``: captures ``fn`` on it, unless the graph was
-        captured on these very tensors (their addresses, shapes, strides and dtypes)."""
+        captured on these very tensors (their addresses, shapes, strides and dtypes). A
+        capture runs nothing; one that fails on any rank raises on every rank."""
         if not self.warm or (self.graph is not None and _layout(state) == self.layout):
             self.ready = state if self.warm else None
             return
@@ -140,8 +163,21 @@ class Captured:
         if _EXPANDABLE.search(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")):
             os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
         static = [torch.empty_like(t).copy_(t) if isinstance(t, torch.Tensor) else t for t in inputs]
-        pool = self.cuda.new_pool(self.device)
-        graph, outputs = self.cuda.capture(lambda: self.fn(state, static), self.stream, pool)
+        graph = error = None
+        try:
+            pool = self.cuda.new_pool(self.device)
+            graph, outputs = self.cuda.capture(lambda: self.fn(state, static), self.stream, pool)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            error = e
+        try:
+            if self.agree is not None:
+                self.agree(error)
+            elif error is not None:
+                raise error
+        except BaseException:
+            if graph is not None:
+                graph.reset()
+            raise
         self.graph, self.pool, self.static_inputs, self.static_outputs = graph, pool, static, outputs
         self.state, self.layout = list(state), _layout(state)
         self.captures += 1
@@ -182,3 +218,18 @@ def check_capturable(mesh: Any) -> None:
         ch = mesh.channel(axis)
         if not ch.off and not ch.on_stream:
             raise ValueError(_GLOO.format(rank=mesh.rank, device=device, axis=axis))
+
+
+def agree_on_capture(mesh: Any, error: BaseException | None) -> None:
+    """Every rank of ``mesh`` learns whether each rank's capture succeeded (``error``: this
+    rank's, or None) before any replays: raises ``error`` here, and PeerError naming this
+    rank on the others, within the step timeout ([Note: a capture that fails on one rank])."""
+    if error is not None:
+        error.add_note(_NOT_CAPTURED.format(rank=mesh.rank))
+    with G.guarded(mesh, G.Where.STEP):
+        if error is not None:
+            raise error
+        for axis in mesh.axis_names:
+            ch = mesh.channel(axis)
+            if not ch.off:
+                G.agree_words(ch, G.words(Collective.BARRIER, Purpose.STEP, "", 0, 1), "the capture of a CUDA graph")

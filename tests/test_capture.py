@@ -6,16 +6,21 @@ memory, never the step's Python, and fake streams that log what waits on what. N
 needed; the GPU run is ``python benchmarks/gpu_check.py --graph``.
 """
 
+import datetime
 import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import shardfn as sf
 from fake_cuda import FakeCuda
 from shardfn import _capture
+from shardfn.testing import split_batch
 from test_equivalence import gpt_batches, gpt_loss, gpt_model
+from test_faults import _run
+from test_ranks_differ import _outcome
 
 
 def _program(calls):
@@ -139,6 +144,18 @@ def test_a_replay_reads_the_state_it_is_given():
     strided = [torch.zeros(6)[::2]]  # the same shape, other strides: captured again
     captured(strided, [torch.ones(2)])
     assert strided[0].tolist() == [2.0] * 3 and new[0].tolist() == [14.0] * 3 and captured.captures == 3
+
+
+def test_a_capture_that_raises_runs_nothing_and_the_next_call_captures_again():
+    fake, calls = FakeCuda(fail={0: 1}), []
+    captured = _capture.Captured(_program(calls), torch.device("cpu"), cuda=fake)
+    state = [torch.zeros(3)]
+    captured(state, [torch.ones(2)])  # eager
+    with pytest.raises(torch.OutOfMemoryError, match="while capturing"):
+        captured(state, [torch.ones(2)])
+    assert state[0].tolist() == [2.0] * 3 and captured.graph is None and captured.captures == 0
+    captured(state, [torch.ones(2)])
+    assert state[0].tolist() == [4.0] * 3 and captured.captures == 1 and fake.graphs[-1].replays == 1
 
 
 def test_each_replay_copies_the_batch_into_the_same_static_buffers():
@@ -403,3 +420,80 @@ def test_a_replay_on_the_same_tree_matches_the_uncaptured_program(clusters, tmp_
     # a new model is a new program ([Note: a program's key]); the same tree is never captured again
     assert got["captures"] == ([1, 1] if name in ("eval", "load_fresh_model") else [1])
 
+
+# -- a capture that fails on one rank (issue 56, item 7) -------------------------------
+
+_STEP_TIMEOUT = 2.0
+_PG_TIMEOUT = 8.0  # gloo's own timeout in the world below
+
+
+def _one_rank_fails_to_capture(rank, world, port, captured, queue):
+    """Calls 1-3 on batches 0-2: eager, recorded, the program run eagerly. ``captured``: call 4
+    captures on batch 3, and rank 1's capture runs out of memory at its 10th op; then two
+    calls step batches 3 and 4. Uncaptured: two calls step batches 3 and 4."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=_PG_TIMEOUT))
+    if captured:  # (gloo stands in for NCCL: its functional collectives are what the fake graph records)
+        _capture.CUDA, _capture.DEVICES = FakeCuda(fail={0: 10} if rank == 1 else None), ("cuda", "cpu")
+        _capture.check_capturable = lambda mesh: None
+    try:
+        out = _fail_to_capture(rank, world, captured)
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        out = {"setup": f"{type(e).__name__}: {e}"}
+    queue.put((rank, out))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def _fail_to_capture(rank, world, captured):
+    mesh = sf.Mesh.from_group(step_timeout=_STEP_TIMEOUT)
+    torch.manual_seed(0)
+    sharded = sf.shard(sf.functionalize(gpt_model())[0], mesh, "FULL_SHARD")
+    opt = sf.optim.adamw(1e-3)
+    step = sf.jit_step(gpt_loss, mesh, optimizer=opt, graph="eager")
+    state = opt.init(sharded)
+    batches = [split_batch(b, rank, world) for b in gpt_batches(5)]
+    for b in batches[:3]:
+        sharded, state, _ = step(sharded, state, b)
+    out = {}
+    if captured:
+        before = [t.clone() for t in [*sharded.values(), *torch.utils._pytree.tree_leaves(state)]]
+        out = _outcome(lambda: _with_notes(step, sharded, state, batches[3]))
+        after = [*sharded.values(), *torch.utils._pytree.tree_leaves(state)]
+        out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, after))
+        out["broken"] = mesh.guard.broken
+    losses = []
+    for b in batches[3:]:
+        outcome = _outcome(lambda: losses.append(float(step(sharded, state, b)[2]["loss"])))
+        if outcome["error"]:
+            losses.append(f"{outcome['error']}: {outcome['message'][:300]}")
+    out["losses"] = losses
+    return out
+
+
+def _with_notes(fn, *args):
+    """``fn(*args)``; an error it raises is raised again with its notes in its message."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        e.args = ("\n".join([str(e), *getattr(e, "__notes__", [])]),)
+        raise
+
+
+def test_a_capture_that_fails_on_one_rank_raises_on_every_rank():
+    got = _run(True, worker=_one_rank_fails_to_capture)
+    plain = _run(False, worker=_one_rank_fails_to_capture)
+    assert set(got) == set(plain) == {0, 1}, (got, plain)  # every rank reported, none hung
+    # Rank 1 raises its own error, saying that nothing ran; rank 0 raises PeerError naming it
+    assert got[1]["error"] == "OutOfMemoryError", got[1]
+    assert "[rank 1] jit_step(graph=True): capturing the recorded program as a CUDA graph failed on this rank. " \
+           "No rank replayed it" in got[1]["message"], got[1]
+    assert got[0]["error"] == "PeerError" and "rank 1 raised" in got[0]["message"], got[0]
+    assert "OutOfMemoryError: fake CUDA: out of memory while capturing" in got[0]["message"], got[0]
+    for out in got.values():  # at once, before anything changed, the process group usable
+        assert out["seconds"] < _STEP_TIMEOUT and out["unchanged"] and out["broken"] is None, out
+    # The next calls capture again, on both ranks, and step as the uncaptured program does
+    assert [got[r]["losses"] for r in (0, 1)] == [plain[r]["losses"] for r in (0, 1)]
+    assert all(isinstance(loss, float) for r in (0, 1) for loss in got[r]["losses"])
