@@ -5,21 +5,31 @@ A recorded program ``fn(state, inputs)`` ([Note: a graph step] in shardfn._graph
 CUDA graph in three uses. First: ``fn`` runs eagerly on a side stream, fenced both ways,
 a real step of the call that also starts every process group and kernel it uses (a
 capture must not be the first use of an NCCL communicator). Second: the batch is copied
-into static buffers, ``fn(state, static)`` is captured on that stream into a memory pool
-of the graph's own (capture only records), and the graph is replayed for this call's step.
-Later: copy the batch in, replay. The state is updated in place by each replay; the
-outputs (loss, norm, tokens, aux: a few 0-d tensors) are static, rewritten by the next
-replay, so the caller gets clones. Where the allocator maps expandable segments, NCCL's
-registration of a captured collective's buffers assumes one allocation per buffer, which
-does not hold: ``NCCL_GRAPH_REGISTER=0`` is set unless the user chose. A graph must be
-destroyed before the process group (its NCCL registrations die with it): ``close()``,
-``GraphStep.close()`` and an ``atexit`` hook do it. Randomness: ``torch.cuda.graph``
-registers the default CUDA generator, so a random op draws fresh values at each replay.
-Reading a generator's state (``torch.cuda.get_rng_state``: remat's checkpoint, the pipelined
-guard's rerun) is illegal while capturing (torch raises, it is not silent), and never
-happens: those reads are Python of the eager and recording calls, and a capture runs only
-the recorded ops. A remat recompute takes its forward's draws from the recording instead
-([Note: random ops in a program] in shardfn._remat).
+into static buffers, ``fn(state, static)`` is captured on that stream into a memory pool of
+its own (capture only records), and the graph is replayed for this call's step. Later:
+copy the batch in, replay. The outputs (a few 0-d tensors) are static, rewritten by the
+next replay, so the caller gets clones. A graph reads and writes the memory it was
+captured on, whatever tensors a call passes, so a replay reads only the state it is given:
+a call whose state tensors differ in address, shape, stride or dtype from the captured
+ones (a reset optimizer state, a checkpoint loaded into a fresh tree) destroys the graph and
+captures again on them. Recapturing is exact and costs one capture per change of tree
+(rare); copying each call's state in and out would cost twice the state's bytes a step.
+The graph holds the captured tensors, so their memory is never reused under it. Where
+segments expand, ``NCCL_GRAPH_REGISTER=0`` is set (NCCL's registration assumes one
+allocation per buffer). Graphs are destroyed before the process group (``close()``, an
+``atexit`` hook). ``torch.cuda.graph`` registers the default generator, so random ops draw
+fresh values at each replay; nothing reads a generator's state while capturing (remat's
+reads are Python of the eager and recording calls: [Note: random ops in a program] in
+shardfn._remat).
+
+[Note: a capture that fails on one rank]
+A capture issues nothing, but the peers of a rank whose capture raised (out of memory, a
+capture error) would replay, and their collectives wait inside the graph for a rank that
+never comes (on NCCL, until the watchdog). So after capturing, before the first replay, the
+ranks exchange one header per mesh axis (:func:`agree_on_capture`): a rank whose capture
+raised sends a failed one instead (the guard's failure path), and every other rank raises
+PeerError naming it, within the step timeout. No rank replayed, so every state is as it
+was; each rank drops its graph, and the next call captures again, on every rank.
 """
 
 from __future__ import annotations
@@ -32,9 +42,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["Captured", "check_capturable", "close_all"]
+from . import _guard as G
+from ._events import Collective, Purpose
+
+__all__ = ["Captured", "agree_on_capture", "check_capturable", "close_all"]
 
 DEVICES: tuple[str, ...] = ("cuda",)  # the mesh device types whose programs are captured (tests add "cpu")
+
+_NOT_CAPTURED = (
+    "[rank {rank}] jit_step(graph=True): capturing the recorded program as a CUDA graph failed on this rank. No rank "
+    "replayed it, so every rank's shards and optimizer state are as before this call, and the next call captures "
+    "again on every rank. If it fails again, the graph does not fit (it holds a memory pool of its own beside "
+    "the eager step's memory): use smaller batches, or build the step with graph=False."
+)
 
 _EXPANDABLE = re.compile(r"expandable_segments\s*:\s*true", re.I)
 
@@ -78,17 +98,23 @@ class Captured:
         fn: a recorded program (the op-by-op graph module, or inductor's compiled one).
         device: the mesh's device.
         cuda: the pieces of ``torch.cuda`` to use (default: :data:`CUDA`).
+        agree: ``agree(error)`` after each capture, ``error`` None where it succeeded: raises
+            on every rank if a capture failed on any ([Note: a capture that fails on one rank]).
     """
 
-    def __init__(self, fn: Any, device: torch.device, cuda: Any = None) -> None:
+    def __init__(self, fn: Any, device: torch.device, cuda: Any = None, agree: Any = None) -> None:
         self.fn = fn
         self.device = device
         self.cuda = cuda if cuda is not None else CUDA
+        self.agree = agree
         self.stream: Any = None
         self.graph: Any = None
         self.pool: Any = None
         self.static_inputs: list[Any] | None = None
         self.static_outputs: list[torch.Tensor] | None = None
+        self.state: list[torch.Tensor] | None = None  # the tensors the graph reads and writes, held
+        self.layout: list[Any] | None = None  # their addresses, shapes, strides, dtypes at capture
+        self.ready: list[torch.Tensor] | None = None  # the state prepare() last found captured
         self.warm = False  # whether fn ran eagerly on the side stream
         self.captures = 0
         self.clone_bytes = 0  # what a replayed call copies out for its caller
@@ -101,16 +127,26 @@ class Captured:
             out = self._on_side_stream(lambda: self.fn(state, inputs))
             self.warm = True  # (a first use that raised, a compile error, is run eagerly again)
             return out
-        if self.graph is None:
-            self._capture(state, inputs)
-        else:
-            for static, t in zip(self.static_inputs, inputs):
-                if isinstance(static, torch.Tensor):
-                    static.copy_(t)
+        if self.ready is not state:
+            self.prepare(state, inputs)
+        self.ready = None
+        for static, t in zip(self.static_inputs, inputs):
+            if isinstance(static, torch.Tensor):
+                static.copy_(t)
         self.graph.replay()
         out = [t.clone() for t in self.static_outputs]
         self.clone_bytes = sum(t.nbytes for t in out)
         return out
+
+    def prepare(self, state: list[torch.Tensor], inputs: list[Any]) -> None:
+        """Makes the graph read ``state``: captures ``fn`` on it, unless the graph was
+        captured on these very tensors (their addresses, shapes, strides and dtypes). A
+        capture runs nothing; one that fails on any rank raises on every rank."""
+        if not self.warm or (self.graph is not None and _layout(state) == self.layout):
+            self.ready = state if self.warm else None
+            return
+        self._capture(state, inputs)
+        self.ready = state
 
     def _on_side_stream(self, run: Any) -> Any:
         current = self.cuda.current_stream(self.device)
@@ -121,21 +157,48 @@ class Captured:
         return out
 
     def _capture(self, state: list[torch.Tensor], inputs: list[Any]) -> None:
+        if self.stream is None:
+            self.stream = self.cuda.side_stream(self.device)
+        self._drop()  # the graph of another state, destroyed before its successor takes memory
         if _EXPANDABLE.search(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")):
             os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
-        self.static_inputs = [torch.empty_like(t).copy_(t) if isinstance(t, torch.Tensor) else t for t in inputs]
-        self.pool = self.cuda.new_pool(self.device)
-        static = self.static_inputs
-        self.graph, self.static_outputs = self.cuda.capture(lambda: self.fn(state, static), self.stream, self.pool)
+        static = [torch.empty_like(t).copy_(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+        graph = error = None
+        try:
+            pool = self.cuda.new_pool(self.device)
+            graph, outputs = self.cuda.capture(lambda: self.fn(state, static), self.stream, pool)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            error = e
+        try:
+            if self.agree is not None:
+                self.agree(error)
+            elif error is not None:
+                raise error
+        except BaseException:
+            if graph is not None:
+                graph.reset()
+            raise
+        self.graph, self.pool, self.static_inputs, self.static_outputs = graph, pool, static, outputs
+        self.state, self.layout = list(state), _layout(state)
         self.captures += 1
+
+    def _drop(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = self.pool = self.static_inputs = self.static_outputs = self.state = self.layout = None
+        self.ready = None
 
     def close(self) -> None:
         """Destroys the graph and its buffers (before the process group); a later call
         runs eagerly and captures again."""
-        if self.graph is not None:
-            self.graph.reset()
-        self.graph = self.pool = self.static_inputs = self.static_outputs = self.stream = None
+        self._drop()
+        self.stream = None
         self.warm = False
+
+
+def _layout(state: list[torch.Tensor]) -> list[Any]:
+    """What a graph reads of its state: each tensor's address, shape, strides and dtype."""
+    return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in state]
 
 
 def close_all() -> None:
@@ -155,3 +218,18 @@ def check_capturable(mesh: Any) -> None:
         ch = mesh.channel(axis)
         if not ch.off and not ch.on_stream:
             raise ValueError(_GLOO.format(rank=mesh.rank, device=device, axis=axis))
+
+
+def agree_on_capture(mesh: Any, error: BaseException | None) -> None:
+    """Every rank of ``mesh`` learns whether each rank's capture succeeded (``error``: this
+    rank's, or None) before any replays: raises ``error`` here, and PeerError naming this
+    rank on the others, within the step timeout ([Note: a capture that fails on one rank])."""
+    if error is not None:
+        error.add_note(_NOT_CAPTURED.format(rank=mesh.rank))
+    with G.guarded(mesh, G.Where.STEP):
+        if error is not None:
+            raise error
+        for axis in mesh.axis_names:
+            ch = mesh.channel(axis)
+            if not ch.off:
+                G.agree_words(ch, G.words(Collective.BARRIER, Purpose.STEP, "", 0, 1), "the capture of a CUDA graph")

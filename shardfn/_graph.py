@@ -26,6 +26,7 @@ header): a program cannot raise before its own update, and another batch would b
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import traceback
@@ -341,11 +342,14 @@ class GraphStep:
             program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False, options=options)
         if self.mesh.device.type in _capture.DEVICES and not isinstance(program.fn, _capture.Captured):
             _capture.check_capturable(self.mesh)  # [Note: capturing a step]
-            program.fn = _capture.Captured(program.fn, self.mesh.device)
+            program.fn = _capture.Captured(program.fn, self.mesh.device,
+                                           agree=functools.partial(_capture.agree_on_capture, self.mesh))
         # Under a dispatch mode of the caller's (an op counter, a memory tracker) dynamo runs
         # nothing compiled: the recorded graph runs op by op, so the mode sees each op.
         fn = program.gm if _get_current_dispatch_mode() is not None else program.fn
         self.mesh.guard.check_alive("jit_step(graph=True)")
+        if isinstance(fn, _capture.Captured):  # captured on this state, or every rank raises: nothing ran
+            fn.prepare(state, inputs)
         first = fn is not program.gm and not program.compiled  # it compiles first ([Note: a replay that raises ...])
         try:
             with torch.no_grad(), bounded(self.mesh, not first), self.mesh.random.drawing(self.mesh):
