@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ._compiling import watch_compiles
 from ._recording import recording
 from ._runtime import current
 
@@ -89,15 +90,14 @@ def backend_of(compile: bool | str, what: str) -> str | None:
     whether a problem is inductor's)."""
     if compile is False or compile is None:
         return None
-    if compile is True:
-        return "inductor"
-    if not isinstance(compile, str):
+    if compile is not True and not isinstance(compile, str):
         raise TypeError(f"{what}(compile=...): True, False or a torch.compile backend name, got {compile!r}")
     known = torch._dynamo.list_backends(exclude_tags=())
-    if compile not in known:
+    if compile is not True and compile not in known:
         raise ValueError(f"{what}(compile={compile!r}): not a torch.compile backend; choose one of {sorted(known)}, "
                          "or pass True for inductor.")
-    return compile
+    watch_compiles()  # a rank that compiles is busy, not lost ([Note: compiling is not a hang])
+    return "inductor" if compile is True else compile
 
 
 def compile_stats() -> dict[str, Any]:

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from ._compat import all_gather_single
 from ._errors import CommError, DivergenceError, PeerError
+from ._compiling import compiling
 from ._failures import (Told, describe, failed_at, lost, name_the_others, peer_error, raised_here, read_failure,
                         unplayable, unplayed)
 from ._header import (_CONTEXTS, _DTYPES, _KINDS, _PURPOSES, DETAIL, DIVERGED, FAILED, HEADER, NBYTES, OK,  # noqa: F401
@@ -307,6 +308,9 @@ def _side_by_side(exchanges: list[tuple[Channel, Generator[Any, None, list[list[
                 wait(work, ch, what, host=True)
                 advance(i)
             elif time.monotonic() > deadline:
+                if compiling(ch.ranks):  # busy, not lost: [Note: compiling is not a hang]
+                    pending[i] = (work, time.monotonic() + ch.timeout)
+                    continue
                 raise lost(ch, what, RuntimeError(f"timed out after {ch.timeout:g} s"))
         if len(pending) > 1:
             time.sleep(_POLL_S)
@@ -364,13 +368,17 @@ def wait(work: Any, ch: Channel, what: str, host: bool = False) -> None:
         return
     if ch.guard.broken is not None and not host:
         return  # an unusable process group's collectives may never complete: a step raising anyway waits for none
-    try:
-        if ch.on_stream and not host:
-            work.wait()
-        else:
-            work.wait(datetime.timedelta(seconds=ch.timeout))
-    except RuntimeError as e:
-        raise lost(ch, what, e) from None
+    while True:
+        try:
+            if ch.on_stream and not host:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=ch.timeout))
+            return
+        except RuntimeError as e:
+            # a peer that is compiling is busy, not lost: [Note: compiling is not a hang]
+            if "timed out" not in str(e).lower() or not compiling(ch.ranks):
+                raise lost(ch, what, e) from None
 
 
 class Pending:
