@@ -367,15 +367,17 @@ def _steady_steps(on_nonfinite, steps=5):
     return out
 
 
-def test_a_raise_next_step_with_a_tensor_axis_reads_nothing_of_the_device(clusters):
-    # Before: every step copied the batch to the host for its digest (1 read a step), and
-    # exchanged 3 headers once pipelined (the batch's digest had one of its own).
-    for out in clusters[2].run(_steady_steps, "raise_next"):
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_raise_next_step_with_a_tensor_axis_reads_nothing_of_the_device(clusters, world):
+    # Before: every step copied the batch to the host for its digest (a read per leaf and
+    # step, 2 here), and the digest had a header exchange of its own.
+    for out in clusters[world].run(_steady_steps, "raise_next"):
         reads, headers, tensor = zip(*out)
         assert reads == (0,) * 5, reads
-        # once pipelined (from the third step): the opening and the metrics header on the
-        # tensor axis, the only axis with more than one rank ([Note: the pipelined guard])
-        assert headers[2:] == (2, 2, 2), headers
+        # once pipelined (from the third step): the opening and the metrics header on each
+        # mesh axis with more than one rank ([Note: the pipelined guard]): 2 at tensor 2, 4 at
+        # shard 2 x tensor 2, whatever the number of layers
+        assert headers[2:] == (world, world, world), headers
         # the batch's digests travel in one all-gather on the tensor axis: an int64 from each rank
         assert all(t == [("all_gather", 2 * 8)] for t in tensor), tensor
 
