@@ -140,16 +140,20 @@ def test_refusals_name_the_cause_and_the_fix(clusters):
     assert "split over the mesh's 'tensor' axis (blocks.0.mlp.0.weight, blocks.0.mlp.2.weight" in muon
 
 
-def _other_batches(tensor):
-    """Two calls; at the second, rank 1 of each tensor group gets another batch: the outcome per call."""
+def split_step(tensor=2, **options):
+    """The split GPT at ``tensor``, its SGD state and a step with ``options``: (mesh, sharded, state, step)."""
     mesh = sf.Mesh.from_group(tensor=tensor)
     torch.manual_seed(0)
     sharded = sf.shard(sf.functionalize(model())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
     opt = SGD_MOMENTUM()
-    state = opt.init(sharded)
-    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    return mesh, sharded, opt.init(sharded), sf.jit_step(loss_fn, mesh, optimizer=opt, **options)
+
+
+def _other_batches(tensor, calls=2, **options):
+    """``calls`` calls; at the second, rank 1 of each tensor group gets another batch: the outcome per call."""
+    mesh, sharded, state, step = split_step(tensor, **options)
     out = []
-    for k, batch in enumerate(batches()[:2]):
+    for k, batch in enumerate(batches()[:calls]):
         local = split_batch(batch, mesh.data_rank, mesh.data_size)
         if k == 1 and mesh.axis_rank("tensor") == 1:
             local = {**local, "x": local["x"].flip(0)}  # the same rows, in another order

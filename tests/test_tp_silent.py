@@ -11,7 +11,7 @@ import shardfn as sf
 from bounds import SGD_MOMENTUM
 from shardfn.testing._equivalence import reference_training, split_batch
 from shardfn.testing.models import GPT, Block, CausalSelfAttention, GPTConfig
-from test_tensor_parallel import ATOL, CFG, PLAN, RTOL, batches, loss_fn
+from test_tensor_parallel import ATOL, CFG, PLAN, RTOL, _other_batches, batches, loss_fn, split_step
 
 
 def gpt(**over):
@@ -350,12 +350,7 @@ def _steady_steps(on_nonfinite, steps=5):
     tensor axis's collectives."""
     from shardfn.testing._ops import count_ops
 
-    mesh = sf.Mesh.from_group(tensor=2)
-    torch.manual_seed(0)
-    sharded = sf.shard(sf.functionalize(gpt())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
-    opt = SGD_MOMENTUM()
-    state = opt.init(sharded)
-    step = sf.jit_step(loss_fn, mesh, optimizer=opt, on_nonfinite=on_nonfinite)
+    mesh, sharded, state, step = split_step(on_nonfinite=on_nonfinite)
     out = []
     for batch in (batches() * 2)[:steps]:
         verdict = [sharded._verdict.values] if getattr(sharded._verdict, "values", None) is not None else []
@@ -389,36 +384,12 @@ def test_a_checked_step_with_a_tensor_axis_reads_the_device_once(clusters):
         assert headers[2:] == (2, 2, 2), headers
 
 
-def _other_batches_later(on_nonfinite):
-    """Three calls; at the second, rank 1 of each tensor group gets its rows in another order:
-    each call's outcome and whether the state is as before it."""
-    mesh = sf.Mesh.from_group(tensor=2)
-    torch.manual_seed(0)
-    sharded = sf.shard(sf.functionalize(gpt())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
-    opt = SGD_MOMENTUM()
-    state = opt.init(sharded)
-    step = sf.jit_step(loss_fn, mesh, optimizer=opt, on_nonfinite=on_nonfinite)
-    out = []
-    for k, batch in enumerate(batches()):
-        local = split_batch(batch, mesh.data_rank, mesh.data_size)
-        if k == 1 and mesh.axis_rank("tensor") == 1:
-            local = {**local, "x": local["x"].flip(0)}
-        before = {n: t.clone() for n, t in sharded.items()}
-        try:
-            sharded, state, _ = step(sharded, state, local)
-            out.append("ok")
-        except Exception as e:  # noqa: BLE001 (reported to the test)
-            out.append((f"{type(e).__name__}: {e}", all(torch.equal(before[n], sharded[n]) for n in before)))
-            break
-    return out
-
-
 def test_a_raise_next_step_on_other_batches_raises_at_the_next_call_on_every_rank(clusters):
     # The check reads nothing of the device: the digests ride on the step's collectives, and
     # the verdict tells the next call, before it changes anything.
-    for rank, out in enumerate(clusters[2].run(_other_batches_later, "raise_next")):
+    for rank, out in enumerate(clusters[2].run(_other_batches, 2, 3, on_nonfinite="raise_next")):
         assert out[:2] == ["ok", "ok"], out
-        error, unchanged = out[2]
+        error, unchanged = out[2:]
         assert error.startswith(f"DivergenceError: [rank {rank}] step: in the last step on these shards, the ranks "
                                 "of a tensor group got different batches"), error
         assert unchanged
