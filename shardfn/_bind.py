@@ -39,6 +39,7 @@ from ._events import Purpose
 from ._guard import Where, guarded
 from ._runtime import AfterForward, Runtime, current
 from ._sharded import ShardedParams
+from ._tensor_call import Pass, TensorCall
 
 __all__ = ["bind"]
 
@@ -101,7 +102,7 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
     apply.calls.append(units)
     # split layers run split in the block (shardfn._tensor); a sequence region runs whole: the
     # same sums, on sequences of any length (a generated token at a time)
-    apply.tensor_calls.append((layout, rt, {"whole": True}, False))
+    apply.tensor_calls.append(TensorCall.of(layout, rt, Pass.WHOLE))
     returned = False
     try:
         # An error on one rank reaches the others at their next collective (guarded); ranks

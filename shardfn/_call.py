@@ -46,6 +46,7 @@ from ._runtime import Runtime, current
 from ._sequence import (SEQUENCE_STYLES, blocks_of, check_closed, container_forward, region_check_hook,
                         sequence_forward, sequence_parallel)
 from ._tensor import heads_of, tp_forward
+from ._tensor_call import TensorCall
 from ._tree import check_names
 
 __all__ = ["sharded_call", "units_for"]
@@ -115,12 +116,12 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
     if precision.cast_inputs:
         args, kwargs = cast_floating((args, kwargs), precision.param)
     apply.calls.append(units)
-    # {}: the call's shared colwise inputs and its sequence region (shardfn._tensor, shardfn._sequence)
-    apply.tensor_calls.append((layout, rt, {}, sequence_parallel(layout)))
+    call = TensorCall.of(layout, rt)  # what its split layers read (shardfn._tensor, shardfn._sequence)
+    apply.tensor_calls.append(call)
     try:
         out = functional_call(apply.module, state, args, kwargs, tie_weights=True, strict=False)
-        if apply.tensor_calls[-1][3]:
-            check_closed(apply.tensor_calls[-1])
+        if call.sequence:
+            check_closed(call)
         # A module that *replaced* a buffer (rather than updating it in place) left the new
         # tensor in ``state`` (functional_call writes it back): keep it in the tree.
         replaced = {n: state[n] for n in layout.buffers if state[n] is not buffers[n]}
@@ -146,8 +147,8 @@ def _tensor_call(apply: Any) -> Any:
 
     @contextlib.contextmanager
     def again() -> Iterator[None]:
-        # "again": the forward checked the region; the recompute runs inside it, in backward
-        apply.tensor_calls.append(None if now is None else (now[0], now[1], {"again": True}, now[3]))
+        # the forward checked the region; the recompute runs inside it, in backward
+        apply.tensor_calls.append(None if now is None else now.again())
         try:
             yield
         finally:

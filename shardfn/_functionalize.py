@@ -56,7 +56,7 @@ class Apply:
         self.hooked: set[str] = set()  # unit module paths carrying shardfn's hooks
         self.prepared: dict[int, Any] = {}  # id(layout) -> (layout, slots), see shardfn._call
         self.calls: list[dict[str, Any]] = []  # the units of the sharded calls in progress (innermost last)
-        self.tensor_calls: list[Any] = []  # (layout, runtime, copies) of the calls, for split layers (shardfn._tensor)
+        self.tensor_calls: list[Any] = []  # the calls as split layers see them (shardfn._tensor_call.TensorCall)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Apply":
         return self  # a function: a copied module tree still names the model function of its trees

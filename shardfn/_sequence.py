@@ -27,13 +27,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _collectives as C
 from ._events import Purpose
+from ._tensor_call import SEQUENCE_STYLES, Pass, TensorCall, blocks_of
 from ._tensor_ops import full_leaf, function
 
 __all__ = ["SEQUENCE_STYLES", "blocks_of", "check_closed", "container_forward", "from_torch_style", "gathered_input",
            "outside_region", "partial_leaves", "reduce_scatter_output", "region_check_hook", "sequence_forward",
-           "sequence_parallel", "styles_of", "sum_partial_grads"]
+           "sequence_parallel", "sum_partial_grads"]
 
-SEQUENCE_STYLES = ("sequence", "sequence_start", "sequence_end")
 _DIM = 1  # the sequence dim of every activation in the region (batch first)
 
 
@@ -156,17 +156,12 @@ def gathered_input(x: Any, path: str) -> torch.Tensor:
         return x.as_subclass(torch.Tensor)
 
 
-def _region(now: Any) -> dict:
-    return now[2]
-
-
-def _checked(now: Any, path: str, style: str, need_open: bool = True) -> bool:
+def _checked(now: TensorCall, path: str, style: str, need_open: bool = True) -> bool:
     """Whether this call checks the region (not a recompute, not bind's block); raises
     where ``path`` runs with the region in the wrong state."""
-    state = _region(now)
-    if state.get("again") or state.get("whole"):
+    if not now.checks:
         return False
-    opened = state.get("open")
+    opened = now.opened
     if need_open and opened is None:
         raise ValueError(f"shardfn: {path!r} ({style!r}) ran outside the sequence region: no 'sequence_start' module "
                          "ran before it in this call, so its input is not split on the sequence. Style the module "
@@ -183,17 +178,16 @@ def sequence_forward(active: Any, path: str, module: nn.Module) -> Any:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         now = active()
-        style = styles_of(now[0])[0].get(path) if now is not None else None
-        if style not in SEQUENCE_STYLES or _region(now).get("whole"):
+        style = now.styles.get(path) if now is not None else None
+        if style not in SEQUENCE_STYLES or now.mode is Pass.WHOLE:
             return inner(*args, **kwargs)
-        rt = now[1]
-        state = _region(now)
+        rt = now.rt
         if style in ("sequence_start", "sequence_end"):
             if _checked(now, path, style, need_open=style == "sequence_end"):
-                if style == "sequence_end" and not _same_draws(state.get("rng"), rt.mesh.device):
-                    raise ValueError(_RANDOM.format(start=state["open"], end=path))
-                state["open"] = path if style == "sequence_start" else None
-                state["rng"] = _draws(rt.mesh.device)
+                if style == "sequence_end" and not _same_draws(now.draws, rt.mesh.device):
+                    raise ValueError(_RANDOM.format(start=now.opened, end=path))
+                now.opened = path if style == "sequence_start" else None
+                now.draws = _draws(rt.mesh.device)
             if not (args and isinstance(args[0], torch.Tensor)):
                 raise ValueError(f"shardfn: {path!r} is styled {style!r}, which splits or gathers the module's first "
                                  "positional argument on the sequence, and it was called without a tensor there. Give "
@@ -203,7 +197,7 @@ def sequence_forward(active: Any, path: str, module: nn.Module) -> Any:
         _checked(now, path, style)
         out = inner(*args, **kwargs)  # (its parameters' gradients: summed once a step, see partial_grads)
         if isinstance(out, torch.Tensor):  # (a weak reference: the call keeps no activation alive)
-            state.setdefault("split", {})[id(out)] = weakref.ref(out)
+            now.made[id(out)] = weakref.ref(out)
         return out
 
     return forward
@@ -216,11 +210,11 @@ def container_forward(active: Any, path: str, module: nn.Module) -> Any:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         now = active()
-        if now is None or not now[3] or path not in styles_of(now[0])[1] or _region(now).get("whole"):
+        if now is None or not now.sequence or path not in now.blocks:
             return inner(*args, **kwargs)
-        rt, state = now[1], _region(now)
+        rt = now.rt
         checked = _checked(now, path, "the module holding colwise layers")
-        split = state.get("split", {})
+        split = now.made
         found = [(k, v) for k, v in [*enumerate(args), *kwargs.items()]
                  if isinstance(v, torch.Tensor) and id(v) in split and split[id(v)]() is v]
         if not found and not checked:  # a recompute: its 'sequence' module's output is the tensor given
@@ -247,24 +241,26 @@ def container_forward(active: Any, path: str, module: nn.Module) -> Any:
 def outside_region(now: Any, path: str, style: str) -> None:
     """A layer that takes its input whole (a ``"colwise_gather_output"`` head, an
     ``"embedding_rowwise"`` embedding) must run outside the region."""
-    state = _region(now)
-    if state.get("open") is not None and not state.get("again"):
+    if now.opened is not None and now.mode is not Pass.RECOMPUTE:
         raise ValueError(f"shardfn: {path!r} ({style!r}) ran inside the sequence region opened by "
-                         f"{state['open']!r}, where its input is a part of the sequence. Run it outside the region: "
+                         f"{now.opened!r}, where its input is a part of the sequence. Run it outside the region: "
                          "end the region before it ('sequence_end') or start it after it ('sequence_start').")
 
 
 def reduce_scatter_output(now: Any, y: torch.Tensor, path: str) -> torch.Tensor:
     """A rowwise layer's partial sums in the region, reduce-scattered on the sequence."""
     _checked(now, path, "rowwise")
-    return _ReduceScatter.apply(y, now[1], path)
+    return _ReduceScatter.apply(y, now.rt, path)
 
 
 def partial_leaves(layout: Any) -> list[str]:
     """The leaves whose gradients sequence parallelism leaves partial, each tensor rank's from
     its own part of the sequence: a ``"sequence"`` module's own parameters, a rowwise layer's
     bias. :func:`sum_partial_grads` sums them once a step."""
-    return styles_of(layout)[2]
+    styles = dict(layout.tensor)
+    owners = {p for p, s in styles.items() if s == "sequence"}
+    partial = [n for n in layout.leaves if n.rpartition(".")[0] in owners]
+    return partial + [f"{p}.bias" for p, s in styles.items() if s == "rowwise" and f"{p}.bias" in layout.leaves]
 
 
 def sum_partial_grads(grads: dict[str, torch.Tensor], layout: Any, rt: Any) -> None:
@@ -292,11 +288,10 @@ def region_check_hook(active: Any, path: str) -> Any:
 
     def hook(module: nn.Module, args: Any) -> None:
         now = active()
-        if now is None or not now[3] or path in styles_of(now[0])[0]:
+        if now is None or not now.sequence or path in now.styles:
             return
-        state = _region(now)
-        opened = state.get("open")
-        if opened is not None and not (state.get("again") or state.get("whole")):
+        opened = now.opened
+        if opened is not None and now.checks:
             raise ValueError(f"shardfn: {path!r} ({type(module).__name__}, with parameters, not in the plan) ran inside "
                              f"the sequence region opened by {opened!r}, where the activations are split on the "
                              "sequence: it would read a part of it silently. Give it a style ('sequence' for a "
@@ -307,38 +302,12 @@ def region_check_hook(active: Any, path: str) -> Any:
 
 def check_closed(now: Any) -> None:
     """At the end of a call: the region it opened must be closed."""
-    state = _region(now)
-    opened = state.get("open")
-    if opened is not None and not (state.get("again") or state.get("whole")):
+    opened = now.opened
+    if opened is not None and now.checks:
         raise ValueError(f"shardfn: the sequence region opened by {opened!r} was not closed when the call returned: its "
                          "output would be a part of the sequence on each tensor rank. Style the module that reads "
                          "the region's last activations (e.g. the head) 'sequence_end'.")
 
-
-def blocks_of(styles: Mapping[str, str]) -> set[str]:
-    """The modules that hold colwise layers: in a plan with sequence parallelism, each
-    gathers its input for them ([Note: the sequence region])."""
-    return {p.rpartition(".")[0] for p, s in styles.items() if s == "colwise"}
-
-
-_STYLES: dict[int, tuple[Any, dict[str, str], frozenset[str], list[str]]] = {}
-
-
-def styles_of(layout: Any) -> tuple[dict[str, str], frozenset[str], list[str]]:
-    """``layout``'s styles by module path, its blocks (:func:`blocks_of`) and its partial
-    leaves (:func:`partial_leaves`), made once per layout: every split module's forward reads
-    them at every call, and a dict rebuilt there costs host time per split layer."""
-    hit = _STYLES.get(id(layout))
-    if hit is None or hit[0] is not layout:
-        if len(_STYLES) > 64:
-            _STYLES.clear()
-        styles = dict(layout.tensor)
-        owners = {p for p, s in styles.items() if s == "sequence"}
-        partial = [n for n in layout.leaves if n.rpartition(".")[0] in owners]
-        if sequence_parallel(layout):
-            partial += [f"{p}.bias" for p, s in styles.items() if s == "rowwise" and f"{p}.bias" in layout.leaves]
-        hit = _STYLES[id(layout)] = (layout, styles, frozenset(blocks_of(styles)), partial)
-    return hit[1], hit[2], hit[3]
 
 
 def sequence_parallel(layout: Any) -> bool:

@@ -35,7 +35,7 @@ from ._features import per_feature, plain
 from ._recording import recording
 from ._events import Collective, Purpose
 from ._sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
-                        reduce_scatter_output, styles_of)
+                        reduce_scatter_output)
 from ._tensor_ops import CopyToTensor, GatherOutput, ReduceFromTensor, full_leaf
 
 __all__ = ["STYLES", "auto_plan", "full_leaf", "heads_of", "local_state", "resolve_tensor_parallel",
@@ -358,18 +358,18 @@ def _shared_copy(copies: dict[int, tuple], x: torch.Tensor, rt: Any, path: str) 
 
 def tp_forward(active: Any, path: str, module: nn.Module, by_heads: bool) -> Any:
     """``module``'s forward, split as the active call's layout says (``active()``: its
-    ``(layout, runtime, copies, sequence parallel)``, or None outside a sharded call); the
-    module's own otherwise. ``by_heads``: a colwise layer's output is read by a checked
+    shardfn._tensor_call.TensorCall, or None outside a sharded call); the module's own
+    otherwise. ``by_heads``: a colwise layer's output is read by a checked
     attention module (:func:`heads_of`), else it is checked as it is used."""
     inner = module.forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         now = active()
-        style = styles_of(now[0])[0].get(path) if now is not None else None
+        style = now.styles.get(path) if now is not None else None
         if style not in ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"):  # (sequence: _sequence's)
             return inner(x)
-        rt = now[1]
-        sequence = now[3] and not now[2].get("whole")  # (a bound block runs the region whole)
+        rt = now.rt
+        sequence = now.sequence  # (a bound block runs the region whole)
         if style == "embedding_rowwise":
             if sequence:
                 outside_region(now, path, style)
@@ -377,10 +377,10 @@ def tp_forward(active: Any, path: str, module: nn.Module, by_heads: bool) -> Any
         if style == "colwise_gather_output":  # a head: every rank gets the whole output
             if sequence:
                 outside_region(now, path, style)
-            y = F.linear(_shared_copy(now[2], x, rt, path), module.weight, module.bias)
+            y = F.linear(_shared_copy(now.copies, x, rt, path), module.weight, module.bias)
             return GatherOutput.apply(y, rt, path)
         if style == "colwise":
-            x = gathered_input(x, path) if sequence else _shared_copy(now[2], x, rt, path)
+            x = gathered_input(x, path) if sequence else _shared_copy(now.copies, x, rt, path)
             y = F.linear(x, module.weight, module.bias)
             if by_heads:
                 return y
