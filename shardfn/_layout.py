@@ -50,6 +50,7 @@ from ._buckets import gather_buckets, reduce_buckets
 from ._guard import unit_id
 from ._packing import local_shard
 from ._plan import Placement, Plan, Reduction, RematMode, Strategy, Whole
+from ._tensor_call import params_text, styles_text
 from ._tree import TreeInfo
 
 __all__ = ["BufferLayout", "LeafLayout", "Layout", "UnitLayout", "unit_owner"]
@@ -367,7 +368,7 @@ class Layout:
             + (f", precision={self.plan.precision!r}" if self.plan.precision.param or self.plan.precision.reduce else "")
             + (f", offload={self.plan.offload!r}" if self.offloaded else "")
             + f", placement {getattr(self.plan.placement, 'value', self.plan.placement)}): "
-            f"{self._params_text()}, {self.full_bytes() * mb:.2f} MiB full{' per tensor rank' if self.splits else ''}, "
+            f"{params_text(self.num_params, self.leaves, self.splits)}, {self.full_bytes() * mb:.2f} MiB full{' per tensor rank' if self.splits else ''}, "
             f"{self.shard_bytes() * mb:.2f} MiB of shards per rank"
             + (f", {len(self.buffers)} buffers ({self.buffer_bytes() * mb:.2f} MiB, replicated)" if self.buffers else ""),
             f"  {'unit':<24} {'params' + ('/tensor rank' if self.splits else ''):>{width}} {'shard MiB/rank':>15} "
@@ -380,7 +381,7 @@ class Layout:
                 f"  {u.name:<24} {n:>{width},} {u.numel * u.dtype.itemsize * mb:>15.3f} {pad:>10}  {len(u.leaves)}"
             )
         if self.tensor:
-            lines.append(f"  split over the mesh's 'tensor' axis: {_styles_text(self.tensor)}")
+            lines.append(f"  split over the mesh's 'tensor' axis: {styles_text(self.tensor)}")
         per_step = self.collectives_per_step()
         if per_step:
             alone = {k: sum(self.unit_collectives(u).get(k, (0, 0))[0] for u in self.units) for k in per_step}
@@ -390,34 +391,11 @@ class Layout:
             lines.append(f"  per step and rank: {desc}")
         return "\n".join(lines)
 
-    def _params_text(self) -> str:
-        """The model's parameters, and with a tensor axis the part each tensor rank holds."""
-        if not self.splits:
-            return f"{self.num_params:,} params"
-        whole = self.num_params + sum(math.prod(shape) - math.prod(self.leaves[leaf].shape)
-                                      for leaf, _, shape in self.splits)
-        return (f"{whole:,} params ({self.num_params:,} on each tensor rank: {len(self.splits)} leaves split over "
-                "the 'tensor' axis)")
-
     def __repr__(self) -> str:
         return (
             f"Layout({self.strategy.value}, mesh={self.mesh_shape}, {len(self.leaves)} leaves, "
             f"{len(self.units)} units{f', {len(self.buffers)} buffers' if self.buffers else ''})"
         )
-
-
-def _styles_text(styles: Sequence[tuple[str, str]]) -> str:
-    """``(path, style)`` pairs in a line: paths that differ only by their numbers (the layers
-    of a stack) as one pattern with ``*``, and how many layers it stands for."""
-    groups: dict[tuple[str, str], list[list[str]]] = {}
-    for path, style in styles:
-        parts = path.split(".")
-        groups.setdefault((".".join("#" if p.isdigit() else p for p in parts), style), []).append(parts)
-    out = []
-    for (_, style), paths in groups.items():
-        pattern = ".".join(col[0] if len(set(col)) == 1 else "*" for col in zip(*paths))
-        out.append(f"{pattern} {style}" + (f" ({len(paths)} layers)" if len(paths) > 1 else ""))
-    return ", ".join(out)
 
 
 def unit_owner(name: str, unit_paths: Sequence[str]) -> str:

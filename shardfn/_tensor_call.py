@@ -1,4 +1,5 @@
-"""What a split layer's forward reads of the sharded call it runs in: one typed value a call.
+"""What a split layer's forward reads of the sharded call it runs in: one typed value a call;
+and how a layout says in words what it splits.
 
 A sharded call on a layout with split layers (shardfn._tensor, shardfn._sequence) pushes a
 :class:`TensorCall` on its ``apply``; each split module's forward reads the innermost. It
@@ -12,12 +13,13 @@ of it outlives the call.
 from __future__ import annotations
 
 import enum
+import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SEQUENCE_STYLES", "Pass", "TensorCall", "blocks_of"]
+__all__ = ["SEQUENCE_STYLES", "Pass", "TensorCall", "blocks_of", "params_text", "styles_text"]
 
 SEQUENCE_STYLES = ("sequence", "sequence_start", "sequence_end")
 
@@ -70,3 +72,26 @@ class TensorCall:
     def checks(self) -> bool:
         """Whether this call checks the region (its forward; not a recompute, not bind's block)."""
         return self.mode is Pass.FORWARD
+
+
+def styles_text(styles: Sequence[tuple[str, str]]) -> str:
+    """``(path, style)`` pairs in a line: paths that differ only by their numbers (the layers
+    of a stack) as one pattern with ``*``, and how many layers it stands for."""
+    groups: dict[tuple[str, str], list[list[str]]] = {}
+    for path, style in styles:
+        parts = path.split(".")
+        groups.setdefault((".".join("#" if p.isdigit() else p for p in parts), style), []).append(parts)
+    out = []
+    for (_, style), paths in groups.items():
+        pattern = ".".join(col[0] if len(set(col)) == 1 else "*" for col in zip(*paths))
+        out.append(f"{pattern} {style}" + (f" ({len(paths)} layers)" if len(paths) > 1 else ""))
+    return ", ".join(out)
+
+
+def params_text(num_params: int, leaves: Mapping[str, Any], splits: Sequence[tuple[str, int, tuple]]) -> str:
+    """A layout's parameters in words (``leaves``: its LeafLayouts, each a piece where split),
+    and with a tensor axis the part each tensor rank holds."""
+    if not splits:
+        return f"{num_params:,} params"
+    whole = num_params + sum(math.prod(shape) - math.prod(leaves[leaf].shape) for leaf, _, shape in splits)
+    return f"{whole:,} params ({num_params:,} on each tensor rank: {len(splits)} leaves split over the 'tensor' axis)"

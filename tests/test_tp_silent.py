@@ -251,20 +251,27 @@ def test_dropout_at_shard_two_by_tensor_two_keeps_each_tensor_group_alike(cluste
         assert not differ, (a, b, differ)
 
 
-def _dropout_in_a_program(how):
-    """The first step of _DropoutGPT at tensor 2 in a step that records or compiles: the error."""
+def _first_step(make_model, plan, loss, batch, **options):
+    """The first step at tensor 2 (each rank seeded on its own after the model is built):
+    ``(error, whether the state is as before)``, or ``("accepted", None)``."""
     mesh = sf.Mesh.from_group(tensor=2)
     torch.manual_seed(0)
-    sharded = sf.shard(sf.functionalize(_DropoutGPT())[0], mesh, "FULL_SHARD", tensor_parallel=DROPOUT_PLAN)
+    sharded = sf.shard(sf.functionalize(make_model())[0], mesh, "FULL_SHARD", tensor_parallel=plan)
+    torch.manual_seed(1000 + mesh.rank)
     opt = SGD_MOMENTUM()
     state = opt.init(sharded)
-    step = sf.jit_step(loss_fn, mesh, optimizer=opt, **{how: True})
+    step = sf.jit_step(loss, mesh, optimizer=opt, **options)
     before = {n: t.clone() for n, t in sharded.items()}
     try:
-        step(sharded, state, _drop_batches()[0])
+        step(sharded, state, batch)
     except ValueError as e:
         return str(e), all(torch.equal(before[n], sharded[n]) for n in before)
     return "accepted", None
+
+
+def _dropout_in_a_program(how):
+    """The first step of _DropoutGPT in a step that records or compiles."""
+    return _first_step(_DropoutGPT, DROPOUT_PLAN, loss_fn, _drop_batches()[0], **{how: True})
 
 
 @pytest.mark.parametrize("how", ["graph", "compile"])
@@ -318,19 +325,7 @@ def _tiny_with_dropout():
 def _sequence_dropout():
     from test_tp_sequence import TINY_PLAN, _tiny_loss, tiny_batches
 
-    mesh = sf.Mesh.from_group(tensor=2)
-    torch.manual_seed(0)
-    sharded = sf.shard(sf.functionalize(_tiny_with_dropout())[0], mesh, "FULL_SHARD", tensor_parallel=TINY_PLAN)
-    torch.manual_seed(1000 + mesh.rank)
-    opt = SGD_MOMENTUM()
-    state = opt.init(sharded)
-    step = sf.jit_step(_tiny_loss, mesh, optimizer=opt)
-    before = {n: t.clone() for n, t in sharded.items()}
-    try:
-        step(sharded, state, tiny_batches()[0])
-    except ValueError as e:
-        return str(e), all(torch.equal(before[n], sharded[n]) for n in before)
-    return "accepted", None
+    return _first_step(_tiny_with_dropout, TINY_PLAN, _tiny_loss, tiny_batches()[0])
 
 
 def test_dropout_inside_a_sequence_region_is_refused(clusters):
