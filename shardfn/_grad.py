@@ -158,73 +158,72 @@ class Grad:
         run = Run(self.schedule, self.mesh) if self.mesh.size > 1 else None
         rt = Runtime(self.mesh, self.options, order=self.order, owner=sharded, buffers=buffers, run=run)
         done = False
-        drawing = self.mesh.random.drawing(self.mesh)  # [Note: randomness on the tensor axis]
-        drawing.__enter__()
-        rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None
-        try:
-            with active(rt):
-                if run is not None and run.open(nonfinite):
-                    raise run.told(agreed_error(sharded, self.options.what))
-                # [Note: one batch per tensor group] (a graph step's: on the host, before its program)
-                digests = batch_digests(batch, rt) if self.mesh.axis_size("tensor") > 1 and not recording() else None
-                while True:  # once, or twice when every rank's schedule changed alike
-                    try:
-                        loss, count, grads, auxes = self._grads(rt, sharded, batch, scale)
-                        if run is not None:
-                            run.end_of_backward()
-                    except Deviated:
-                        run.report()  # raises (the buffers are restored below), unless every rank deviated alike
-                        buffers.restore()  # then the step runs again from the same state
-                        rt.restart()
-                        run.rerun()
-                        _set_rng_state(rng)
-                        continue
-                    break
-                # The loss, the gradients' sum of squares, Mean's count, the buffer-change flags
-                # (and the aux to average) share one all-reduce per mesh axis.
-                # With a plain loss every rank must have as many rows (and tokens): the metrics all-reduce's
-                # header carries them (see [Note: the schedule guard]); Mean weighs them exactly.
-                # [Note: tokens over the ranks]
-                tokens = count_tokens(batch)
-                summed = self.mesh.size > 1 and count is not None
-                sq = (split_sum_of_squares(grads, layout, self.mesh, sum_of_squares)
-                      if self.mesh.axis_size("tensor") > 1 else sum_of_squares(grads))
-                differ = (digests != digests[0]).any() if digests is not None else None
-                reduced = self._reduce_metrics(layout, loss, count, sq,
-                                               buffers.flags(self.mesh.device), auxes, len(auxes),
-                                               rows=0 if count is not None else _size(batch),
-                                               tokens=tokens if summed else None, differ=differ)
-                tokens = reduced["tokens"] if summed else tokens * self.mesh.data_size
-                if run is not None:
-                    self.schedule.learn(run.recorded, run.pipelined)
-                if reduced["rescale"] is not None:  # [Note: token-weighted losses]
-                    torch._foreach_mul_(list(grads.values()), reduced["rescale"])
-                norm = reduced["norm"]
-                metrics: dict[str, Any] = {"loss": reduced["loss"], "grad_norm": norm}
-                if self.options.read_metrics:
-                    extra = [reduced["differ"]] if differ is not None else []
-                    metrics["loss"], metrics["grad_norm"], *read = _scalars(reduced["loss"], norm, *extra,
-                                                                           *([tokens] if summed else []))
-                    if extra and read.pop(0):  # (the same sum on every rank: every rank raises here)
-                        raise run.told(other_batches(digests, reduced["differ"], self.mesh))
-                    tokens = int(read[0]) if read and read[0] is not None else tokens
-                    if not all(math.isfinite(v) for v in (metrics["loss"], metrics["grad_norm"]) if v is not None):
-                        metrics["nonfinite"] = self._nonfinite_ranks(loss, grads)
-                if self.has_aux:
-                    metrics["aux"] = reduced["aux"]
-                if self.options.sync_buffers:
-                    buffers.sync(reduced["changed"], self.mesh)
-                done = True  # from here on the caller updates the state
-                yield GradOut(reduced["loss"], Gradients(grads, norm), metrics, reduced["differ"])
-        except BaseException:
-            if not done:
-                buffers.restore()  # nothing the step changed stays changed
-            raise
-        finally:
-            drawing.__exit__(None, None, None)
-            order = rt.finish()
-            if done:
-                self.order = order
+        with self.mesh.random.drawing(self.mesh):  # [Note: randomness on the tensor axis]
+            rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None
+            try:
+                with active(rt):
+                    if run is not None and run.open(nonfinite):
+                        raise run.told(agreed_error(sharded, self.options.what))
+                    # [Note: one batch per tensor group] (a graph step's: on the host, before its program)
+                    checked = self.mesh.axis_size("tensor") > 1 and not recording()
+                    digests = batch_digests(batch, rt) if checked else None
+                    while True:  # once, or twice when every rank's schedule changed alike
+                        try:
+                            loss, count, grads, auxes = self._grads(rt, sharded, batch, scale)
+                            if run is not None:
+                                run.end_of_backward()
+                        except Deviated:
+                            run.report()  # raises (the buffers are restored below), unless every rank deviated alike
+                            buffers.restore()  # then the step runs again from the same state
+                            rt.restart()
+                            run.rerun()
+                            _set_rng_state(rng)
+                            continue
+                        break
+                    # The loss, the gradients' sum of squares, Mean's count, the buffer-change flags
+                    # (and the aux to average) share one all-reduce per mesh axis.
+                    # With a plain loss every rank must have as many rows (and tokens): the metrics all-reduce's
+                    # header carries them (see [Note: the schedule guard]); Mean weighs them exactly.
+                    # [Note: tokens over the ranks]
+                    tokens = count_tokens(batch)
+                    summed = self.mesh.size > 1 and count is not None
+                    sq = (split_sum_of_squares(grads, layout, self.mesh, sum_of_squares)
+                          if self.mesh.axis_size("tensor") > 1 else sum_of_squares(grads))
+                    differ = (digests != digests[0]).any() if digests is not None else None
+                    reduced = self._reduce_metrics(layout, loss, count, sq,
+                                                   buffers.flags(self.mesh.device), auxes, len(auxes),
+                                                   rows=0 if count is not None else _size(batch),
+                                                   tokens=tokens if summed else None, differ=differ)
+                    tokens = reduced["tokens"] if summed else tokens * self.mesh.data_size
+                    if run is not None:
+                        self.schedule.learn(run.recorded, run.pipelined)
+                    if reduced["rescale"] is not None:  # [Note: token-weighted losses]
+                        torch._foreach_mul_(list(grads.values()), reduced["rescale"])
+                    norm = reduced["norm"]
+                    metrics: dict[str, Any] = {"loss": reduced["loss"], "grad_norm": norm}
+                    if self.options.read_metrics:
+                        extra = [reduced["differ"]] if differ is not None else []
+                        metrics["loss"], metrics["grad_norm"], *read = _scalars(reduced["loss"], norm, *extra,
+                                                                               *([tokens] if summed else []))
+                        if extra and read.pop(0):  # (the same sum on every rank: every rank raises here)
+                            raise run.told(other_batches(digests, self.mesh))
+                        tokens = int(read[0]) if read and read[0] is not None else tokens
+                        if not all(math.isfinite(v) for v in (metrics["loss"], metrics["grad_norm"]) if v is not None):
+                            metrics["nonfinite"] = self._nonfinite_ranks(loss, grads)
+                    if self.has_aux:
+                        metrics["aux"] = reduced["aux"]
+                    if self.options.sync_buffers:
+                        buffers.sync(reduced["changed"], self.mesh)
+                    done = True  # from here on the caller updates the state
+                    yield GradOut(reduced["loss"], Gradients(grads, norm), metrics, reduced["differ"])
+            except BaseException:
+                if not done:
+                    buffers.restore()  # nothing the step changed stays changed
+                raise
+            finally:
+                order = rt.finish()
+                if done:
+                    self.order = order
         metrics["tokens"] = tokens
         metrics["comm_bytes"] = dict(rt.log.bytes())
         if layout.offloaded:

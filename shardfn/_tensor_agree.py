@@ -70,20 +70,21 @@ def batch_digests(batch: Any, rt: Any) -> torch.Tensor | None:
         shapes.append((tuple(leaf.shape), str(leaf.dtype)))
         bits = _bits(leaf).remainder(_PRIME)
         weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device).mul_(48271 + 2 * i).add_(i + 1)
-        total = total + bits.mul_(weights.remainder_(_PRIME)).remainder_(_PRIME).sum().remainder(_PRIME).to(total.device)
+        digest = bits.mul_(weights.remainder_(_PRIME)).remainder_(_PRIME).sum().remainder(_PRIME)
+        total = total + digest.to(total.device)
     total = total + zlib.crc32(repr(shapes).encode())
     got = torch.empty(ch.size, dtype=torch.int64, device=mesh.device)
     C.all_gather(got, total.reshape(1), ch, Purpose.BATCH, "", to=rt.observers, scope=rt.scope)
     return got
 
 
-def other_batches(digests: torch.Tensor, differ: float, mesh: Any, later: bool = False) -> DivergenceError:
-    """The error of a step in which ``differ`` tensor ranks (summed over the mesh) saw
-    another digest than their group's first; read on the host, as errors are."""
+def other_batches(digests: torch.Tensor, mesh: Any) -> DivergenceError:
+    """The error of a step in which a tensor group saw two digests (this rank's group's
+    ``digests``, read on the host, as errors are)."""
     mine = digests.tolist()
     message = (_OTHER_BATCHES if len(set(mine)) > 1 else _ANOTHER_GROUP).format(
         rank=mesh.rank, ranks=list(mesh.channel("tensor").ranks), digests=mine)
-    return DivergenceError(message + ("" if later else _NOTHING_CHANGED))
+    return DivergenceError(message + _NOTHING_CHANGED)
 
 
 def agree_on_batch(batch: Any, mesh: Any) -> None:

@@ -48,7 +48,8 @@ class TensorCall:
     styles: dict[str, str]  # module path -> style (the layout's)
     blocks: frozenset[str]  # the modules that hold colwise layers (shardfn._sequence.blocks_of)
     region: bool  # the layout has sequence styles
-    copies: dict[int, tuple] = field(default_factory=dict)  # shared colwise inputs ([Note: one all-reduce per shared input])
+    # shared colwise inputs ([Note: one all-reduce per shared input] in shardfn._tensor)
+    copies: dict[int, tuple] = field(default_factory=dict)
     opened: str | None = None  # the 'sequence_start' module whose region is open, if one is
     draws: tuple[bytes, ...] | None = None  # the generators' states when the region opened
     made: dict[int, weakref.ref] = field(default_factory=dict)  # the 'sequence' modules' outputs, by id
@@ -56,7 +57,8 @@ class TensorCall:
     @classmethod
     def of(cls, layout: Any, rt: Any, mode: Pass = Pass.FORWARD) -> "TensorCall":
         styles = dict(layout.tensor)
-        return cls(layout, rt, mode, styles, frozenset(blocks_of(styles)), any(s in SEQUENCE_STYLES for s in styles.values()))
+        region = any(s in SEQUENCE_STYLES for s in styles.values())
+        return cls(layout, rt, mode, styles, frozenset(blocks_of(styles)), region)
 
     def again(self) -> "TensorCall":
         """This call as a remat recompute in backward sees it: the same layout and runtime, no

@@ -197,16 +197,18 @@ def _drop_batches():
 def _dropout_run(tensor, how="eager"):
     """10 steps at ``tensor``, each rank seeded on its own after the model is built (as for
     data order): the losses, the replicated leaves' local values, the gathered state.
-    ``how``: "eager", "graph" (jit_step(graph=True)) or "remat" (the blocks rematerialised)."""
+    ``how``: "eager", "remat" (the blocks rematerialised), "micro" (micro_batches=2) or
+    "bf16" (Precision(param=bf16, reduce=fp32))."""
     mesh = sf.Mesh.from_group(tensor=tensor)
     torch.manual_seed(0)
     params, _ = sf.functionalize(_DropoutGPT())
-    plan = sf.Plan("FULL_SHARD", remat=sf.by_module_type(Block) if how == "remat" else None)
+    plan = sf.Plan("FULL_SHARD", remat=sf.by_module_type(Block) if how == "remat" else None,
+                   precision=sf.Precision(param=torch.bfloat16, reduce=torch.float32) if how == "bf16" else None)
     sharded = sf.shard(params, mesh, plan, tensor_parallel=DROPOUT_PLAN)
     torch.manual_seed(1000 + mesh.rank)  # a per-rank seed, for other reasons
     opt = SGD_MOMENTUM()
     state = opt.init(sharded)
-    step = sf.jit_step(loss_fn, mesh, optimizer=opt, graph=how == "graph")
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=2 if how == "micro" else 1)
     losses = []
     for batch in _drop_batches():
         sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
@@ -242,6 +244,14 @@ def test_dropout_keeps_replicated_leaves_equal_across_tensor_ranks_and_equals_on
     assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
     for name, ref in ref_state.items():
         assert float(((full[name] - ref).abs() - RTOL * ref.abs()).max()) <= ATOL, name
+
+
+@pytest.mark.parametrize("how", ["micro", "bf16"])
+def test_dropout_keeps_tensor_ranks_alike_with_micro_batches_and_bf16(clusters, how):
+    # Each micro-batch draws its own masks (one process drawing for the whole batch draws
+    # others: no reference here), and bf16 rounds: what must hold is the rule, bit for bit.
+    (losses, mine, _), (losses1, theirs, _) = clusters[2].run(_dropout_run, 2, how)
+    assert losses == losses1 and not [n for n in mine if not torch.equal(mine[n], theirs[n])]
 
 
 def test_dropout_at_shard_two_by_tensor_two_keeps_each_tensor_group_alike(clusters):
