@@ -855,7 +855,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     """Runs world 1 and world 2, prints the table; returns the exit status."""
     args = parse_args()
-    if args.graph:  # [Note: capturing a step] in shardfn._capture: the GPU check of the CUDA path
+    if args.graph:  # [Note: capturing a step] in shardfn._program.capture: the GPU check of the CUDA path
         import gpu_graph
 
         return gpu_graph.main(args.device, gpu_graph.ROWS if args.device == "cuda" else gpu_graph.CPU_ROWS)

@@ -49,8 +49,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardfn as sf
-from shardfn import _collectives as C
-from shardfn._events import Purpose
+from shardfn._comm import collectives as C
+from shardfn._comm.events import Purpose
 from shardfn.optim import _muon
 from shardfn.optim._whole import full_shape
 from shardfn.testing import Cluster, split_batch

@@ -10,7 +10,7 @@ with ``torch.profiler`` on every rank. Per step (rank 0; mean over the profiled 
 * copies: self time of the ops that move bytes without arithmetic (``copy_``, ``cat``,
   ``clone``, ``_to_copy``, ``index_select``-free moves: see ``COPIES``);
 * waiting: time blocked in the wait for a collective (shardfn waits through
-  ``shardfn._guard.wait``, wrapped here in a profiler range; for DDP and FSDP2 the wait
+  ``shardfn._comm.guard.wait``, wrapped here in a profiler range; for DDP and FSDP2 the wait
   happens inside their C++ / hooks and lands in "other");
 * collective calls: self time of the ``c10d`` ops (issuing the collective, and for gloo
   nothing else: the transfer runs on gloo's threads);
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import shardfn as sf
-import shardfn._guard as guard
+import shardfn._comm.guard as guard
 from shardfn.testing import Cluster
 from shardfn.testing.models import GPT, GPTConfig
 from step_time import SPECS, WARMUP, build_shardfn_step, build_torch_step, make_batches

@@ -555,7 +555,7 @@ def summarise_configs(alone: dict[str, list[dict]], counted: dict[str, list[dict
 
 def _as_shardfn_counts(counted: dict[str, int], world: int) -> dict[str, int]:
     """The dispatch-mode count in shardfn's terms. On gloo shardfn reduce-scatters with sends
-    and receives (shardfn._collectives [Note: reduce-scatter on gloo]): each rank sends
+    and receives (shardfn._comm.collectives [Note: reduce-scatter on gloo]): each rank sends
     (world - 1) / world of the input, so the reduce-scatter's textbook bytes (its input) are
     the bytes sent x world / (world - 1), ``world`` the ranks it spans (the shard axis). Its
     schedule guard exchanges small headers (an all-reduce, an all-gather when ranks differ;

@@ -2,58 +2,58 @@
 
 from . import checkpoint as checkpoint
 from . import optim as optim
-from ._autoplan import AutoPlan as AutoPlan
-from ._autoplan import Candidate as Candidate
-from ._autoplan import autoplan as autoplan
-from ._batch import Batched as Batched
-from ._batch import Mean as Mean
-from ._batch import MicroBatches as MicroBatches
-from ._batch import Whole as Whole
-from ._bind import bind as bind
-from ._compile import compile_stats as compile_stats
-from ._events import CollectiveLog as CollectiveLog
-from ._events import Residency as Residency
-from ._events import record_collectives as record_collectives
-from ._events import track_residency as track_residency
-from ._explain import Explanation as Explanation
-from ._explain import UnitCost as UnitCost
-from ._explain import explain as explain
-from ._export import save_pretrained as save_pretrained
-from ._functionalize import Apply as Apply
-from ._functionalize import Params as Params
-from ._functionalize import functionalize as functionalize
+from ._planning.autoplan import AutoPlan as AutoPlan
+from ._planning.autoplan import Candidate as Candidate
+from ._planning.autoplan import autoplan as autoplan
+from ._run.batch import Batched as Batched
+from ._run.batch import Mean as Mean
+from ._run.batch import MicroBatches as MicroBatches
+from ._run.batch import Whole as Whole
+from ._run.bind import bind as bind
+from ._run.compile import compile_stats as compile_stats
+from ._comm.events import CollectiveLog as CollectiveLog
+from ._comm.events import Residency as Residency
+from ._comm.events import record_collectives as record_collectives
+from ._comm.events import track_residency as track_residency
+from ._planning.explain import Explanation as Explanation
+from ._planning.explain import UnitCost as UnitCost
+from ._planning.explain import explain as explain
+from ._io.export import save_pretrained as save_pretrained
+from ._run.functionalize import Apply as Apply
+from ._run.functionalize import Params as Params
+from ._run.functionalize import functionalize as functionalize
 from ._errors import CommError as CommError
 from ._errors import DivergenceError as DivergenceError
 from ._errors import PeerError as PeerError
-from ._grad import jit_grad as jit_grad
-from ._layout import Layout as Layout
-from ._materialize import materialize as materialize
+from ._run.grad import jit_grad as jit_grad
+from ._state.layout import Layout as Layout
+from ._state.materialize import materialize as materialize
 from ._memory import LiveBytes as LiveBytes
 from ._memory import track_live_bytes as track_live_bytes
 from ._mesh import Mesh as Mesh
-from ._offload import Offload as Offload
-from ._plan import Placement as Placement
-from ._plan import Plan as Plan
-from ._plan import Remat as Remat
-from ._plan import RematMode as RematMode
-from ._plan import Strategy as Strategy
-from ._plan import whole as whole
-from ._units import UnitPolicy as UnitPolicy
-from ._units import by_module_type as by_module_type
-from ._units import by_param_count as by_param_count
-from ._units import by_prefix as by_prefix
-from ._precision import DynamicLossScale as DynamicLossScale
-from ._precision import LossScaleState as LossScaleState
-from ._precision import Precision as Precision
-from ._options import Aux as Aux
-from ._options import OnNonfinite as OnNonfinite
-from ._psum import on_shards as on_shards
-from ._reshard import reshard as reshard
-from ._options import Accumulate as Accumulate
-from ._sharded import ShardedParams as ShardedParams
-from ._sharded import gather as gather
-from ._sharded import shard as shard
-from ._step import jit_step as jit_step
+from ._state.offload import Offload as Offload
+from ._state.plan import Placement as Placement
+from ._state.plan import Plan as Plan
+from ._state.plan import Remat as Remat
+from ._state.plan import RematMode as RematMode
+from ._state.plan import Strategy as Strategy
+from ._state.plan import whole as whole
+from ._state.units import UnitPolicy as UnitPolicy
+from ._state.units import by_module_type as by_module_type
+from ._state.units import by_param_count as by_param_count
+from ._state.units import by_prefix as by_prefix
+from ._state.precision import DynamicLossScale as DynamicLossScale
+from ._state.precision import LossScaleState as LossScaleState
+from ._state.precision import Precision as Precision
+from ._run.options import Aux as Aux
+from ._run.options import OnNonfinite as OnNonfinite
+from ._run.psum import on_shards as on_shards
+from ._state.reshard import reshard as reshard
+from ._run.options import Accumulate as Accumulate
+from ._state.sharded import ShardedParams as ShardedParams
+from ._state.sharded import gather as gather
+from ._state.sharded import shard as shard
+from ._run.step import jit_step as jit_step
 
 __version__ = "0.1.0"
 
@@ -118,18 +118,18 @@ __all__ = [
 # CollectiveLog's calls) or replaced (the strategy factories: Plan("FULL_SHARD", ...)):
 # still importable from here for one release, with a warning.
 _DEPRECATED = {
-    "BufferLayout": ("_layout", "sharded.layout.buffers[name]"),
-    "LeafLayout": ("_layout", "sharded.layout.leaves[name]"),
-    "UnitLayout": ("_layout", "sharded.layout.units[i]"),
-    "Purpose": ("_events", "a purpose's name as a string, e.g. log.select(\"reduce\")"),
-    "Grad": ("_grad", "the object shardfn.jit_grad(...) returns"),
-    "Step": ("_step", "the object shardfn.jit_step(...) returns"),
-    "FullShard": ("_plan", "shardfn.Plan(\"FULL_SHARD\", ...)"),
-    "ShardGradOp": ("_plan", "shardfn.Plan(\"SHARD_GRAD_OP\", ...)"),
-    "NoShard": ("_plan", "shardfn.Plan(\"NO_SHARD\", ...)"),
-    "HybridShard": ("_plan", "shardfn.Plan(\"HYBRID_SHARD\", ...)"),
-    "ShardOptimizer": ("_plan", "shardfn.Plan(\"SHARD_OPTIMIZER\", ...)"),
-    "HybridShardZero2": ("_plan", "shardfn.Plan(\"HYBRID_SHARD_ZERO2\", ...)"),
+    "BufferLayout": ("_state.layout", "sharded.layout.buffers[name]"),
+    "LeafLayout": ("_state.layout", "sharded.layout.leaves[name]"),
+    "UnitLayout": ("_state.layout", "sharded.layout.units[i]"),
+    "Purpose": ("_comm.events", "a purpose's name as a string, e.g. log.select(\"reduce\")"),
+    "Grad": ("_run.grad", "the object shardfn.jit_grad(...) returns"),
+    "Step": ("_run.step", "the object shardfn.jit_step(...) returns"),
+    "FullShard": ("_state.plan", "shardfn.Plan(\"FULL_SHARD\", ...)"),
+    "ShardGradOp": ("_state.plan", "shardfn.Plan(\"SHARD_GRAD_OP\", ...)"),
+    "NoShard": ("_state.plan", "shardfn.Plan(\"NO_SHARD\", ...)"),
+    "HybridShard": ("_state.plan", "shardfn.Plan(\"HYBRID_SHARD\", ...)"),
+    "ShardOptimizer": ("_state.plan", "shardfn.Plan(\"SHARD_OPTIMIZER\", ...)"),
+    "HybridShardZero2": ("_state.plan", "shardfn.Plan(\"HYBRID_SHARD_ZERO2\", ...)"),
 }
 
 

@@ -7,7 +7,7 @@ one release (docs/benchmarks.md, "The torch range").
 
 One difference is a behaviour, not a name, and is met where it arises: torch 2.11's
 ``dcp.load`` swallows what a storage reader's ``read_metadata`` raises and fails later
-with "metadata is None", so ``shardfn._checkpoint._SafeReader`` keeps a refused
+with "metadata is None", so ``shardfn._io.checkpoint._SafeReader`` keeps a refused
 ``.metadata`` and the load raises that (the same error on every release).
 """
 

@@ -1,5 +1,5 @@
 """The errors every rank raises alike when ranks differ or fail (see [Note: the schedule guard]
-in shardfn._guard), exported as ``shardfn.DivergenceError``, ``PeerError`` and ``CommError``."""
+in shardfn._comm.guard), exported as ``shardfn.DivergenceError``, ``PeerError`` and ``CommError``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ __all__ = ["CommError", "DivergenceError", "PeerError"]
 
 
 # The public errors carry the name users import them by (``shardfn.PeerError`` in a
-# traceback, not ``shardfn._guard.PeerError``); pickle finds them there too. They pickle
-# without the process groups shardfn._guard.told marks them with: those mean nothing elsewhere.
+# traceback, not ``shardfn._comm.guard.PeerError``); pickle finds them there too. They pickle
+# without the process groups shardfn._comm.guard.told marks them with: those mean nothing elsewhere.
 
 
 def _state(exc: BaseException) -> dict[str, Any]:

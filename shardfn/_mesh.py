@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import _collectives as C
-from . import _guard
-from ._tensor_random import TensorRandom
-from ._events import Purpose
+from ._comm import collectives as C
+from ._comm import guard as _guard
+from ._parallel.rng import TensorRandom
+from ._comm.events import Purpose
 
 __all__ = ["Mesh"]
 
@@ -306,7 +306,7 @@ class Mesh:
 
     # -- collectives for the training loop -------------------------------------------------
     # What Lightning's strategy.barrier / broadcast / reduce / all_gather do, over the whole
-    # mesh, through shardfn._collectives: recorded (purpose "user") and guarded like every
+    # mesh, through shardfn._comm.collectives: recorded (purpose "user") and guarded like every
     # other collective, so a rank that is elsewhere is named instead of waited for.
 
     def barrier(self) -> None:

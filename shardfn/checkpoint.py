@@ -7,8 +7,8 @@ Example:
     'ckpt/step-100'
 """
 
-from ._checkpoint import latest as latest
-from ._checkpoint import load as load
-from ._checkpoint import save as save
+from ._io.checkpoint import latest as latest
+from ._io.checkpoint import load as load
+from ._io.checkpoint import save as save
 
 __all__ = ["latest", "load", "save"]

@@ -31,11 +31,11 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ._checkpoint import _FORMAT, _META, _SELF, _changed, _corrupted, _digest, _meta_digest, _publish, _read_meta
-from ._checkpoint import _SafeReader
+from ._io.checkpoint import _FORMAT, _META, _SELF, _changed, _corrupted, _digest, _meta_digest, _publish, _read_meta
+from ._io.checkpoint import _SafeReader
 from ._compat import written_files
 from ._memory import parse_size
-from ._safetensors import Source, Writer
+from ._io.safetensors import Source, Writer
 
 __all__ = ["checkpoint_to_safetensors", "main", "safetensors_to_checkpoint"]
 

@@ -1,4 +1,4 @@
-"""The pieces of ``torch.cuda`` that shardfn._capture uses, faked on the CPU as strictly as CUDA.
+"""The pieces of ``torch.cuda`` that shardfn._program.capture uses, faked on the CPU as strictly as CUDA.
 
 A capture (:meth:`FakeCuda.capture`) runs the body once under a dispatch mode that records
 every aten op with its arguments and results (tensors by object), then undoes what the run
@@ -212,7 +212,7 @@ def _refusing_host_state():
 
 
 class FakeCuda:
-    """The pieces of torch.cuda that shardfn._capture uses, on the CPU. ``fail``: the captures
+    """The pieces of torch.cuda that shardfn._program.capture uses, on the CPU. ``fail``: the captures
     (counted from 0) that raise, each at its op given there (out of memory)."""
 
     log: list = []

@@ -1,7 +1,7 @@
 """A rank that fails after the step's point of no return (the metrics all-reduce, after which
 every rank updates): every rank raises and says which ranks updated and which did not, the
 trees refuse what comes next, naming the way back (shardfn.checkpoint.latest), and the
-failing rank's own state is not half-advanced. See shardfn._no_return [Note: the point of no return]."""
+failing rank's own state is not half-advanced. See shardfn._run.no_return [Note: the point of no return]."""
 
 import os
 

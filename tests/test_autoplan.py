@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import shardfn as sf
-from shardfn._autoplan import _figures
+from shardfn._planning.autoplan import _figures
 from shardfn.testing import split_batch
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
@@ -99,7 +99,7 @@ def test_the_cache_answers_only_for_the_same_loss_and_stays_bounded(monkeypatch)
     function alive instead, and the cache keeps only the most recent entries."""
     import weakref
 
-    from shardfn import _autoplan
+    from shardfn._planning import autoplan as _autoplan
 
     monkeypatch.setattr(_autoplan, "_CACHE", type(_autoplan._CACHE)())
     monkeypatch.setattr(_autoplan, "_CACHE_SIZE", 2)

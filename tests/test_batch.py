@@ -116,7 +116,7 @@ def test_a_leaf_that_is_not_a_batch_leaf_is_refused_not_cut(clusters, mask, line
 
 
 def test_whole_takes_a_tensor_and_rows_and_tokens_skip_it():
-    from shardfn._batch import count_tokens, rows
+    from shardfn._run.batch import count_tokens, rows
 
     with pytest.raises(TypeError, match=r"shardfn.Whole\(tensor\): expected a tensor"):
         sf.Whole([1, 2])
@@ -128,7 +128,7 @@ def test_whole_takes_a_tensor_and_rows_and_tokens_skip_it():
 
 
 def test_batched_takes_a_tensor_with_rows_and_rows_and_tokens_read_it_first():
-    from shardfn._batch import count_tokens, rows
+    from shardfn._run.batch import count_tokens, rows
 
     with pytest.raises(TypeError, match=r"shardfn.Batched\(tensor\): expected a tensor"):
         sf.Batched([1, 2])
@@ -142,7 +142,7 @@ def test_batched_takes_a_tensor_with_rows_and_rows_and_tokens_read_it_first():
 
 
 def test_split_cuts_marked_leaves_keeps_whole_ones_and_checks_only_when_it_cuts():
-    from shardfn._batch import split
+    from shardfn._run.batch import split
 
     x, mask = torch.arange(256).view(16, 16), torch.tril(torch.ones(16, 16))
     parts = split({"x": sf.Batched(x), "mask": sf.Whole(mask), "n": 3}, 2)
@@ -155,7 +155,7 @@ def test_split_cuts_marked_leaves_keeps_whole_ones_and_checks_only_when_it_cuts(
 
 
 def test_every_ambiguous_leaf_is_named_at_once_with_its_shape_the_rows_and_both_fixes():
-    from shardfn._batch import split
+    from shardfn._run.batch import split
 
     x, feats = torch.zeros(16, 16, dtype=torch.long), torch.zeros(16, 3, 16)
     batch = {"x": x, "y": x, "feats": feats, "pos": torch.zeros(4, 16), "ok": torch.zeros(16, 4)}

@@ -1,5 +1,5 @@
 """jit_step(graph=True) on CUDA: the recorded program replayed as one CUDA graph
-([Note: capturing a step] in shardfn._capture), checked on the CPU with fakes of the pieces of
+([Note: capturing a step] in shardfn._program.capture), checked on the CPU with fakes of the pieces of
 ``torch.cuda`` it uses (tests/fake_cuda.py): a fake graph as strict as CUDA's, whose capture
 records the ops and runs nothing and whose replay runs the recorded ops on the captured
 memory, never the step's Python, and fake streams that log what waits on what. No GPU is
@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import shardfn as sf
 from fake_cuda import FakeCuda
-from shardfn import _capture
+from shardfn._program import capture as _capture
 from shardfn.testing import split_batch
 from test_equivalence import gpt_batches, gpt_loss, gpt_model
 from test_faults import _run
@@ -244,8 +244,8 @@ def _host_program(constant=None, host_op=False):
 def test_a_host_tensor_in_a_device_program_is_refused_naming_it():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from shardfn._host import refuse_host_tensors
-    from shardfn._recording import Unrecordable
+    from shardfn._program.host import refuse_host_tensors
+    from shardfn._comm.recording import Unrecordable
 
     cuda = torch.device("cuda", 0)
     names = ["params['w']", "batch leaf 0"]

@@ -100,7 +100,7 @@ def test_resume_is_bitwise_exact(clusters, tmp_path):
 
 def interrupted_save(path):
     """A first good save, then a save that dies after writing its data."""
-    from shardfn import _checkpoint
+    from shardfn._io import checkpoint as _checkpoint
 
     mesh, sharded, state, step, _ = _train("FULL_SHARD", steps=1)
     sf.checkpoint.save(path, sharded, state, extra={"step": 1})
@@ -194,7 +194,7 @@ class _Evil:
 def tampered_load(path):
     import pickle
 
-    from shardfn import _checkpoint
+    from shardfn._io import checkpoint as _checkpoint
 
     _, sharded, state, _, _ = _train("FULL_SHARD", steps=0)
     sf.checkpoint.save(path, sharded, state)

@@ -1,4 +1,4 @@
-"""Copies per training step: exactly what [Note: copies] (shardfn/_gather.py, _reduce.py) says remains.
+"""Copies per training step: exactly what [Note: copies] (shardfn/_group/gather.py, _group/reduce.py) says remains.
 
 A ``TorchDispatchMode`` sees every aten op a step issues. Ops that move tensor data
 without computing anything new (``copy_``, ``_to_copy``, ``cat``, ``clone``, the
@@ -28,10 +28,10 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardfn as sf
-from shardfn._layout import build_layout
-from shardfn._packing import local_shard, pack_leaf, pack_unit, unpack_leaf, unpack_unit
-from shardfn._plan import Plan
-from shardfn._tree import tree_info
+from shardfn._state.layout import build_layout
+from shardfn._state.packing import local_shard, pack_leaf, pack_unit, unpack_leaf, unpack_unit
+from shardfn._state.plan import Plan
+from shardfn._state.tree import tree_info
 from shardfn.testing import split_batch
 from shardfn.testing.models import GPT, GPTConfig, lm_loss
 
@@ -187,11 +187,11 @@ def expected_copies(layout):
     return {"gather": gather, "reduce": reduce}
 
 
-PATCHED = [("_gather", "Unit", "_issue", "gather"), ("_gather", "Unit", "_gather", "gather"),
-           ("_buckets", "GatherBucket", "issue", "gather"), ("_buckets", "Flight", "wait", "gather"),
-           ("_buckets", "ReduceBucket", "issue", "reduce"),
-           ("_reduce", "UnitGrads", "_accumulate", "reduce"), ("_reduce", "UnitGrads", "_issue", "reduce"),
-           ("_reduce", "UnitGrads", "to_master", "reduce")]
+PATCHED = [("_group.gather", "Unit", "_issue", "gather"), ("_group.gather", "Unit", "_gather", "gather"),
+           ("_group.buckets", "GatherBucket", "issue", "gather"), ("_group.buckets", "Flight", "wait", "gather"),
+           ("_group.buckets", "ReduceBucket", "issue", "reduce"),
+           ("_group.reduce", "UnitGrads", "_accumulate", "reduce"), ("_group.reduce", "UnitGrads", "_issue", "reduce"),
+           ("_group.reduce", "UnitGrads", "to_master", "reduce")]
 
 
 def count_step(strategy, precision, placement="rows", bucket_bytes=0):

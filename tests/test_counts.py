@@ -191,8 +191,8 @@ def test_persistent_state_is_the_padded_one_nth_share(clusters, world, placement
 
 def reduce_scatter_average(values):
     """Each rank contributes `rank + 1` times `values`: the average is known exactly."""
-    from shardfn import _collectives as C
-    from shardfn._events import Purpose
+    from shardfn._comm import collectives as C
+    from shardfn._comm.events import Purpose
 
     N, r = dist.get_world_size(), dist.get_rank()
     inp = torch.tensor(values, dtype=torch.float32).repeat(N) * (r + 1)
@@ -222,8 +222,8 @@ def reduce_scatter_chunks():
     mean) of exactly its own chunk over all ranks, blocking or not, in fp32 and bf16."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from shardfn import _collectives as C
-    from shardfn._events import Purpose
+    from shardfn._comm import collectives as C
+    from shardfn._comm.events import Purpose
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -276,7 +276,7 @@ def freed_for_real():
     anything they hold must not keep a storage alive)."""
     import weakref
 
-    from shardfn._gather import Unit
+    from shardfn._group.gather import Unit
 
     refs = {}  # (event, unit) -> weakrefs of the storages of the full tensors it produced
     original = Unit._gather

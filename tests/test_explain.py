@@ -181,7 +181,7 @@ def test_overlapped_reductions_cost_at_most_a_gradient_shard_over_blocking_ones(
     # (unit_grad bytes), holding every unit's until the end of backward by several. What
     # overlap costs now is at most a shard of a unit's gradient (unit_grad / 2 at world 2;
     # measured: that plus 46 KiB). With gloo's own reduce-scatter (before shardfn's, see
-    # shardfn._collectives [Note: reduce-scatter on gloo]) both peaks were higher (23.99
+    # shardfn._comm.collectives [Note: reduce-scatter on gloo]) both peaks were higher (23.99
     # and 23.95 MB against 22.42 and 20.79 now) and about equal: its internal copy of the
     # input, made on gloo's thread, was invisible to this counter.
     assert overlapped <= blocking + unit_grad // 2 + 64 * 1024, (overlapped, blocking, unit_grad)

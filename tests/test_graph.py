@@ -261,7 +261,7 @@ def test_a_new_batch_shape_is_recorded_again(clusters):
 
 def _with_fingerprint(offset):
     """A graph step whose rank 1 records another program (its fingerprint moved)."""
-    from shardfn import _graph
+    from shardfn._program import graph as _graph
 
     mesh = sf.Mesh.from_group()
     original = _graph._fingerprint

@@ -301,7 +301,7 @@ def test_a_replay_leaves_an_nccl_groups_timeout_to_its_watchdog():
     # not have: there it must leave the group alone (its watchdog bounds the replay)
     from types import SimpleNamespace
 
-    from shardfn._replay import bounded
+    from shardfn._program.replay import bounded
 
     class Group:
         def __init__(self):

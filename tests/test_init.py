@@ -24,7 +24,7 @@ def meta_model(name):
 
 def deferred(name, strategy, replicate=None):
     """Deferred init of a meta model; also checks one unit of full values at a time."""
-    from shardfn import _materialize
+    from shardfn._state import materialize as _materialize
 
     mesh = sf.Mesh.from_group(replicate=replicate)
     params, _ = sf.functionalize(meta_model(name))

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardfn as sf
-from shardfn._layout import build_layout
-from shardfn._packing import local_shard, pack_leaf, unpack_leaf
-from shardfn._plan import Plan
-from shardfn._tree import tree_info
+from shardfn._state.layout import build_layout
+from shardfn._state.packing import local_shard, pack_leaf, unpack_leaf
+from shardfn._state.plan import Plan
+from shardfn._state.tree import tree_info
 from shardfn.testing.models import GPT, MLP, Block, GPTConfig, Layer
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)

@@ -53,7 +53,7 @@ def test_a_dtensor_counts_as_its_local_shard(clusters):
 def header_exchange_bytes():
     """The live bytes of one schedule-guard header exchange (an all-reduce of the header's
     int64 words and their negation over the gloo control group)."""
-    from shardfn import _guard as G
+    from shardfn._comm import guard as G
 
     mesh = sf.Mesh.from_group()
     with sf.track_live_bytes() as mem:

@@ -366,7 +366,7 @@ def test_keep_gathered_on_one_rank_only_raises_on_every_rank_before_the_update(c
 def _life_events(plan, **options):
     """The residency events of a steady-state step, and the states every unit of the step's
     runtime was left in (a step's runtime ends with Runtime.finish)."""
-    from shardfn import _runtime
+    from shardfn._run import runtime as _runtime
 
     ended = []
     finish = _runtime.Runtime.finish

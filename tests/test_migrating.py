@@ -31,7 +31,7 @@ import torch
 
 import shardfn as sf
 from conftest import dotted
-from shardfn._step import Step  # what jit_step returns
+from shardfn._run.step import Step  # what jit_step returns
 
 pytestmark = pytest.mark.slow
 

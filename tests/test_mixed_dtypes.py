@@ -130,7 +130,7 @@ def test_bf16_model_with_fp32_lora_adapters(clusters, strategy, remat, world):
             # The sharded run computes what one process computes on the ranks' slices, bit for
             # bit: each rank runs the same kernels on the same shapes as the reference's slice
             # (the same matmuls, strides and alignment), and the reduce-scatter adds the ranks'
-            # gradients in rank order, as the reference does (shardfn._collectives [Note: the
+            # gradients in rank order, as the reference does (shardfn._comm.collectives [Note: the
             # order of the sum]). Only exactness can hold here: a last-bit difference in an fp32
             # adapter can move a bf16 rounding of the block's output, which the next steps turn
             # into a relative 2**-8 change of some gradient (on MKL's AVX-512 kernels, a world-3

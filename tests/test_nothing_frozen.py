@@ -73,7 +73,7 @@ def _batches(rank, world):
 def _run(device, frozen, strategy):
     """Per step: the program's loss and the eager step's, and the largest difference of their shards."""
     import fake_device
-    from shardfn._graph import _bases
+    from shardfn._program.graph import _bases
 
     schedule = _frozen_schedule if frozen else _schedule
     rank, world = dist.get_rank(), dist.get_world_size()

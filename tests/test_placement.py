@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardfn as sf
-from shardfn._layout import build_layout
-from shardfn._packing import pack_unit, unpack_unit
-from shardfn._pieces import rectangles
-from shardfn._plan import Plan
-from shardfn._tree import tree_info
+from shardfn._state.layout import build_layout
+from shardfn._state.packing import pack_unit, unpack_unit
+from shardfn._state.pieces import rectangles
+from shardfn._state.plan import Plan
+from shardfn._state.tree import tree_info
 from shardfn.testing import check_equivalence, split_batch
 from test_equivalence import OPTIMIZERS, gpt_batches, gpt_loss, gpt_model, mlp_batches, mlp_loss, mlp_model
 
@@ -405,7 +405,7 @@ def _saved_views(placement, regather_apart):
     the leaf it names and whether the saved tensor lies inside that leaf. ``regather_apart``:
     backward's regather gives each leaf a storage of its own (an all-gather laid out anew),
     so a handle made again from another leaf's storage, or at its absolute offset, shows."""
-    import shardfn._gather as G
+    import shardfn._group.gather as G
 
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardfn as sf
-from shardfn import _collectives as C
-from shardfn import _pipelined as P
+from shardfn._comm import collectives as C
+from shardfn._comm import pipelined as P
 from shardfn.optim import adamw
 from test_faults import PG_TIMEOUT, STEP_TIMEOUT, _run
 from test_ranks_differ import Stack

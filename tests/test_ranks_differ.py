@@ -1,5 +1,5 @@
 """Ranks that differ: every rank raises the same clear error before anything changes, or the
-step is right. See shardfn._guard [Note: the schedule guard]."""
+step is right. See shardfn._comm.guard [Note: the schedule guard]."""
 
 import functools
 import inspect

@@ -113,7 +113,7 @@ def _mixed(path):
     recording and replays that leave no trace in ``_version``); 6 eager again; then the
     checkpoint loaded and 2-7 eager. The learning rates and the final parameters, and a plain
     eager run's."""
-    from shardfn._graph import GraphStep
+    from shardfn._program.graph import GraphStep
 
     mesh = sf.Mesh.from_group()
     batches = [split_batch(b, mesh.rank, mesh.size) for b in _batches(8)]
@@ -248,7 +248,7 @@ def test_a_changed_torch_learning_rate_records_a_new_program(clusters):
 
 
 def test_a_rank_whose_param_groups_changed_is_named():
-    from shardfn._graph_key import group_values, what_changed
+    from shardfn._program.key import group_values, what_changed
 
     sgd = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1, momentum=0.5)
     last = ("state", "bspec", (), (), group_values([sgd]))

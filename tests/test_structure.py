@@ -79,7 +79,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     graph = imports()
-    assert {"shardfn._gather", "shardfn._reduce", "shardfn._runtime"} <= graph["shardfn._call"] | graph["shardfn._gather"]
+    assert {"shardfn._group.gather", "shardfn._group.reduce", "shardfn._run.runtime"} <= graph["shardfn._run.call"] | graph["shardfn._group.gather"]
     assert cycles(graph) == []
 
 
@@ -117,7 +117,7 @@ def test_the_strategy_reader_sees_a_read():
     found = tool.strategy_reads({
         "_a.py": ast.parse("x = layout.strategy.sharded\ny = s is Strategy.NO_SHARD\nz = lay.world == 1\n"
                            "w = plan.reshard_after_forward\nprint(layout.strategy.value)\n"),
-        "_layout.py": ast.parse("x = self.plan.strategy.sharded\n"),
+        "_state/layout.py": ast.parse("x = self.plan.strategy.sharded\n"),
     })
     assert sorted(line for _, line, _ in found) == [1, 2, 3, 4]
 
@@ -149,7 +149,7 @@ def test_no_module_over_400_code_lines():
 
 def test_no_note_over_25_lines():
     found = {(name, path) for _, name, path in _tool().notes(ROOT)}
-    assert {("buckets", "_buckets.py"), ("the life of a unit", "_gather.py")} <= found  # the measure sees Notes
+    assert {("buckets", "_group/buckets.py"), ("the life of a unit", "_group/gather.py")} <= found  # the measure sees Notes
     assert long_notes(ROOT) == {}
 
 
@@ -187,17 +187,17 @@ def test_the_figure_pattern():
 
 
 def test_only_collectives_issues_collectives():
-    """Every collective goes through shardfn._collectives, which agrees on it, records it and
+    """Every collective goes through shardfn._comm.collectives, which agrees on it, records it and
     names it; the guard's own header exchange is the one other caller (it is that agreement)."""
     tool = _tool()
-    assert set(tool.collective_callers(tool._modules())) == {"_collectives.py", "_guard.py"}
+    assert set(tool.collective_callers(tool._modules())) == {"_comm/collectives.py", "_comm/guard.py"}
     found = tool.collective_callers({"_a.py": ast.parse("dist.all_reduce(t)\nx = all_gather_single(o, i)\n"
                                                         "gather(sharded)\n_F.all_to_all_single(x, s, s, g)\n")})
     assert found == {"_a.py": 3}
 
 
 def test_no_module_stores_into_a_sharded_tree():
-    """A ShardedParams's fields are stored in shardfn/_sharded.py only; elsewhere a tree
+    """A ShardedParams's fields are stored in shardfn/_state/sharded.py only; elsewhere a tree
     changes through its named methods ([Note: what a tree carries])."""
     tool = _tool()
     stores = [w for w in tool.tree_writers(tool._modules()) if w[2].split(".")[-1] in tool.TREE_FIELDS]

@@ -82,7 +82,7 @@ def test_all_holds_what_users_call_and_each_name_is_documented():
 
 def test_errors_go_by_their_public_names():
     """A traceback names an error as users import it (``shardfn.PeerError``, not
-    ``shardfn._guard.PeerError``), and it pickles under that name, with its fields."""
+    ``shardfn._comm.guard.PeerError``), and it pickles under that name, with its fields."""
     errors = [(prefix, name, getattr(module, name)) for prefix, module in _namespaces() for name in module.__all__
               if inspect.isclass(getattr(module, name)) and issubclass(getattr(module, name), BaseException)]
     assert {f"{p}.{n}" for p, n, _ in errors} >= {"shardfn.DivergenceError", "shardfn.PeerError", "shardfn.CommError",
@@ -417,8 +417,8 @@ def test_an_error_raised_among_ranks_names_its_rank(clusters):
 # a model or a mesh: the host storages memory accounting tells apart (weak references), the
 # live-bytes trackers running now, CUDA's side streams and the events of copies to pinned
 # memory not yet waited for, and autoplan's figures keyed by the value of their inputs.
-PROCESS_RESOURCES = {("shardfn._memory", "_HOST"), ("shardfn._memory", "_ACTIVE"), ("shardfn._offload", "_SIDE"),
-                     ("shardfn._offload", "_TO_HOST"), ("shardfn._autoplan", "_CACHE")}
+PROCESS_RESOURCES = {("shardfn._memory", "_HOST"), ("shardfn._memory", "_ACTIVE"), ("shardfn._state.offload", "_SIDE"),
+                     ("shardfn._state.offload", "_TO_HOST"), ("shardfn._planning.autoplan", "_CACHE")}
 
 
 def module_state() -> dict[str, str]:

@@ -237,7 +237,7 @@ def _embedding_spec(objects):
 
 
 def auto_plan_of_llama():
-    from shardfn._tensor import auto_plan
+    from shardfn._parallel.tensor import auto_plan
 
     return auto_plan(llama())
 

@@ -57,7 +57,7 @@ def test_the_printed_layout_says_what_is_split_and_counts_the_whole_model(cluste
 
 
 def test_an_unknown_style_is_refused_listing_every_style_there_is(clusters):
-    from shardfn._tensor import STYLES
+    from shardfn._parallel.tensor import STYLES
 
     # Before: the message offered 'colwise' and 'rowwise' only (and the sequence styles).
     first, second = clusters[2].run(_shard_outcome, {}, {"blocks.*.mlp.0": "colwise_rep"})

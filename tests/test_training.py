@@ -214,8 +214,8 @@ def test_tied_embeddings(clusters, units, world):
 
 def test_tie_across_units_goes_to_the_root_unit():
     params, _ = sf.functionalize(tied_gpt())
-    from shardfn._layout import build_layout
-    from shardfn._tree import tree_info
+    from shardfn._state.layout import build_layout
+    from shardfn._state.tree import tree_info
 
     layout = build_layout(sf.Plan("FULL_SHARD"), (2,), 2, 1, params, ["tok", "head", "blocks.0"],
                           tree_info(params.module))

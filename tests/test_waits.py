@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 import shardfn as sf
-from shardfn import _collectives as C
-from shardfn import _guard as G
-from shardfn import _pipelined as P
+from shardfn._comm import collectives as C
+from shardfn._comm import guard as G
+from shardfn._comm import pipelined as P
 from shardfn.testing import split_batch
 from shardfn.testing.models import GPT, lm_loss
 from test_counts import CFG

@@ -18,7 +18,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "shardfn"
 
 # Modules that may read the strategy: the plan, its resolution against a mesh, the layout.
-PLAN_MODULES = {"_plan.py", "_resolve.py", "_layout.py"}
+PLAN_MODULES = {"_state/plan.py", "_state/resolve.py", "_state/layout.py"}
 TREE_FIELDS = {"_data", "_verdict", "_replicas"}
 TREE_MUTATORS = {"_set_buffers", "_donate_replicas", "_values_replaced"}
 
@@ -53,15 +53,15 @@ def strategy_reads(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]
 
 
 def tree_writers(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
-    """Places outside ``_sharded.py`` that change a ShardedParams: a store to one of its
+    """Places outside ``_state/sharded.py`` that change a ShardedParams: a store to one of its
     fields on anything but ``self``, or a call of its private mutators."""
     out = []
     for path, tree in modules.items():
-        if path == "_sharded.py":
+        if path == "_state/sharded.py":
             continue
         for n in ast.walk(tree):
             if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr in TREE_FIELDS \
-                    and not (isinstance(n.value, ast.Name) and n.value.id == "self") and path != "_gradients.py":
+                    and not (isinstance(n.value, ast.Name) and n.value.id == "self") and path != "_run/gradients.py":
                 out.append((path, n.lineno, ast.unparse(n)))
             elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in TREE_MUTATORS:
                 out.append((path, n.lineno, ast.unparse(n.func)))
@@ -188,7 +188,7 @@ def code_lines(text: str) -> int:
 def counts() -> None:
     modules = _modules()
     writers, reads = tree_writers(modules), strategy_reads(modules)
-    print(f"ShardedParams writers outside _sharded.py: {len(writers)}")
+    print(f"ShardedParams writers outside _state/sharded.py: {len(writers)}")
     for w in writers:
         print(f"    {w[0]}:{w[1]}  {w[2]}")
     print(f"strategy-derived flags read outside {', '.join(sorted(PLAN_MODULES))}: {len(reads)}")
@@ -198,7 +198,7 @@ def counts() -> None:
     print("    " + ", ".join(f"{p} {k}" for p, k in sorted(per.items(), key=lambda kv: -kv[1])))
     print("modules that call collectives themselves: " + ", ".join(f"{p} {k}" for p, k in
                                                                 sorted(collective_callers(modules).items())))
-    print(f"slots: Unit {slots(modules, '_gather.py', 'Unit')}, Runtime {slots(modules, '_runtime.py', 'Runtime')}")
+    print(f"slots: Unit {slots(modules, '_group/gather.py', 'Unit')}, Runtime {slots(modules, '_run/runtime.py', 'Runtime')}")
     print(f"ContextVars: {len(context_vars(modules))}  ({', '.join(f'{p}:{n}' for p, n in context_vars(modules))})")
     longest = notes()[:3]
     print("longest Notes: " + "; ".join(f"[Note: {name}] {k} lines ({p})" for k, name, p in longest))

@@ -8,7 +8,7 @@ from typing import Any, Union
 
 import torch
 
-from .._recording import Unrecordable, recording
+from .._comm.recording import Unrecordable, recording
 from ._count import host_count
 
 Params = Mapping[str, torch.Tensor]

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._recording import recording
+from .._comm.recording import recording
 
 __all__ = ["advance", "forget", "host_count", "incremented", "new_count"]
 

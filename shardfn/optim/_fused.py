@@ -2,7 +2,7 @@
 
 [Note: fused updates]
 A flat unit's shards are views of one shard buffer ([Note: placements] in
-shardfn._layout), its gradients views of one reduced buffer at the same offsets. State
+shardfn._state.layout), its gradients views of one reduced buffer at the same offsets. State
 built by :func:`zeros_like_views` is laid out the same way: the moments of a unit's leaves
 are views of one zero buffer of the unit's shape. An elementwise in-place update
 (``adamw``'s and ``sgd``'s ``update_``) may then run once on the buffers instead of once

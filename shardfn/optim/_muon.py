@@ -11,9 +11,9 @@ from ._count import advance, incremented as _next, new_count
 from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _trainable
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
-from .._events import Purpose
-from .._recording import Unrecordable, recording
-from .._tensor import full_leaf
+from .._comm.events import Purpose
+from .._comm.recording import Unrecordable, recording
+from .._parallel.tensor import full_leaf
 from ._whole import full_shape, require_whole, split_of, whole_tensor
 
 __all__ = ["MuonState", "muon"]

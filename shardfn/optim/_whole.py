@@ -10,7 +10,7 @@ one-process Muon after 3 steps). So such a transformation calls :func:`require_w
 shardfn.whole(...)`` puts each such parameter whole on one rank, nothing of it elsewhere)
 or not cut at all (NO_SHARD, a world of one). The layout is the same on every rank, so
 every rank raises the same error, at ``init`` and again in a step's structure check,
-before any state changes. A leaf split over the mesh's ``tensor`` axis (shardfn._tensor) is
+before any state changes. A leaf split over the mesh's ``tensor`` axis (shardfn._parallel.tensor) is
 never whole on one rank: a transformation that gathers its pieces itself (Muon: one
 all-gather of the update's pieces over the tensor group, which holds the same placement on
 every rank) passes ``tensor_ok=True``; for the others it stays cut.

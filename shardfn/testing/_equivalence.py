@@ -12,13 +12,13 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .._batch import Mean, Whole, unwrap
+from .._run.batch import Mean, Whole, unwrap
 from .._deprecated import renamed
-from .._functionalize import Apply, functionalize
+from .._run.functionalize import Apply, functionalize
 from .._mesh import Mesh
-from .._plan import Plan, Strategy
-from .._sharded import ShardedParams, gather, shard
-from .._step import jit_step
+from .._state.plan import Plan, Strategy
+from .._state.sharded import ShardedParams, gather, shard
+from .._run.step import jit_step
 from ..optim import GradientTransformation, apply_updates
 from ._cluster import Cluster
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._guard import HEADER
+from .._comm.guard import HEADER
 
 __all__ = ["OpCount", "count_ops"]
 

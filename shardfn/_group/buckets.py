@@ -1,0 +1,267 @@
+"""Buckets: neighbouring units share one collective.
+
+[Note: buckets]
+Every collective costs a latency and the host work of issuing and waiting for it, whatever
+its size, and small units pay them unit by unit. So neighbouring units share one
+collective, up to ``Plan(bucket_bytes=...)`` bytes of its buffer (0: every unit alone). A
+bucket is not free: it adds copies, starts its first reduction later and, under
+FULL_SHARD, is gathered and held where one unit was; the default keeps nearly all the gain
+of small units and leaves alone units that already amortise their latency.
+
+Which units share a bucket is part of the layout, the same on every rank, and a bucket is
+named after its first and last units (``blocks.0..blocks.5``) in collectives and
+``explain``. Gradients (:func:`reduce_buckets`) fill from the last unit back, backward's
+order, with a small first bucket (``FIRST_BUCKET_BYTES``, as DDP's) so that communication
+starts early; parameters (:func:`gather_buckets`) in layout order. A bucket has one dtype
+and one reshard rule; a unit that cannot share a collective with its neighbours (an
+optional one, an offloaded one, hybrid's two-step reduction, ...) travels alone.
+
+A unit that some ranks skip raises the same DivergenceError on every rank, bucketed or
+alone, unless it is declared optional: one rule, whatever the bucket sizes. Alone, its
+collectives differ; in a bucket they would not, so a bucket's reduction carries in its
+header's detail which members this rank did not run (:func:`skipped_detail`).
+
+Strategy by strategy (what each reduces and gathers in a bucket, the copies a bucket adds,
+which units travel alone) and the measurements behind the default: docs/strategies.md,
+"Buckets: small units share a collective".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._comm import collectives as C
+from .._comm.events import Purpose
+from .._comm.guard import unit_id
+from .._state.packing import pack_shards, shard_buffer
+
+__all__ = ["FIRST_BUCKET_BYTES", "GatherBucket", "ReduceBucket", "buckets_of", "gather_buckets", "reduce_buckets", "skipped_detail"]
+
+FIRST_BUCKET_BYTES = 2**20
+
+
+def reduce_buckets(layout: Any) -> tuple[tuple[int, ...], ...]:
+    """The units whose gradient reductions travel together, as tuples of unit indices in
+    layout order; every unit that reduces is in exactly one (see [Note: buckets])."""
+    reducing = [u for u in layout.units if u.grad_numel]
+    no_shard = layout.reduction.all_reduces and not layout.reduction.scatters
+    sharded = layout.reduction.scatters and not layout.reduction.all_reduces and not layout.offloaded
+    if not ((no_shard or sharded) and layout.plan.bucket_bytes):
+        return tuple((u.index,) for u in reducing)
+    def solo(u: Any) -> bool:  # a unit that reduces in a bucket of its own
+        return u.optional or (sharded and u.whole)
+
+    out: list[list[int]] = []
+    size, dtype = 0, None
+    for u in reversed(reducing):
+        nbytes = layout.world * u.grad_numel * u.reduce_dtype.itemsize  # the buffer: [world, gn]
+        alone = solo(u) or (out and solo(layout.units[out[-1][0]]))
+        cap = min(FIRST_BUCKET_BYTES, layout.plan.bucket_bytes) if len(out) == 1 else layout.plan.bucket_bytes
+        if not out or alone or u.reduce_dtype != dtype or size + nbytes > cap:
+            out.append([])
+            size = 0
+        out[-1].insert(0, u.index)
+        size, dtype = size + nbytes, u.reduce_dtype
+    return tuple(tuple(b) for b in reversed(out))
+
+
+def gather_buckets(layout: Any) -> tuple[tuple[int, ...], ...]:
+    """The units whose all-gathers travel together, as tuples of unit indices in layout
+    order; every unit is in exactly one (see [Note: buckets])."""
+    on = (layout.gathers and not layout.reduction.all_reduces and layout.plan.bucket_bytes  # (not hybrid)
+          and not layout.offloaded and not layout.keeps_replica)
+    out: list[list[int]] = []
+    size, key = 0, None
+    for u in layout.units:
+        joins = bool(on and u.path and u.numel and not u.optional and u.remat is None and u.subgroup is None
+                     and not u.whole)
+        nbytes = layout.world * u.numel * u.param_dtype.itemsize
+        mine = (u.param_dtype, bool(u.reshard)) if joins else None
+        if mine is None or mine != key or size + nbytes > layout.plan.bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(u.index)
+        size, key = size + nbytes, mine
+    return tuple(tuple(b) for b in out)
+
+
+class _Bucket:
+    """Units that share one collective: their indices in the layout, each one's offset in the
+    bucket's buffer, and the units at run time, which join as each is built."""
+
+    __slots__ = ("members", "units", "offsets", "numel", "name")
+
+    def __init__(self, layout: Any, members: tuple[int, ...], sizes: list[int]):
+        self.members = members
+        self.units: list[Any] = [None] * len(members)
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.numel = sum(sizes)
+        self.name = layout.bucket_name(members)
+
+    def join(self, unit: Any) -> None:
+        self.units[self.members.index(unit.unit.index)] = unit
+
+
+class GatherBucket(_Bucket):
+    """Units whose all-gathers travel together (see [Note: buckets]): the first member that
+    needs its parameters starts one all-gather for all; each member in flight with it
+    copies its columns out when used (shardfn._group.gather.Unit)."""
+
+    __slots__ = ()
+
+    def __init__(self, layout: Any, members: tuple[int, ...]):
+        super().__init__(layout, members, [layout.units[i].numel for i in members])
+
+    def issue(self, purpose: Purpose) -> None:
+        """One all-gather of every member's shards into a ``[world, numel]`` output; every
+        member that is sharded goes in flight with it. The members' shard buffers go into
+        this rank's row in one op (a unit whose shards are not one buffer packs its own)."""
+        first = self.units[0]
+        with torch.no_grad():
+            out = torch.empty(first.layout.world, self.numel, dtype=first.unit.param_dtype, device=first.device)
+            row = out[first.rank]
+            parts = [row[off : off + u.unit.numel] for u, off in zip(self.units, self.offsets)]
+            bases = [_shard_base(u) for u in self.units]
+            if all(b is not None for b in bases):
+                torch._foreach_copy_(parts, bases)  # cast to the param dtype on the way
+            else:
+                for unit, part in zip(self.units, parts):
+                    pack_shards(part, unit.shards, False, unit.runtime.observers, unit.unit.name,
+                                unit.layout.offsets(unit.unit, unit.rank) if unit.unit.flat else None)
+            work = C.all_gather(out.view(-1), row, first.channel, purpose, self.name, async_op=True,
+                                to=first.runtime.observers, scope=first.runtime.scope)
+        flight = Flight(work, out, [u.unit.numel for u in self.units], self.name)
+        for i, unit in enumerate(self.units):
+            unit.take_flight(Share(flight, i))
+
+
+def _shard_base(unit: Any) -> torch.Tensor | None:
+    """A flat unit's shard buffer, when its shards are views of one (shardfn._state.packing.shard_buffer)."""
+    if not unit.unit.flat:
+        return None
+    offsets = unit.layout.offsets(unit.unit, unit.rank)
+    return shard_buffer(unit.shards, unit.unit.numel, unit.shards[0].dtype, offsets)
+
+
+class Flight:
+    """A bucket's all-gather in flight. Waited for once, by the first member to need it;
+    then its output is split into one ``[world, n]`` buffer per member in one copy (what a
+    member's own all-gather would have produced) and let go."""
+
+    __slots__ = ("work", "out", "sizes", "parts", "name")
+
+    def __init__(self, work: Any, out: torch.Tensor, sizes: list[int], name: str):
+        self.work, self.out, self.sizes, self.name = work, out, sizes, name
+        self.parts: list[torch.Tensor | None] = []
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.parts = list(torch.split_with_sizes_copy(self.out, self.sizes, dim=1))
+            self.out = None
+
+
+class Share:
+    """A member's handle on its bucket's all-gather: ``wait()`` for it, then ``columns()``,
+    the member's ``[world, n]`` part (handed over once)."""
+
+    __slots__ = ("flight", "index")
+
+    def __init__(self, flight: Flight, index: int):
+        self.flight, self.index = flight, index
+
+    def wait(self) -> None:
+        self.flight.wait()
+
+    def columns(self) -> torch.Tensor:
+        part, self.flight.parts[self.index] = self.flight.parts[self.index], None
+        return part
+
+
+class ReduceBucket(_Bucket):
+    """Units whose gradients share one buffer and one collective (see [Note: buckets]):
+    each unit packs its gradients (into its part of the buffer under NO_SHARD, into its own
+    ``[world, gn]`` buffer under the sharded strategies); the last one ready issues the
+    collective, and each unit's reduced gradient is its part of the result."""
+
+    __slots__ = ("buffer", "ready", "rows")
+
+    def __init__(self, layout: Any, members: tuple[int, ...]):
+        super().__init__(layout, members, [layout.units[i].grad_numel for i in members])
+        self.rows = layout.world  # 1: NO_SHARD's all-reduce; else the reduce-scatter's world
+        self.buffer: torch.Tensor | None = None  # NO_SHARD: allocated by the first unit to pack
+        self.ready: list[Any] = []  # units whose gradients are all packed
+
+    def part(self, unit: Any) -> torch.Tensor | None:
+        """NO_SHARD: where ``unit`` packs its gradients (its part of the bucket's buffer);
+        the sharded strategies: None (the unit packs into a buffer of its own)."""
+        if self.rows > 1:
+            return None
+        if self.buffer is None:
+            self.buffer = torch.empty(self.numel, dtype=unit.unit.reduce_dtype, device=unit.device)
+        i = self.units.index(unit)
+        return self.buffer[self.offsets[i] : self.offsets[i] + unit.unit.grad_numel]
+
+    def add(self, unit: Any) -> None:
+        self.ready.append(unit)
+        if len(self.ready) == len(self.units):
+            self.issue()
+
+    def issue(self) -> None:
+        """One collective for the bucket. Called early, after a backward, for a bucket some of
+        whose units this rank did not use: its parts of them are zero, and its header names
+        them, so the ranks agree on the step only if every rank skipped the same ones (a
+        rank that used none of a bucket's units issues nothing: the ranks diverge too)."""
+        first = self.units[0]
+        rt, ready = first.runtime, self.ready
+        detail = skipped_detail([u.unit.name for u in self.units if u not in ready])
+        if self.rows == 1:
+            for unit in self.units:
+                if unit not in ready:
+                    self.part(unit).zero_()
+            out = buf = self.buffer
+            work = C.all_reduce(buf, first.grads.replicate, Purpose.REDUCE, self.name, op=rt.reduce_op,
+                                async_op=rt.options.overlap, to=rt.observers, detail=detail, scope=rt.scope)
+        else:
+            rt.wait_pending()  # one bucket's unsharded gradients in flight at a time
+            parts = [u.grads.acc.view(self.rows, -1) if u in ready else
+                     torch.zeros(self.rows, u.unit.grad_numel, dtype=u.unit.reduce_dtype, device=u.device)
+                     for u in self.units]
+            buf = torch.cat(parts, dim=1)
+            del parts
+            out = torch.empty(self.numel, dtype=first.unit.reduce_dtype, device=buf.device)
+            work = C.reduce_scatter(out, buf.view(-1), first.channel, Purpose.REDUCE, self.name, op=rt.reduce_op,
+                                    async_op=rt.options.overlap, to=rt.observers, detail=detail, scope=rt.scope)
+        if rt.options.overlap:
+            rt.add_pending(work, (buf, out), bucket=self.rows == 1)
+        for unit, off in zip(self.units, self.offsets):
+            rt.reduced.append((unit, out[off : off + unit.unit.grad_numel]))
+            unit.grads.acc = None
+        self.buffer, self.ready = None, []
+
+
+def skipped_detail(skipped: list[str]) -> int:
+    """The header detail of a bucket's reduction whose members ``skipped`` this rank did not
+    run: 0 for none, else the first one's name hash and how many (shardfn._comm.guard prints it)."""
+    return unit_id(skipped[0]) | len(skipped) << 32 if skipped else 0
+
+
+def buckets_of(layout: Any, reduce: bool) -> dict[int, tuple[GatherBucket | None, ReduceBucket | None]]:
+    """Unit index -> the gather bucket and reduce bucket it travels in (None: alone), new for
+    one runtime's units of a tree; reduce buckets only for a step's own tree (``reduce``).
+    Each unit joins its buckets when it is built (shardfn._group.gather.Unit)."""
+    out: dict[int, list[Any]] = {u.index: [None, None] for u in layout.units}
+    for members in layout.gather_buckets:
+        if len(members) > 1:
+            bucket = GatherBucket(layout, members)
+            for i in members:
+                out[i][0] = bucket
+    for members in layout.buckets if reduce else ():
+        if len(members) > 1:
+            bucket = ReduceBucket(layout, members)
+            for i in members:
+                out[i][1] = bucket
+    return {i: (g, r) for i, (g, r) in out.items()}

@@ -1,0 +1,251 @@
+"""The sharded call: module hooks that gather units just in time.
+
+[Note: how a sharded call works]
+``apply(sharded, *args)`` runs ``functional_call`` on the meta module tree that
+``functionalize`` kept, with the buffers of ``sharded`` (see [Note: the state tree]). The
+root unit (parameters outside every unit) is gathered up front; every other unit just in
+time, by hooks on its module (registered once, inert outside a sharded call): a forward
+pre-hook applies the unit's :class:`shardfn._group.gather.GatherUnit`, whose forward all-gathers
+and whose backward hands the gradients to the unit's reduction (shardfn._group.reduce [Note: one
+reduction per unit]), and places the full parameters in the module; a forward hook puts
+the meta parameters back.
+
+A unit's gathered parameters can then be dropped after its forward with no recompute:
+while the unit runs, ``saved_tensors_hooks`` (:func:`shardfn._group.gather.saved_handles`) pack
+every saved tensor that lives in a gathered parameter as a small handle (unit, use, the
+leaf it lies in, its size, stride and offset in that leaf) instead of a reference, so the
+graph holds no gathered memory, and the first unpack of a handle in backward gathers the
+unit again. When a unit lets go of its gathered parameters is one rule, in shardfn._group.gather
+([Note: the life of a unit]); the hooks here and the handles only report the events it
+reads. Every call of ``apply`` in one step shares the step's units (see [Note: the runtime]).
+
+Step by step, and what FULL_SHARD and SHARD_GRAD_OP hold with and without prefetch:
+docs/how-it-works.md, "A sharded call".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from .._comm import guard as _guard
+from .._group.buckets import buckets_of
+from .compile import compilable
+from .._comm.events import Purpose
+from .._group.gather import Unit, saved_handles
+from .._state.layout import Layout
+from .._state.precision import cast_floating
+from .remat import remat_forward
+from .._state.replica import replica_of
+from .runtime import Runtime, current
+from .._parallel.sequence import (SEQUENCE_STYLES, blocks_of, check_closed, container_forward, region_check_hook,
+    sequence_forward, sequence_parallel)
+from .._parallel.tensor import heads_of, tp_forward
+from .._parallel.call import TensorCall
+from .._state.tree import check_names
+
+__all__ = ["sharded_call", "units_for"]
+
+
+# -- module hooks -----------------------------------------------------------------------
+
+
+def _active_units(apply: Any, path: str) -> list[Unit]:
+    """The units of the module at ``path`` in the sharded call of ``apply`` in progress
+    (one per dtype group; none outside a call)."""
+    return apply.calls[-1].get(path, []) if apply.calls else []
+
+
+def _pre_hook(apply: Any, path: str):
+    def hook(module: nn.Module, args: Any) -> None:
+        units = _active_units(apply, path)
+        if not units or units[0].unit.remat is not None:  # a remat unit gathers inside its checkpoint
+            return
+        for unit in units:
+            if unit.use is None:  # SHARD_GRAD_OP reuses a unit called twice in one forward
+                unit.start_use(Purpose.GATHER)
+        # Handles only where the unit's memory can be dropped: a sharded strategy (NO_SHARD's
+        # full parameters are the shards themselves). The first unit holds the hooks.
+        hooks = saved_handles(units) if units[0].layout.sharded else None
+        for i, unit in enumerate(units):
+            unit.enter(hooks if i == 0 else None)
+
+    return hook
+
+
+def _post_hook(apply: Any, path: str):
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        for unit in reversed(_active_units(apply, path)):
+            if unit.entered and unit.unit.remat is None:
+                unit.exit()
+
+    return hook
+
+
+# -- the call ------------------------------------------------------------------------------
+
+
+def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
+    """``apply(sharded, *args, **kwargs)``: see [Note: how a sharded call works]."""
+    rt = current()
+    if rt is not None:
+        return _call(apply, sharded, rt, args, kwargs)
+    # Outside a step: a runtime for this call alone; an error in it reaches every rank.
+    if sharded.mesh.size > 1:
+        sharded.mesh.guard.check_alive("apply(sharded, ...)")
+    with _guard.guarded(sharded.mesh, _guard.Where.APPLY), sharded.mesh.random.drawing(sharded.mesh):
+        return _call(apply, sharded, Runtime(sharded.mesh), args, kwargs)
+
+
+def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> Any:
+    layout: Layout = sharded.layout
+    store = rt.in_step and sharded is rt.owner
+    units = units_for(apply, sharded, rt)
+    roots = units.get("", [])
+    # Buffers: the step's working copies for the step's own tree, else the tree's own.
+    buffers = rt.buffers.work if store and rt.buffers is not None else {n: sharded[n] for n in layout.buffers}
+    state: dict[str, torch.Tensor] = dict(buffers)
+    for root in roots:
+        state.update(zip(root.unit.leaves, root.start_use(Purpose.GATHER)))
+    precision = layout.plan.precision
+    if precision.cast_inputs:
+        args, kwargs = cast_floating((args, kwargs), precision.param)
+    apply.calls.append(units)
+    call = TensorCall.of(layout, rt)  # what its split layers read (shardfn._parallel.tensor, shardfn._parallel.sequence)
+    apply.tensor_calls.append(call)
+    try:
+        out = functional_call(apply.module, state, args, kwargs, tie_weights=True, strict=False)
+        if call.sequence:
+            check_closed(call)
+        # A module that *replaced* a buffer (rather than updating it in place) left the new
+        # tensor in ``state`` (functional_call writes it back): keep it in the tree.
+        replaced = {n: state[n] for n in layout.buffers if state[n] is not buffers[n]}
+        if replaced:
+            if store and rt.buffers is not None:
+                rt.buffers.work.update(replaced)
+            else:
+                sharded._set_buffers(replaced)
+        return cast_floating(out, precision.output)
+    finally:
+        apply.calls.pop()
+        apply.tensor_calls.pop()
+        for u in (u for group in units.values() for u in reversed(group)):
+            if u.entered:  # the unit's forward raised: undo its hooks and parameters
+                u.exit()
+            u.end_use()  # forward is over: only saved handles (and what the unit keeps) remain
+
+
+def _tensor_call(apply: Any) -> Any:
+    """What re-enters the sharded call in progress (its split layers' layout and runtime)
+    around a rematerialised unit's recompute, which runs in backward, after the call."""
+    now = apply.tensor_calls[-1] if apply.tensor_calls else None  # (not its inputs: they are activations)
+
+    @contextlib.contextmanager
+    def again() -> Iterator[None]:
+        # the forward checked the region; the recompute runs inside it, in backward
+        apply.tensor_calls.append(None if now is None else now.again())
+        try:
+            yield
+        finally:
+            apply.tensor_calls.pop()
+
+    return again
+
+
+def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:
+    """The units of ``sharded`` in runtime ``rt`` (built on first use), by module path:
+    one per dtype group of the module's parameters (see [Note: mixed dtypes in a unit])."""
+    layout: Layout = sharded.layout
+    slots = _prepare(apply, layout)
+    store = rt.in_step and sharded is rt.owner
+
+    def build(index: int) -> dict[int, Unit]:
+        buckets = buckets_of(layout, reduce=store)
+        units = {}
+        for u in layout.units:
+            shards = [sharded[n] for n in u.leaves]
+            # [Note: replicated parameters]; an optional unit is gathered when built (pin), as before any replica
+            replica = replica_of(sharded, u.index, shards) if layout.keeps_replica and not u.optional else None
+            units[u.index] = Unit(layout, u, (index, u.index), shards, sharded.mesh, slots[u.index], rt, store,
+                                  replica, *buckets[u.index])
+        for unit in units.values():  # every rank gathers them here, in layout order, run or not
+            if unit.unit.optional:
+                unit.pin()
+        return units
+
+    by_path: dict[str, list[Unit]] = {}
+    for unit in rt.units_of(sharded, build).values():
+        by_path.setdefault(unit.unit.path, []).append(unit)
+    return by_path
+
+
+def _prepare(apply: Any, layout: Layout) -> dict[int, list[tuple[nn.Module, str, int]]]:
+    """Checks ``layout`` against the model once, registers unit hooks, returns the slots.
+
+    A slot ``(submodule, attribute, leaf index)`` is one place a unit's full tensor goes;
+    a weight tied within one unit has several.
+    """
+    cached = apply.prepared.get(id(layout))
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    check_names([*layout.leaves, *layout.buffers], apply.names, what="apply(sharded, ...)")
+    slots: dict[int, list[tuple[nn.Module, str, int]]] = {}
+    for u in layout.units:
+        slots[u.index] = []
+        if u.path == "":
+            continue
+        try:
+            m = apply.module.get_submodule(u.path)
+        except AttributeError:
+            raise ValueError(
+                f"apply(sharded, ...): unit {u.path!r} of the layout is not a module of this model. "
+                "Pass params sharded from this model's functionalize()."
+            ) from None
+        if u.path not in apply.hooked:
+            m.register_forward_pre_hook(_pre_hook(apply, u.path))
+            m.register_forward_hook(_post_hook(apply, u.path), always_call=True)
+            # Inert unless the unit is rematerialised in the active call's layout; compiled
+            # only in a step built with compile=True.
+            m.forward = remat_forward(lambda path=u.path: _active_units(apply, path), m, compilable(m.forward),
+                                      lambda: _tensor_call(apply))
+            apply.hooked.add(u.path)
+        for i, leaf in enumerate(u.leaves):
+            for alias in layout.aliases.get(leaf, (leaf,)):
+                sub_path, _, attr = alias.rpartition(".")
+                slots[u.index].append((apply.module.get_submodule(sub_path), attr, i))
+    _prepare_tensor(apply, layout)
+    apply.prepared[id(layout)] = (layout, slots)
+    return slots
+
+
+def _prepare_tensor(apply: Any, layout: Layout) -> None:
+    """Split layers' forwards ([Note: hand-written tensor collectives]) and the sequence
+    region's ([Note: the sequence region]); each inert in other layouts' calls."""
+    def active() -> Any:
+        return apply.tensor_calls[-1] if apply.tensor_calls else None
+
+    def hook(key: str, path: str, make: Any) -> None:
+        if key + path not in apply.hooked:
+            m = apply.module.get_submodule(path)
+            m.forward = make(m)
+            apply.hooked.add(key + path)
+
+    styles = dict(layout.tensor)
+    for path, style in styles.items():
+        if style in SEQUENCE_STYLES:
+            hook("sequence:", path, lambda m, p=path: sequence_forward(active, p, m))
+        else:
+            hook("tensor:", path, lambda m, p=path: tp_forward(active, p, m, heads_of(apply.module, p) is not None))
+    if not sequence_parallel(layout):
+        return
+    for path in blocks_of(styles):
+        hook("block:", path, lambda m, p=path: container_forward(active, p, m))
+    for path, m in apply.module.named_modules():
+        if path not in styles and "region:" + path not in apply.hooked and any(True for _ in m.parameters(recurse=False)):
+            m.register_forward_pre_hook(region_check_hook(active, path))
+            apply.hooked.add("region:" + path)

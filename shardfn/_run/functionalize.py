@@ -1,0 +1,139 @@
+"""functionalize: an ``nn.Module`` -> (its state tree, a pure ``apply``)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from .call import sharded_call
+from .._state.sharded import ShardedParams
+from .._state.tree import check_names, tree_info
+
+__all__ = ["Apply", "Params", "apply_of", "functionalize"]
+
+
+class Params(dict):
+    """A plain ``dict`` name -> tensor, the model's state, that also remembers its module tree.
+
+    It holds every parameter and every buffer (see [Note: the state tree]). The module
+    tree (``params.module``: parameters and buffers on the meta device) lets unit
+    policies such as ``by_module_type(Block)`` resolve and names the buffers, ties and
+    state-dict keys. A plain dict works everywhere a ``Params`` does, except with policies
+    that need the module tree (and then every entry is taken for a parameter).
+    """
+
+    module: nn.Module | None = None
+
+
+class Apply:
+    """``apply(state, *args, **kwargs)``: the model as a pure function of its state.
+
+    Given a plain mapping of full tensors (parameters and buffers) it is
+    ``torch.func.functional_call``. Given :class:`shardfn.ShardedParams` it gathers each
+    unit's parameters just before the unit runs and reshards per the strategy (see
+    ``shardfn._run.call``). Buffers come from the tree you pass, never from ``apply``: in train
+    mode a forward that updates them (BatchNorm's running statistics) updates the tree's
+    buffers in place, as the module would (inside a step: the step's working copies, see
+    :func:`shardfn.jit_step`).
+
+    ``apply.train()`` / ``apply.eval()`` set the mode, as ``nn.Module`` does (and return
+    ``apply``): ``apply.eval()`` turns dropout off and makes BatchNorm use and keep its
+    running statistics.
+
+    Example:
+        >>> val_loss = loss_fn(apply.eval(), sharded, batch)   # no dropout; running statistics read
+        >>> apply.train()
+    """
+
+    def __init__(self, module: nn.Module, names: tuple[str, ...]):
+        self.module = module  # parameters and buffers on the meta device: it holds no state
+        self.names = names  # every name of the state tree
+        self.hooked: set[str] = set()  # unit module paths carrying shardfn's hooks
+        self.prepared: dict[int, Any] = {}  # id(layout) -> (layout, slots), see shardfn._run.call
+        self.calls: list[dict[str, Any]] = []  # the units of the sharded calls in progress (innermost last)
+        self.tensor_calls: list[Any] = []  # the calls as split layers see them (shardfn._parallel.call.TensorCall)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Apply":
+        return self  # a function: a copied module tree still names the model function of its trees
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def train(self, mode: bool = True) -> "Apply":
+        """Train mode (``mode=False``: eval mode) for every module of the model; returns ``self``."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"apply.train(mode): mode must be a bool, got {type(mode).__name__}")
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Apply":
+        """Eval mode: ``apply.train(False)``; returns ``self``."""
+        return self.train(False)
+
+    def __call__(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        if isinstance(params, ShardedParams):
+            return sharded_call(self, params, args, kwargs)
+        if not isinstance(params, Mapping):
+            raise TypeError(
+                f"apply(params, ...): params must be a mapping name -> tensor (from functionalize or "
+                f"shard), got {type(params).__name__}."
+            )
+        check_names(params.keys(), self.names, what="apply(params, ...)")
+        # functional_call writes a buffer the module replaced back into the dict it gets.
+        state = params if isinstance(params, dict) else dict(params)
+        return functional_call(self.module, state, args, kwargs, tie_weights=True, strict=False)
+
+    def __repr__(self) -> str:
+        mode = "train" if self.training else "eval"
+        return f"Apply({type(self.module).__name__}, {len(self.names)} tensors, {mode})"
+
+
+def functionalize(model: nn.Module) -> tuple[Params, Apply]:
+    """Splits ``model`` into its state and a pure function of it.
+
+    Returns ``(params, apply)``: ``params`` maps each parameter name of
+    ``model.named_parameters()`` and each buffer name of ``model.named_buffers()`` (a
+    tensor reachable under several names once, under its first name) to a tensor sharing
+    the model's storage, parameters with their ``requires_grad``. ``apply(params, *args,
+    **kwargs)`` runs the model. ``apply`` holds a copy of the module tree whose parameters
+    and buffers live on the meta device: all of the state is in ``params``. The mode
+    (train or eval) is the model's when called; change it with ``apply.train()`` /
+    ``apply.eval()``.
+
+    Example:
+        >>> params, apply = functionalize(torch.nn.Linear(4, 2))
+        >>> apply(params, torch.ones(3, 4)).shape
+        torch.Size([3, 2])
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"functionalize(model): expected an nn.Module, got {type(model).__name__}")
+    info = tree_info(model)
+    named = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    params = Params({n: named[n].detach().requires_grad_(named[n].requires_grad) for n in info.params})
+    params.update({n: buffers[n] for n in info.buffers})
+    # Copy the module tree with meta tensors (ties preserved through deepcopy's memo), so
+    # apply holds neither a second copy of the weights nor the buffers.
+    memo: dict[int, Any] = {}
+    for p in named.values():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in buffers.values():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    skeleton = copy.deepcopy(model, memo)
+    params.module = skeleton
+    apply = Apply(skeleton, info.names)
+    # The model function of every tree made from these params (see apply_of).
+    skeleton.__dict__["_shardfn_apply"] = apply
+    return params, apply
+
+
+def apply_of(tree: Any) -> Apply | None:
+    """The ``apply`` of the model a tree was made from (``params`` of :func:`functionalize`,
+    and every ``ShardedParams`` made from them), or None for a plain mapping."""
+    return getattr(getattr(tree, "module", None), "__dict__", {}).get("_shardfn_apply")
