@@ -1,6 +1,6 @@
 """Counts of the package's structure, and its import graph.
 
-    python tools/structure.py counts          # the figures issue 41 tracks
+    python tools/structure.py counts          # the figures issues 41 and 57 track
     python tools/structure.py graph           # the import graph, as a Mermaid flowchart
     python tools/structure.py trip            # the modules one step's code runs in
 
@@ -208,6 +208,156 @@ def counts() -> None:
     sizes = sorted(((code_lines((ROOT / p).read_text()), len((ROOT / p).read_text().splitlines()), p)
                     for p in modules), reverse=True)[:5]
     print("largest modules (code lines / all lines): " + ", ".join(f"{p} {c}/{a}" for c, a, p in sizes))
+    core_counts()
+
+
+# -- the core's counts (issue 57: one core) ------------------------------------------------
+
+# A collective's handle is waited for through these; a class that calls one on what it keeps,
+# or issues a collective with ``async_op``, holds a pending collective.
+WAITS = {"wait", "wait_pending", "wait_tensor"}
+HANDLES = "_comm/collectives.py"  # the communicator's handle types are the pending collective itself
+MODE_CALLS = {"current", "here", "observers", "recording", "is_fake"}
+
+
+def pending_holders(modules: dict[str, ast.Module]) -> list[tuple[str, str]]:
+    """Classes that hold a collective in flight: one of their methods issues a collective with
+    ``async_op`` or waits for one (``x.wait()``, ``wait(work, ...)``, ``rt.wait_pending()``),
+    outside the communicator's own handle types. (module, class), sorted."""
+    out = set()
+    for path, tree in modules.items():
+        if path == HANDLES or path.startswith("testing/"):
+            continue
+        for c in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for n in ast.walk(c):
+                if isinstance(n, ast.Call):
+                    name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                    if name in WAITS or any(k.arg == "async_op" for k in n.keywords):
+                        out.add((path, c.name))
+    return sorted(out)
+
+
+def _calls(tree: ast.Module, names: set[str]) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and (n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")) in names]
+
+
+def runtime_reads(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
+    """Places that find the step's runtime instead of being handed it: the ambient lookup
+    ``current()``, a ``.runtime`` back-pointer read, and the call stacks kept on ``apply``
+    (``apply.calls``, ``apply.tensor_calls``, ``apply.prepared``)."""
+    out = []
+    for path, tree in modules.items():
+        for n in _calls(tree, {"current"}):
+            out.append((path, n.lineno, ast.unparse(n)))
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and (
+                    n.attr == "runtime" or (isinstance(n.value, ast.Name) and n.value.id == "apply"
+                                            and n.attr in ("calls", "tensor_calls", "prepared"))):
+                out.append((path, n.lineno, ast.unparse(n)))
+    return sorted(out)
+
+
+def mode_reads(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
+    """Places that read a mode from the air: a call of ``current()``, ``here()``,
+    ``observers()``, ``recording()`` or ``is_fake()``, a ``scope.recording`` read, and a
+    ContextVar's ``.get()``."""
+    out = []
+    for path, tree in modules.items():
+        names = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                 and isinstance(n.value, ast.Call) and getattr(n.value.func, "attr", "") == "ContextVar"
+                 for t in n.targets if isinstance(t, ast.Name)}
+        names |= {n.target.id for n in ast.walk(tree) if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                  and isinstance(n.value, ast.Call) and getattr(n.value.func, "attr", "") == "ContextVar"}
+        for n in _calls(tree, MODE_CALLS):
+            out.append((path, n.lineno, ast.unparse(n.func)))
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and n.attr == "recording" \
+                    and (getattr(n.value, "attr", "") == "scope" or getattr(n.value, "id", "") == "scope"):
+                out.append((path, n.lineno, ast.unparse(n)))
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" \
+                    and isinstance(n.func.value, ast.Name) and n.func.value.id in names:
+                out.append((path, n.lineno, ast.unparse(n.func)))
+    return sorted(out)
+
+
+def swapped_globals(tests: pathlib.Path, modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
+    """Module globals of shardfn that tests swap (``module.NAME = x``, ``monkeypatch.setattr(
+    module, "NAME", x)`` for a NAME in capitals: a setting, not a function a fault test wraps),
+    and module-level dicts keyed by ``id()``."""
+    out = []
+    for path in sorted(tests.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                   and (n.module or "").startswith("shardfn") for a in n.names}
+        for n in ast.walk(tree):
+            targets = []
+            if isinstance(n, ast.Assign):
+                targets = [e for t in n.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                targets = [(t.value, t.attr) for t in targets if isinstance(t, ast.Attribute)]
+            elif isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "setattr" and len(n.args) >= 2 \
+                    and isinstance(n.args[1], ast.Constant):
+                targets = [(n.args[0], n.args[1].value)]
+            for owner, attr in targets:
+                if isinstance(owner, ast.Name) and owner.id in aliases and re.fullmatch(r"_?[A-Z][A-Z0-9_]*", attr):
+                    out.append((path.name, 0, f"{owner.id}.{attr}"))  # one entry per global
+    for path, tree in modules.items():
+        top = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id in top \
+                    and isinstance(n.slice, ast.Call) and getattr(n.slice.func, "id", "") == "id":
+                out.append((path, n.lineno, ast.unparse(n)))
+    return sorted(set(out))
+
+
+def top_modules(root: pathlib.Path = ROOT) -> list[str]:
+    """Modules directly in shardfn/, besides __init__.py."""
+    return sorted(p.name for p in root.glob("*.py") if p.name != "__init__.py")
+
+
+def reduce_scatter_modules(modules: dict[str, ast.Module]) -> list[str]:
+    """Modules one must change to change how a gradient reduce-scatter is issued: those that
+    define a reduce-scatter on torch.distributed, issue one asynchronously (``async_op`` not literally False), or
+    wait for a pending reduction (``wait_pending``). A synchronous call through the
+    communicator (tensor and sequence parallelism) is a use, not an issue."""
+    out = set()
+    for path, tree in modules.items():
+        if path == "_compat.py":
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and "reduce_scatter" in n.name \
+                    and collective_callers({path: ast.Module(body=[n], type_ignores=[])}):
+                out.add(path)  # a reduce-scatter that calls torch.distributed itself
+            elif isinstance(n, ast.Call):
+                name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                asynchronous = any(k.arg == "async_op" and not (isinstance(k.value, ast.Constant) and k.value.value is False)
+                                   for k in n.keywords)
+                if ("reduce_scatter" in name and asynchronous) or name == "wait_pending":
+                    out.add(path)
+    return sorted(out)
+
+
+def core_counts() -> None:
+    modules = _modules()
+    holders = pending_holders(modules)
+    print(f"classes that hold a pending collective: {len(holders)}")
+    print("    " + ", ".join(f"{p}:{c}" for p, c in holders))
+    for title, found in (("reads of the runtime from below the step", runtime_reads(modules)),
+                         ("ambient mode reads", mode_reads(modules))):
+        per: dict[str, int] = {}
+        for path, _, what in found:
+            per[path] = per.get(path, 0) + 1
+        print(f"{title}: {len(found)}")
+        print("    " + ", ".join(f"{p} {k}" for p, k in sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))))
+    calls = [r for r in mode_reads(modules) if r[2].split(".")[-1] in MODE_CALLS]
+    print(f"    of which calls of {', '.join(sorted(MODE_CALLS))}: {len(calls)}")
+    swapped = swapped_globals(ROOT.parent / "tests", modules)
+    print(f"module globals swapped by tests or keyed by id(): {len(swapped)}  "
+          + ", ".join(f"{p}:{n} {w}" if n else f"{p} {w}" for p, n, w in swapped))
+    print(f"modules that issue a reduce-scatter: {len(reduce_scatter_modules(modules))}  "
+          + ", ".join(reduce_scatter_modules(modules)))
+    print(f"modules directly in shardfn/ (besides __init__.py): {len(top_modules())}  " + ", ".join(top_modules()))
 
 
 def graph() -> None:
