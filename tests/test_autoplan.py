@@ -101,8 +101,8 @@ def test_the_cache_answers_only_for_the_same_loss_and_stays_bounded(monkeypatch)
 
     from shardfn._planning import autoplan as _autoplan
 
-    monkeypatch.setattr(_autoplan, "_CACHE", type(_autoplan._CACHE)())
-    monkeypatch.setattr(_autoplan, "_CACHE_SIZE", 2)
+    _autoplan._CACHE.clear()
+    monkeypatch.setattr(_autoplan._CACHE, "size", 2)
     with torch.device("meta"):
         model = GPT(SMALL)
     tokens = torch.zeros(1, SMALL.seq_len, dtype=torch.long)

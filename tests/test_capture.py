@@ -266,14 +266,9 @@ def test_a_host_tensor_in_a_device_program_is_refused_naming_it():
 
 
 def _with_fakes(fake, run, *args):
-    """``run(*args)`` with CUDA's pieces replaced by ``fake`` and the CPU among the device types
-    whose programs are captured."""
-    saved = _capture.CUDA, _capture.DEVICES
-    _capture.CUDA, _capture.DEVICES = fake, ("cuda", "cpu")
-    try:
-        return run(*args)
-    finally:
-        _capture.CUDA, _capture.DEVICES = saved
+    """``run(*args)``, whose graph step captures its programs on the CPU with ``fake`` for
+    CUDA's pieces (``GraphStep.graphs``)."""
+    return run(*args, graphs=fake)
 
 
 def _graph_step_captured(steps):
@@ -290,13 +285,15 @@ def _graph_step_captured(steps):
     return out
 
 
-def _graph_step(steps):
+def _graph_step(steps, graphs=None):
     mesh = sf.Mesh.from_group()
     torch.manual_seed(0)
     params, _ = sf.functionalize(gpt_model())
     sharded = sf.shard(params, mesh, "FULL_SHARD")
     opt = sf.optim.adamw(1e-3)
     step = sf.jit_step(gpt_loss, mesh, optimizer=opt, graph="eager")
+    if graphs is not None:
+        step.graphs = graphs
     state = opt.init(sharded)
     losses, kept = [], []
     for batch in steps:
@@ -336,7 +333,7 @@ def _dropout_loss(apply, params, batch):
     return gpt_loss(lambda p, x: torch.nn.functional.dropout(apply(p, x), 0.2), params, batch)
 
 
-def _scenario(name, directory, graph="eager", steps=8):
+def _scenario(name, directory, graph="eager", steps=8, graphs=None):
     """``steps`` steps of the test GPT at world 1 (FULL_SHARD, AdamW, ``graph="eager"``) with the
     change ``name`` before step :data:`_CHANGE_AT`: the losses, the final full parameters and
     the captures of each program (none when nothing is captured)."""
@@ -351,6 +348,8 @@ def _scenario(name, directory, graph="eager", steps=8):
            }.get(name, sf.optim.adamw(1e-3))
     step = sf.jit_step(_dropout_loss if name == "dropout" else gpt_loss, mesh, optimizer=opt, graph=graph,
                        micro_batches=2 if name == "micro_batches" else 1)
+    if graphs is not None:
+        step.graphs = graphs
     sharded = sf.shard(params, mesh, plan)
     state = opt.init(sharded)
     path = os.path.join(directory, "ckpt")
@@ -435,10 +434,9 @@ def _one_rank_fails_to_capture(rank, world, port, captured, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=_PG_TIMEOUT))
     if captured:  # (gloo stands in for NCCL: its functional collectives are what the fake graph records)
-        _capture.CUDA, _capture.DEVICES = FakeCuda(fail={0: 10} if rank == 1 else None), ("cuda", "cpu")
         _capture.check_capturable = lambda mesh: None
     try:
-        out = _fail_to_capture(rank, world, captured)
+        out = _fail_to_capture(rank, world, FakeCuda(fail={0: 10} if rank == 1 else None) if captured else None)
     except Exception as e:  # noqa: BLE001 - the test reads it
         out = {"setup": f"{type(e).__name__}: {e}"}
     queue.put((rank, out))
@@ -447,18 +445,20 @@ def _one_rank_fails_to_capture(rank, world, port, captured, queue):
     os._exit(0)
 
 
-def _fail_to_capture(rank, world, captured):
+def _fail_to_capture(rank, world, graphs):
     mesh = sf.Mesh.from_group(step_timeout=_STEP_TIMEOUT)
     torch.manual_seed(0)
     sharded = sf.shard(sf.functionalize(gpt_model())[0], mesh, "FULL_SHARD")
     opt = sf.optim.adamw(1e-3)
     step = sf.jit_step(gpt_loss, mesh, optimizer=opt, graph="eager")
+    if graphs is not None:
+        step.graphs = graphs
     state = opt.init(sharded)
     batches = [split_batch(b, rank, world) for b in gpt_batches(5)]
     for b in batches[:3]:
         sharded, state, _ = step(sharded, state, b)
     out = {}
-    if captured:
+    if graphs is not None:
         before = [t.clone() for t in [*sharded.values(), *torch.utils._pytree.tree_leaves(state)]]
         out = _outcome(lambda: _with_notes(step, sharded, state, batches[3]))
         after = [*sharded.values(), *torch.utils._pytree.tree_leaves(state)]

@@ -51,11 +51,29 @@ from .._state.plan import Plan, Remat, Strategy
 __all__ = ["AutoPlan", "Candidate", "autoplan"]
 
 _GIB = 2**30
-# (model structure, mesh, batch, loss, optimizer, candidate) -> figures, the most recent
-# _CACHE_SIZE. The loss and the optimizer are keys by identity, held by the entry: an
-# id() alone would be recycled once the function is freed and answer for another one.
-_CACHE: collections.OrderedDict[Any, Explanation] = collections.OrderedDict()
-_CACHE_SIZE = 256
+
+
+class _Recent(collections.OrderedDict):
+    """The ``size`` most recently used entries (an LRU)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key: Any, make: Any) -> Any:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        self[key] = value = make()
+        while len(self) > self.size:
+            self.popitem(last=False)
+        return value
+
+
+# (model structure, mesh, batch, loss, optimizer, candidate) -> figures. The loss and the
+# optimizer are keys by identity, held by the entry: an id() alone would be recycled once
+# the function is freed and answer for another one.
+_CACHE: _Recent = _Recent(256)
 
 
 class _Same:
@@ -274,14 +292,8 @@ def _explain(model: nn.Module, world: Any, plan: Plan, k: int, batch: Any, loss_
              tp: _TensorPlan = _TensorPlan()) -> Explanation:
     shapes = pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, batch)
     key = (repr(model), repr(world), repr(shapes), _Same(loss_fn), _Same(optimizer), repr(plan), k, tp.key())
-    if key in _CACHE:
-        _CACHE.move_to_end(key)
-        return _CACHE[key]
-    _CACHE[key] = explain(model, world, plan, batch, loss_fn=loss_fn, optimizer=optimizer, verbose=False,
-                          micro_batches=k, **tp.kwargs())
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return _CACHE[key]
+    return _CACHE.get_or(key, lambda: explain(model, world, plan, batch, loss_fn=loss_fn, optimizer=optimizer,
+                                              verbose=False, micro_batches=k, **tp.kwargs()))
 
 
 def _block_list(model: nn.Module, plan: Plan) -> tuple[str, nn.ModuleList] | None:

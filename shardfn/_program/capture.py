@@ -47,7 +47,6 @@ from .._comm.events import Collective, Purpose
 
 __all__ = ["Captured", "agree_on_capture", "check_capturable", "close_all"]
 
-DEVICES: tuple[str, ...] = ("cuda",)  # the mesh device types whose programs are captured (tests add "cpu")
 
 _NOT_CAPTURED = (
     "[rank {rank}] jit_step(graph=True): capturing the recorded program as a CUDA graph failed on this rank. No rank "
@@ -66,7 +65,7 @@ _GLOO = (
 
 
 class _Cuda:
-    """The pieces of ``torch.cuda`` a capture uses (a test replaces :data:`CUDA` with fakes)."""
+    """The pieces of ``torch.cuda`` a capture uses (a test hands a graph step fakes instead)."""
 
     def side_stream(self, device: torch.device) -> Any:
         return torch.cuda.Stream(device=device)
@@ -87,7 +86,12 @@ class _Cuda:
         return graph, outputs
 
 
-CUDA: Any = _Cuda()
+def graphs_for(device: torch.device) -> _Cuda | None:
+    """What captures a graph step's programs on ``device``: CUDA's graphs on a CUDA mesh;
+    None elsewhere, where a program is replayed uncaptured."""
+    return _Cuda() if device.type == "cuda" else None
+
+
 _LIVE: weakref.WeakSet[Captured] = weakref.WeakSet()
 
 
@@ -97,7 +101,7 @@ class Captured:
     Args:
         fn: a recorded program (the op-by-op graph module, or inductor's compiled one).
         device: the mesh's device.
-        cuda: the pieces of ``torch.cuda`` to use (default: :data:`CUDA`).
+        cuda: the pieces of ``torch.cuda`` to use (default: the real ones).
         agree: ``agree(error)`` after each capture, ``error`` None where it succeeded: raises
             on every rank if a capture failed on any ([Note: a capture that fails on one rank]).
     """
@@ -105,7 +109,7 @@ class Captured:
     def __init__(self, fn: Any, device: torch.device, cuda: Any = None, agree: Any = None) -> None:
         self.fn = fn
         self.device = device
-        self.cuda = cuda if cuda is not None else CUDA
+        self.cuda = cuda if cuda is not None else _Cuda()
         self.agree = agree
         self.stream: Any = None
         self.graph: Any = None

@@ -236,6 +236,7 @@ class GraphStep:
         self.step = step
         self.mesh = step.mesh
         self.backend = backend  # "inductor", or None: the recorded graph runs op by op
+        self.graphs = _capture.graphs_for(self.mesh.device)  # what captures its programs (None: nothing)
         self.programs: dict[Any, _Program] = {}
         self.warm = False  # whether the first call ran (eagerly, see _warm_up)
         self.recordings = 0
@@ -340,9 +341,9 @@ class GraphStep:
         if program.fn is program.gm and self.backend is not None:  # [Note: random ops in a program] in _remat
             options = {"fallback_random": True} if self.backend == "inductor" else None
             program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False, options=options)
-        if self.mesh.device.type in _capture.DEVICES and not isinstance(program.fn, _capture.Captured):
+        if self.graphs is not None and not isinstance(program.fn, _capture.Captured):
             _capture.check_capturable(self.mesh)  # [Note: capturing a step]
-            program.fn = _capture.Captured(program.fn, self.mesh.device,
+            program.fn = _capture.Captured(program.fn, self.mesh.device, cuda=self.graphs,
                                            agree=functools.partial(_capture.agree_on_capture, self.mesh))
         # Under a dispatch mode of the caller's (an op counter, a memory tracker) dynamo runs
         # nothing compiled: the recorded graph runs op by op, so the mode sees each op.
