@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardfn as sf
-from shardfn._comm import collectives as C
 from shardfn._comm import pipelined as P
+from shardfn._comm.communicator import EAGER
 from shardfn.optim import adamw
 from test_faults import PG_TIMEOUT, STEP_TIMEOUT, _run
 from test_ranks_differ import Stack
@@ -50,18 +50,29 @@ def _fail_play_out(fake):
 
         P.Run.play_out = play_out
         return
-    issued = [0]
+    issued, playing = [0], [False]
 
     def failing(real):
         def issue(*args):
-            issued[0] += 1
-            if issued[0] == 2:
-                raise torch.OutOfMemoryError("NCCL: out of memory for the collective (a fake)")
+            if playing[0]:
+                issued[0] += 1
+                if issued[0] == 2:
+                    raise torch.OutOfMemoryError("NCCL: out of memory for the collective (a fake)")
             return real(*args)
         return issue
 
-    for name in ("issue_all_gather", "issue_reduce_scatter", "issue_all_reduce"):
-        setattr(P, name, failing(getattr(P, name)))
+    real_play_out = P.Run.play_out
+
+    def play_out(self):
+        playing[0] = True
+        try:
+            return real_play_out(self)
+        finally:
+            playing[0] = False
+
+    P.Run.play_out = play_out
+    for name in ("all_gather", "reduce_scatter", "all_reduce"):  # the play-out's, through the eager communicator
+        setattr(EAGER, name, failing(getattr(EAGER, name)))
 
 
 class _OnStream:
@@ -82,15 +93,14 @@ def _run_ahead():
     """From here on, data collectives are waited for on the "stream", as on NCCL: the host
     runs ahead of them. (Only for the failing step: nothing there reads a result on the host
     before the metrics header, where a GPU would wait for its stream.)"""
-    for module in (C, P):
-        for name in ("issue_all_gather", "issue_reduce_scatter", "issue_all_reduce"):
-            real = getattr(module, name)
+    for name in ("all_gather", "reduce_scatter", "all_reduce"):
+        real = getattr(EAGER, name)
 
-            def issue(*args, _real=real, _name=name):
-                out = _real(*args)
-                return (_OnStream(out[0]), out[1]) if _name == "issue_reduce_scatter" else _OnStream(out)
+        def issue(*args, _real=real, _name=name):
+            out = _real(*args)
+            return (_OnStream(out[0]), out[1]) if _name == "reduce_scatter" else _OnStream(out)
 
-            setattr(module, name, issue)
+        setattr(EAGER, name, issue)
 
 
 def _outcome(fn):

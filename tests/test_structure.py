@@ -187,10 +187,11 @@ def test_the_figure_pattern():
 
 
 def test_only_collectives_issues_collectives():
-    """Every collective goes through shardfn._comm.collectives, which agrees on it, records it and
-    names it; the guard's own header exchange is the one other caller (it is that agreement)."""
+    """Every collective goes through shardfn._comm.collectives, which agrees on it, records it
+    and names it, then starts it through the one communicator module; the guard's own header
+    exchange is the one other caller (it is that agreement)."""
     tool = _tool()
-    assert set(tool.collective_callers(tool._modules())) == {"_comm/collectives.py", "_comm/guard.py"}
+    assert set(tool.collective_callers(tool._modules())) == {"_comm/communicator.py", "_comm/guard.py"}
     found = tool.collective_callers({"_a.py": ast.parse("dist.all_reduce(t)\nx = all_gather_single(o, i)\n"
                                                         "gather(sharded)\n_F.all_to_all_single(x, s, s, g)\n")})
     assert found == {"_a.py": 3}
@@ -213,9 +214,9 @@ def test_no_module_stores_into_a_sharded_tree():
 # reads <= 10, ContextVars <= 2, swapped or id()-keyed globals 0, reduce-scatter modules 2,
 # modules directly in shardfn/ <= 20.
 PENDING_HOLDERS = 11
-RUNTIME_READS = 48
-MODE_READS = 66
-CONTEXT_VARS = 6
+RUNTIME_READS = 49
+MODE_READS = 62
+CONTEXT_VARS = 2
 SWAPPED_GLOBALS = 0
 REDUCE_SCATTER_MODULES = 5
 TOP_MODULES = 7
@@ -263,3 +264,15 @@ def test_the_core_measures_see_what_they_count(tmp_path):
     keyed = ast.parse("_SEEN = {}\ndef f(x):\n    _SEEN[id(x)] = x\n")
     assert [w for _, _, w in tool.swapped_globals(tests, {"_k.py": keyed})] == [
         "_SEEN[id(x)]", "_capture.CUDA", "_capture.DEVICES"]
+
+
+def test_no_collective_asks_which_mode_it_runs_in():
+    """[Note: one communicator per mode]: a collective hands its call to the scope's
+    communicator; neither asks whether the step is recorded or fake."""
+    tool = _tool()
+    modules = tool._modules()
+    asked = [r for r in tool.mode_reads(modules) if r[0] in ("_comm/collectives.py", "_comm/communicator.py")
+             and r[2].split(".")[-1] in ("recording", "is_fake")]
+    assert asked == []
+    tests = {n: ast.unparse(t) for n, t in modules.items() if n in ("_comm/collectives.py", "_comm/communicator.py")}
+    assert all("if scope.recording" not in text and "is_fake" not in text for text in tests.values())

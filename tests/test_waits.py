@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 
 import shardfn as sf
-from shardfn._comm import collectives as C
 from shardfn._comm import guard as G
-from shardfn._comm import pipelined as P
+from shardfn._comm.communicator import EAGER
 from shardfn.testing import split_batch
 from shardfn.testing.models import GPT, lm_loss
 from test_counts import CFG
@@ -57,25 +56,25 @@ def _nccl_channel(mesh):
 
 
 def _recording(log):
-    """Patches the places shardfn's waited work handles come from; returns the undo."""
-    saved = [(C, "issue_all_gather"), (C, "issue_reduce_scatter"), (C, "issue_all_reduce"), (P, "issue_all_gather"),
-             (P, "issue_reduce_scatter"), (P, "issue_all_reduce"), (G, "_rounds")]
+    """Patches the places shardfn's waited work handles come from (the eager communicator,
+    which the play-out shares, and the guard's rounds); returns the undo."""
+    saved = [(EAGER, "all_gather"), (EAGER, "reduce_scatter"), (EAGER, "all_reduce"), (G, "_rounds")]
     saved = [(m, n, getattr(m, n)) for m, n in saved]
-    originals = {(m, n): f for m, n, f in saved}
+    originals = {n: f for _, n, f in saved}
 
-    def data(module, name):
-        real = originals[(module, name)]
+    def data(name):
+        real = originals[name]
 
         def issue(*args):
-            group = args[1] if name == "issue_all_reduce" else args[2]
+            group = args[1 if name == "all_reduce" else 2].group  # (t, ch, op) or (out, inp, ch, ...)
             out = real(*args)
-            if name == "issue_reduce_scatter":
+            if name == "reduce_scatter":
                 return Recorder(out[0], "data", group, log), out[1]
             return Recorder(out, "data", group, log)
 
         return issue
 
-    real_rounds = originals[(G, "_rounds")]
+    real_rounds = originals["_rounds"]
 
     def rounds(ch, mine):
         gen = real_rounds(ch, mine)
@@ -87,12 +86,15 @@ def _recording(log):
             except StopIteration as done:
                 return done.value
 
-    for module, name, _ in saved:
-        setattr(module, name, rounds if name == "_rounds" else data(module, name))
+    for owner, name, _ in saved:
+        setattr(owner, name, rounds if name == "_rounds" else data(name))
 
     def undo():
-        for module, name, f in saved:
-            setattr(module, name, f)
+        for owner, name, f in saved:
+            if owner is EAGER:
+                delattr(owner, name)  # the class's method again
+            else:
+                setattr(owner, name, f)
 
     return undo
 

@@ -216,7 +216,7 @@ def counts() -> None:
 # A collective's handle is waited for through these; a class that calls one on what it keeps,
 # or issues a collective with ``async_op``, holds a pending collective.
 WAITS = {"wait", "wait_pending", "wait_tensor"}
-HANDLES = "_comm/collectives.py"  # the communicator's handle types are the pending collective itself
+HANDLES = "_comm/communicator.py"  # the communicator's handle types are the pending collective itself
 MODE_CALLS = {"current", "here", "observers", "recording", "is_fake"}
 
 

@@ -18,7 +18,6 @@ caller's context is not current) reach the same observers.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import enum
 from collections import Counter
@@ -26,6 +25,8 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
+
+from .scope import here, within
 
 __all__ = [
     "Collective", "CollectiveCall", "CollectiveLog", "Purpose", "Residency", "ResidencyEvent", "Transfer", "UnitEvent",
@@ -195,27 +196,21 @@ class Residency:
         self.events.append(event)
 
 
-_OBSERVERS: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("shardfn_observers", default=())
-
-
 def observers() -> tuple[Any, ...]:
     """The observers active here (a step captures them for its backward)."""
-    return _OBSERVERS.get()
+    return here().observers
 
 
 @contextlib.contextmanager
 def observe(observer: Any) -> Iterator[Any]:
     """Adds ``observer`` (anything with ``receive(event)``) for the block."""
-    token = _OBSERVERS.set((*_OBSERVERS.get(), observer))
-    try:
+    with within(observers=(*here().observers, observer)):
         yield observer
-    finally:
-        _OBSERVERS.reset(token)
 
 
 def emit(event: Any, to: tuple[Any, ...] | None = None) -> None:
     """Hands ``event`` to the observers ``to`` (default: those active here)."""
-    for obs in _OBSERVERS.get() if to is None else to:
+    for obs in here().observers if to is None else to:
         obs.receive(event)
 
 

@@ -31,8 +31,8 @@ and counters. Which groups already know of an error travels with the error itsel
 keep their own counts, which only messages read; an error that broke the process group
 is known to the mesh that saw it, and another mesh finds out at its next wait. Collectives take a channel where torch
 takes a process group. What a rank is doing (the header's ``where``), whether it is
-inside a guarded region and the step in progress are one context variable (a
-:class:`Scope`), set and reset by the ``with`` blocks that own them and read on the
+inside a guarded region and the step in progress are fields of the scope
+(shardfn._comm.scope), set and reset by the ``with`` blocks that own them and read on the
 calling thread only; backward gets its runtime's ([Note: backward on device threads]).
 
 Cost: one small all-reduce (112 bytes, whatever the world: [Note: a fixed-size agreement])
@@ -42,12 +42,12 @@ where the check is pipelined (see [Note: the pipelined guard] in shardfn._comm.p
 
 from __future__ import annotations
 
-import contextvars
+import contextlib
 import datetime
 import time
 from collections.abc import Generator, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,8 @@ from .header import (_CONTEXTS, _DTYPES, _KINDS, _PURPOSES, DETAIL, DIVERGED, FA
     STATUS, UNIT, WHAT, WHERE, Failure, Where, describe_header, fix, label, unit_id)
 from .events import Collective, Purpose
 from .._memory import on_host
-from .recording import recording, untraced
+from .recording import untraced
+from .scope import Scope, Where, here, within
 
 __all__ = [
     "Channel", "CommError", "DivergenceError", "Failure", "Guard", "PeerError", "Scope", "Where", "agree",
@@ -74,50 +75,25 @@ _POLL_S = 0.0005  # between looks at the collectives of exchanges run side by si
 
 
 
-class Scope(NamedTuple):
-    """Where the running code is, as the guard sees it: one value, set by :func:`guarded`
-    and :func:`running` as their blocks nest, and read once, by :func:`here`, on the thread
-    that starts a step (or a call of ``apply``). Its runtime carries it to every collective
-    its units issue, in backward too: [Note: backward on device threads]."""
-
-    guarded: bool = False  # inside a guarded region (the outermost reports errors to peers)
-    where: int = Where.OTHER  # what the region is: its collectives' headers say so
-    run: Any = None  # the step in progress, if it checks its schedule (a shardfn._comm.pipelined.Run)
-    recording: bool = False  # a graph step is being recorded (filled in by here(): [Note: recording a step])
-
-
-_SCOPE: contextvars.ContextVar[Scope] = contextvars.ContextVar("shardfn_guard", default=Scope())
-
-
-def here() -> Scope:
-    """The scope of the calling thread, read from its context variables: for code that runs
-    there (a step's entry, its forward, a checkpoint), never for code that runs in backward.
-
-    [Note: backward on device threads]
-    On CUDA, autograd runs backward on its own device threads. torch copies its thread-local
-    state into them (grad mode, the dispatch modes ``make_fx`` records through), but not
-    Python's context: a ContextVar set by the caller reads its default there. So nothing
-    that backward runs (a unit's regather, its reduction, a bucket's collective, a
-    saved-tensor hook, a remat recompute) reads one: what it needs is a value carried by
-    the objects backward reaches, the runtime's :class:`Scope` (``Runtime.scope``) and
-    observers, passed to the collectives as arguments. tests/test_backward_threads.py runs
-    every backward under an empty context to hold this on the CPU."""
-    return _SCOPE.get()._replace(recording=recording())
+# [Note: backward on device threads]
+# On CUDA, autograd runs backward on its own device threads. torch copies its thread-local
+# state into them (grad mode, the dispatch modes ``make_fx`` records through), but not
+# Python's context: a ContextVar set by the caller reads its default there. So nothing
+# that backward runs (a unit's regather, its reduction, a bucket's collective, a
+# saved-tensor hook, a remat recompute) reads one: what it needs is a value carried by
+# the objects backward reaches, the runtime's :class:`Scope` (``Runtime.scope``) and
+# observers, passed to the collectives as arguments. tests/test_backward_threads.py runs
+# every backward under an empty context to hold this on the CPU.
 
 
 def current_run() -> Any:
     """The step in progress that checks its schedule (a shardfn._comm.pipelined.Run), or None."""
-    return _SCOPE.get().run
+    return here().run
 
 
-@contextmanager
-def running(run: Any) -> Iterator[None]:
+def running(run: Any) -> contextlib.AbstractContextManager[Scope]:
     """Makes ``run`` the step in progress for the block (None: none)."""
-    token = _SCOPE.set(_SCOPE.get()._replace(run=run))
-    try:
-        yield
-    finally:
-        _SCOPE.reset(token)
+    return within(run=run)
 
 
 class Guard:
@@ -457,21 +433,19 @@ def fail(mesh: Any, exc: BaseException) -> Told | None:
 def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
     """A region whose errors every peer learns (see :func:`fail`); ``where`` marks its
     collectives' headers. Nested regions leave it to the outermost."""
-    scope = _SCOPE.get()
+    scope = here()
     outer = not scope.guarded
-    token = _SCOPE.set(scope._replace(guarded=True, where=scope.where if where is None else where))
-    try:
-        yield
-    except Exception as e:
-        if outer and mesh is not None and mesh.size > 1:
-            seen = fail(mesh, e)
-            if isinstance(e, PeerError) and seen is not None:
-                name_the_others(e, seen)
-            if not isinstance(e, (PeerError, DivergenceError, CommError)) and not str(e).startswith("[rank "):
-                e.add_note(raised_here(mesh, e, seen))
-        raise
-    finally:
-        _SCOPE.reset(token)
+    with within(guarded=True, where=scope.where if where is None else where):
+        try:
+            yield
+        except Exception as e:
+            if outer and mesh is not None and mesh.size > 1:
+                seen = fail(mesh, e)
+                if isinstance(e, PeerError) and seen is not None:
+                    name_the_others(e, seen)
+                if not isinstance(e, (PeerError, DivergenceError, CommError)) and not str(e).startswith("[rank "):
+                    e.add_note(raised_here(mesh, e, seen))
+            raise
 
 
 # -- the divergence message ------------------------------------------------------------

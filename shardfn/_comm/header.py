@@ -13,6 +13,7 @@ import zlib
 import torch
 
 from .events import Collective, Purpose
+from .scope import Where
 
 __all__ = ["HEADER", "Failure", "Where", "describe_header", "fix", "label", "unit_id"]
 
@@ -39,14 +40,6 @@ class Failure:
     KEPT = 1  # after it: this rank's state is as before the step
     PARTLY = 2  # after it: this rank's state may be partly updated
     UNPLAYED = 3  # before it, in a pipelined step it could not play out: the process group is unusable
-
-
-class Where:
-    """What a rank is doing when it issues a collective (the header's ``where``)."""
-
-    OTHER, STEP, APPLY, BIND = 0, 1, 2, 3
-    NAMES = {0: "outside a step (shard, gather, a checkpoint)", 1: "in a step", 2: "in apply outside a step",
-             3: "inside `with shardfn.bind(...)`"}
 
 
 def unit_id(name: str) -> int:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import guard as G
-from .collectives import issue_all_gather, issue_all_reduce, issue_reduce_scatter
+from .communicator import EAGER
 from .events import Collective, Purpose
 
 __all__ = ["Deviated", "Run", "Schedule"]
@@ -196,11 +196,11 @@ class Run:
                 full = scratch[e.device][:size].view(e.dtype)
                 part = scratch[e.device][size:_bytes(e)].view(e.dtype)
                 if e.kind is Collective.ALL_GATHER:
-                    work = issue_all_gather(full, part, e.channel.group)
+                    work = EAGER.all_gather(full, part, e.channel)
                 elif e.kind is Collective.REDUCE_SCATTER:
-                    work, _ = issue_reduce_scatter(part, full, e.channel.group, e.op)
+                    work, _ = EAGER.reduce_scatter(part, full, e.channel, e.op)
                 else:
-                    work = issue_all_reduce(full, e.channel.group, e.op)
+                    work = EAGER.all_reduce(full, e.channel, e.op)
                 G.wait(work, e.channel, f"{e.kind.value} (playing out the schedule after a deviation)")
         except Exception as error:
             self.unplayed = error

@@ -28,13 +28,14 @@ buckets, prefetch) is decided once, at the recording. Six things differ while re
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 from typing import Any
 
+from .communicator import EAGER, RECORDED
+from .scope import here, within
+
 __all__ = ["Unrecordable", "device_values", "recording", "relative_view", "untraced"]
 
-_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_recording", default=False)
 
 
 class Unrecordable(RuntimeError):
@@ -52,7 +53,7 @@ def recording() -> bool:
     """Whether a graph step is being recorded in this context (see the note). Read on the
     thread that runs the step; code that runs in backward takes it from its runtime
     (``Runtime.scope.recording``: [Note: backward on device threads] in shardfn._comm.guard)."""
-    return _RECORDING.get()
+    return here().comm.recorded
 
 
 def device_values(values: list[float], dtype: Any, device: Any) -> Any:
@@ -68,13 +69,9 @@ def device_values(values: list[float], dtype: Any, device: Any) -> Any:
     return torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values])
 
 
-@contextlib.contextmanager
-def record() -> Iterator[None]:
-    token = _RECORDING.set(True)
-    try:
-        yield
-    finally:
-        _RECORDING.reset(token)
+def record() -> contextlib.AbstractContextManager[Any]:
+    """The block is recorded: its collectives are the recorded communicator's."""
+    return within(comm=RECORDED)
 
 
 @contextlib.contextmanager
@@ -83,17 +80,13 @@ def untraced(recorded: bool | None = None) -> Iterator[None]:
     runs with every dispatch mode (the recorder's) set aside. ``recorded``: whether the
     caller's step is being recorded, as its runtime carries it (default: :func:`recording`,
     on the calling thread only: [Note: backward on device threads] in shardfn._comm.guard)."""
-    if not (_RECORDING.get() if recorded is None else recorded):
+    if not (recording() if recorded is None else recorded):
         yield
         return
     from torch.utils._python_dispatch import _disable_current_modes
 
-    token = _RECORDING.set(False)
-    try:
-        with _disable_current_modes():
-            yield
-    finally:
-        _RECORDING.reset(token)
+    with within(comm=EAGER), _disable_current_modes():
+        yield
 
 
 def relative_view(t: Any, fulls: list[Any]) -> tuple[int, int] | None:

@@ -26,7 +26,6 @@ over the real parameters.
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -38,6 +37,7 @@ from .._comm import collectives as C
 from .._comm import guard as G
 from .._comm.events import Purpose
 from .._comm.guard import guarded
+from .._comm.scope import here, within
 from .runtime import current
 
 __all__ = ["on_shards", "psum", "sum_of_squares"]
@@ -49,10 +49,6 @@ _NO_SCOPE = (
     "would be silently wrong. Run it inside `with shardfn.on_shards(sharded):` (sharded: the ShardedParams "
     "the tensors are shards of), or inside a step."
 )
-
-# (mesh, whether ranks on the "shard" axis hold different shards) set by on_shards().
-_SCOPE: contextvars.ContextVar[tuple[Any, bool] | None] = contextvars.ContextVar("shardfn_on_shards", default=None)
-
 
 @contextmanager
 def on_shards(sharded: Any) -> Iterator[None]:
@@ -74,12 +70,9 @@ def on_shards(sharded: Any) -> Iterator[None]:
     if layout is None:
         raise TypeError(f"on_shards(sharded): expected the ShardedParams from shardfn.shard(), got "
                         f"{type(sharded).__name__}.")
-    token = _SCOPE.set((sharded.mesh, layout.sharded))
-    try:
-        with guarded(sharded.mesh):  # an error on one rank reaches the others at their next psum
-            yield
-    finally:
-        _SCOPE.reset(token)
+    # an error on one rank reaches the others at their next psum
+    with within(shards=(sharded.mesh, layout.sharded)), guarded(sharded.mesh):
+        yield
     if layout.sharded:  # the ranks made the same psums, or all of them raise here
         G.agree_exit(sharded.mesh.channel("shard"), "shardfn.on_shards(...)")
     if sharded.mesh.axis_size("tensor") > 1:  # and so on the tensor axis (psum(..., split=True))
@@ -101,11 +94,11 @@ def psum(t: torch.Tensor, *, split: bool | None = None) -> torch.Tensor:
         >>> with shardfn.on_shards(sharded):  # as inside an optimizer's update: local shards
         ...     norms = {n: psum(p.square().sum()).sqrt() for n, p in sharded.items()}  # whole parameters' norms
     """
-    rt = current()
+    rt, shards = current(), here().shards
     if rt is not None:
         mesh, sharded = rt.mesh, rt.sharded
-    elif (scope := _SCOPE.get()) is not None:
-        mesh, sharded = scope
+    elif shards is not None:
+        mesh, sharded = shards
     elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(_NO_SCOPE.format(rank=dist.get_rank(), world=dist.get_world_size()))
     else:

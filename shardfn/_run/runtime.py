@@ -14,8 +14,8 @@ block. It owns, for that step and no longer:
 * the working copies of the buffers (shardfn._run.buffers);
 * the step's collective log (``metrics["comm_bytes"]``) and the observers to report to.
 
-The step in progress is found through one ``ContextVar`` (:func:`current`), by ``apply``
-and by :func:`shardfn.optim.psum`, on the calling thread. Code that runs in backward
+The step in progress is found in the scope (:func:`current`; [Note: the scope] in
+shardfn._comm.scope), by ``apply`` and by :func:`shardfn.optim.psum`, on the calling thread. Code that runs in backward
 (reductions, regathers, saved-tensor hooks, recomputes) holds a reference to the runtime
 instead, and takes from it all it would read from a context: the runtime's ``scope``
 (where it runs, its pipelined run, whether it is recorded) and ``observers``, fixed when
@@ -31,7 +31,6 @@ user's own autograd) a reduction averages and the loss is the user's own.
 
 from __future__ import annotations
 
-import contextvars
 import enum
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +43,7 @@ from torch.distributed import ReduceOp
 from .._comm import collectives as C
 from .._comm import guard as _guard
 from .._comm.events import CollectiveLog, observe, observers
+from .._comm.scope import here, within
 from .._state.offload import wait_for_device
 from .options import Accumulate, StepOptions
 from .._parallel.agree import agree_on_optional
@@ -285,22 +285,15 @@ class Runtime:
         return list(dict.fromkeys(self.seen)) if self.seen else self.order
 
 
-_CURRENT: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("shardfn_runtime", default=None)
-
-
 def current() -> Runtime | None:
     """The runtime of the step in progress in this context, if any."""
-    return _CURRENT.get()
+    return here().runtime
 
 
 @contextmanager
 def active(rt: Runtime) -> Iterator[Runtime]:
     """Makes ``rt`` the step in progress for the block; an error in it reaches every rank
     (see [Note: the schedule guard])."""
-    token = _CURRENT.set(rt)
-    try:
-        with _guard.running(rt.scope.run), _guard.guarded(rt.mesh, rt.scope.where), observe(rt.log):
-            yield rt
-    finally:
-        _CURRENT.reset(token)
+    with within(runtime=rt, run=rt.scope.run), _guard.guarded(rt.mesh, rt.scope.where), observe(rt.log):
+        yield rt
 
