@@ -20,7 +20,7 @@ from ._planning.explain import UnitCost as UnitCost
 from ._planning.explain import explain as explain
 from ._io.export import save_pretrained as save_pretrained
 from ._run.functionalize import Apply as Apply
-from ._run.functionalize import Params as Params
+from ._state.tree import Params as Params
 from ._run.functionalize import functionalize as functionalize
 from ._errors import CommError as CommError
 from ._errors import DivergenceError as DivergenceError
@@ -53,7 +53,7 @@ from ._run.options import Accumulate as Accumulate
 from ._state.sharded import ShardedParams as ShardedParams
 from ._state.sharded import gather as gather
 from ._state.sharded import shard as shard
-from ._run.step import jit_step as jit_step
+from ._jit import jit_step as jit_step
 
 __version__ = "0.1.0"
 

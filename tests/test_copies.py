@@ -118,7 +118,9 @@ class CopyLog(TorchDispatchMode):
 
 def _tagged(log, method, direction):
     def wrapper(self, *args, **kwargs):
-        log.tags.append((direction, self.unit.name if hasattr(self, "unit") else self.name))  # a unit, or a bucket
+        # a unit (Unit, UnitGrads), a bucket, or a unit group's collective for a unit or a bucket
+        owner = args[0] if type(self).__name__ == "UnitGroup" else self
+        log.tags.append((direction, owner.unit.name if hasattr(owner, "unit") else owner.name))
         try:
             return method(self, *args, **kwargs)
         finally:
@@ -189,8 +191,8 @@ def expected_copies(layout):
 
 PATCHED = [("_group.gather", "Unit", "_issue", "gather"), ("_group.gather", "Unit", "_gather", "gather"),
            ("_group.buckets", "GatherBucket", "issue", "gather"), ("_group.buckets", "Flight", "wait", "gather"),
-           ("_group.buckets", "ReduceBucket", "issue", "reduce"),
-           ("_group.reduce", "UnitGrads", "_accumulate", "reduce"), ("_group.reduce", "UnitGrads", "_issue", "reduce"),
+           ("_group.group", "UnitGroup", "_issue_bucket", "reduce"),
+           ("_group.reduce", "UnitGrads", "accumulate", "reduce"), ("_group.group", "UnitGroup", "_issue", "reduce"),
            ("_group.reduce", "UnitGrads", "to_master", "reduce")]
 
 

@@ -78,7 +78,7 @@ class _Mesh:
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_graph_steps_on_cuda_are_refused_as_unverified_unless_asked_for(monkeypatch, backend):
-    from shardfn._run.step import _check_graph
+    from shardfn._jit import _check_graph
 
     monkeypatch.delenv("SHARDFN_CUDA_GRAPH", raising=False)
     with pytest.raises(ValueError) as caught:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardfn as sf
-from shardfn._run.verdict import Verdict
+from shardfn._state.verdict import Verdict
 from shardfn.testing import split_batch
 from test_ranks_differ import Stack, _outcome, _setup
 

@@ -2,6 +2,7 @@
 
     python tools/structure.py counts          # the figures issues 41 and 57 track
     python tools/structure.py graph           # the import graph, as a Mermaid flowchart
+    python tools/structure.py folders         # the same between concept folders, and the pairs that import each other
     python tools/structure.py trip            # the modules one step's code runs in
 
 The counts read the source (``ast``), never run it; ``trip`` runs one FULL_SHARD step of a
@@ -378,6 +379,39 @@ def graph() -> None:
           f"{len(cycles(edges))} cycles", file=sys.stderr)
 
 
+def folder_edges() -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """Imports between the package's folders (a top-level module is a folder of its own):
+    (folder, folder) -> the (module, module) imports behind the arrow."""
+    sys.path.insert(0, str(ROOT.parent / "tests"))
+    from test_structure import imports
+
+    def folder(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 else module
+
+    out: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for a, targets in imports().items():
+        for b in targets:
+            if folder(a) != folder(b):
+                out.setdefault((folder(a), folder(b)), []).append((a.rpartition(".")[2], b.rpartition(".")[2]))
+    return out
+
+
+def folders() -> None:
+    """The folder graph as a Mermaid flowchart (``<-->``: two folders that import each other)."""
+    edges = folder_edges()
+    short = lambda m: (m.removeprefix("shardfn").removeprefix(".") or "shardfn").lstrip("_")  # noqa: E731
+    print("flowchart TB")
+    for a, b in sorted(edges):
+        if a == "shardfn" or ((b, a) in edges and a > b):
+            continue
+        print(f"    {short(a)} {'<-->' if (b, a) in edges else '-->'} {short(b)}")
+    mutual = sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
+    print(f"%% folder pairs that import each other: {len(mutual)}", file=sys.stderr)
+    for a, b in mutual:
+        print(f"%%   {short(a)} -> {short(b)}: {edges[(a, b)][:3]}; back: {edges[(b, a)][:3]}", file=sys.stderr)
+
+
 def trip() -> None:
     """The modules whose functions one step calls, after the step is built and has run once."""
     import os
@@ -423,4 +457,4 @@ def trip() -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT.parent))  # this checkout's shardfn, for `trip`
-    {"counts": counts, "graph": graph, "trip": trip}[sys.argv[1] if len(sys.argv) > 1 else "counts"]()
+    {"counts": counts, "graph": graph, "folders": folders, "trip": trip}[sys.argv[1] if len(sys.argv) > 1 else "counts"]()

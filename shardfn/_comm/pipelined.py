@@ -121,7 +121,7 @@ class Run:
     def open(self, nonfinite: bool = False) -> bool:
         """The step's opening header, on every axis: the schedule every rank is about to run,
         and in its detail whether this rank, or a rank it heard on an earlier axis, read a
-        verdict that is not finite (shardfn._run.verdict [Note: reading a verdict when it is
+        verdict that is not finite (shardfn._state.verdict [Note: reading a verdict when it is
         ready]). Returns whether any rank did: then every rank raises, the step still opening."""
         fp = self.schedule.fingerprint()
         n = len(self.schedule.verified) if fp else 0

@@ -10,9 +10,9 @@ of small units and leaves alone units that already amortise their latency.
 
 Which units share a bucket is part of the layout, the same on every rank, and a bucket is
 named after its first and last units (``blocks.0..blocks.5``) in collectives and
-``explain``. Gradients (:func:`reduce_buckets`) fill from the last unit back, backward's
-order, with a small first bucket (``FIRST_BUCKET_BYTES``, as DDP's) so that communication
-starts early; parameters (:func:`gather_buckets`) in layout order. A bucket has one dtype
+``explain``. Gradients (shardfn._state.bucketing.reduce_buckets) fill from the last unit
+back, backward's order, with a small first bucket (``FIRST_BUCKET_BYTES``, as DDP's) so that
+communication starts early; parameters (``gather_buckets``) in layout order. A bucket has one dtype
 and one reshard rule; a unit that cannot share a collective with its neighbours (an
 optional one, an offloaded one, hybrid's two-step reduction, ...) travels alone.
 
@@ -37,55 +37,7 @@ from .._comm.events import Purpose
 from .._comm.guard import unit_id
 from .._state.packing import pack_shards, shard_buffer
 
-__all__ = ["FIRST_BUCKET_BYTES", "GatherBucket", "ReduceBucket", "buckets_of", "gather_buckets", "reduce_buckets", "skipped_detail"]
-
-FIRST_BUCKET_BYTES = 2**20
-
-
-def reduce_buckets(layout: Any) -> tuple[tuple[int, ...], ...]:
-    """The units whose gradient reductions travel together, as tuples of unit indices in
-    layout order; every unit that reduces is in exactly one (see [Note: buckets])."""
-    reducing = [u for u in layout.units if u.grad_numel]
-    no_shard = layout.reduction.all_reduces and not layout.reduction.scatters
-    sharded = layout.reduction.scatters and not layout.reduction.all_reduces and not layout.offloaded
-    if not ((no_shard or sharded) and layout.plan.bucket_bytes):
-        return tuple((u.index,) for u in reducing)
-    def solo(u: Any) -> bool:  # a unit that reduces in a bucket of its own
-        return u.optional or (sharded and u.whole)
-
-    out: list[list[int]] = []
-    size, dtype = 0, None
-    for u in reversed(reducing):
-        nbytes = layout.world * u.grad_numel * u.reduce_dtype.itemsize  # the buffer: [world, gn]
-        alone = solo(u) or (out and solo(layout.units[out[-1][0]]))
-        cap = min(FIRST_BUCKET_BYTES, layout.plan.bucket_bytes) if len(out) == 1 else layout.plan.bucket_bytes
-        if not out or alone or u.reduce_dtype != dtype or size + nbytes > cap:
-            out.append([])
-            size = 0
-        out[-1].insert(0, u.index)
-        size, dtype = size + nbytes, u.reduce_dtype
-    return tuple(tuple(b) for b in reversed(out))
-
-
-def gather_buckets(layout: Any) -> tuple[tuple[int, ...], ...]:
-    """The units whose all-gathers travel together, as tuples of unit indices in layout
-    order; every unit is in exactly one (see [Note: buckets])."""
-    on = (layout.gathers and not layout.reduction.all_reduces and layout.plan.bucket_bytes  # (not hybrid)
-          and not layout.offloaded and not layout.keeps_replica)
-    out: list[list[int]] = []
-    size, key = 0, None
-    for u in layout.units:
-        joins = bool(on and u.path and u.numel and not u.optional and u.remat is None and u.subgroup is None
-                     and not u.whole)
-        nbytes = layout.world * u.numel * u.param_dtype.itemsize
-        mine = (u.param_dtype, bool(u.reshard)) if joins else None
-        if mine is None or mine != key or size + nbytes > layout.plan.bucket_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(u.index)
-        size, key = size + nbytes, mine
-    return tuple(tuple(b) for b in out)
-
+__all__ = ["GatherBucket", "ReduceBucket", "buckets_of", "skipped_detail"]
 
 class _Bucket:
     """Units that share one collective: their indices in the layout, each one's offset in the
@@ -128,10 +80,10 @@ class GatherBucket(_Bucket):
                 torch._foreach_copy_(parts, bases)  # cast to the param dtype on the way
             else:
                 for unit, part in zip(self.units, parts):
-                    pack_shards(part, unit.shards, False, unit.runtime.observers, unit.unit.name,
+                    pack_shards(part, unit.shards, False, unit.group.ctx.observers, unit.unit.name,
                                 unit.layout.offsets(unit.unit, unit.rank) if unit.unit.flat else None)
             work = C.all_gather(out.view(-1), row, first.channel, purpose, self.name, async_op=True,
-                                to=first.runtime.observers, scope=first.runtime.scope)
+                                to=first.group.ctx.observers, scope=first.group.ctx.scope)
         flight = Flight(work, out, [u.unit.numel for u in self.units], self.name)
         for i, unit in enumerate(self.units):
             unit.take_flight(Share(flight, i))
@@ -184,8 +136,9 @@ class Share:
 class ReduceBucket(_Bucket):
     """Units whose gradients share one buffer and one collective (see [Note: buckets]):
     each unit packs its gradients (into its part of the buffer under NO_SHARD, into its own
-    ``[world, gn]`` buffer under the sharded strategies); the last one ready issues the
-    collective, and each unit's reduced gradient is its part of the result."""
+    ``[world, gn]`` buffer under the sharded strategies); once the last one is ready its
+    unit group issues the collective (shardfn._group.group), and each unit's reduced
+    gradient is its part of the result."""
 
     __slots__ = ("buffer", "ready", "rows")
 
@@ -205,42 +158,18 @@ class ReduceBucket(_Bucket):
         i = self.units.index(unit)
         return self.buffer[self.offsets[i] : self.offsets[i] + unit.unit.grad_numel]
 
-    def add(self, unit: Any) -> None:
+    def add(self, unit: Any) -> bool:
+        """``unit``'s gradients are packed; True when every member's are (the bucket reduces)."""
         self.ready.append(unit)
-        if len(self.ready) == len(self.units):
-            self.issue()
+        return len(self.ready) == len(self.units)
 
-    def issue(self) -> None:
-        """One collective for the bucket. Called early, after a backward, for a bucket some of
-        whose units this rank did not use: its parts of them are zero, and its header names
-        them, so the ranks agree on the step only if every rank skipped the same ones (a
-        rank that used none of a bucket's units issues nothing: the ranks diverge too)."""
-        first = self.units[0]
-        rt, ready = first.runtime, self.ready
-        detail = skipped_detail([u.unit.name for u in self.units if u not in ready])
-        if self.rows == 1:
-            for unit in self.units:
-                if unit not in ready:
-                    self.part(unit).zero_()
-            out = buf = self.buffer
-            work = C.all_reduce(buf, first.grads.replicate, Purpose.REDUCE, self.name, op=rt.reduce_op,
-                                async_op=rt.options.overlap, to=rt.observers, detail=detail, scope=rt.scope)
-        else:
-            rt.wait_pending()  # one bucket's unsharded gradients in flight at a time
-            parts = [u.grads.acc.view(self.rows, -1) if u in ready else
-                     torch.zeros(self.rows, u.unit.grad_numel, dtype=u.unit.reduce_dtype, device=u.device)
-                     for u in self.units]
-            buf = torch.cat(parts, dim=1)
-            del parts
-            out = torch.empty(self.numel, dtype=first.unit.reduce_dtype, device=buf.device)
-            work = C.reduce_scatter(out, buf.view(-1), first.channel, Purpose.REDUCE, self.name, op=rt.reduce_op,
-                                    async_op=rt.options.overlap, to=rt.observers, detail=detail, scope=rt.scope)
-        if rt.options.overlap:
-            rt.add_pending(work, (buf, out), bucket=self.rows == 1)
-        for unit, off in zip(self.units, self.offsets):
-            rt.reduced.append((unit, out[off : off + unit.unit.grad_numel]))
-            unit.grads.acc = None
-        self.buffer, self.ready = None, []
+    def packed(self) -> torch.Tensor:
+        """The sharded strategies: the members' ``[world, gn]`` buffers side by side in one
+        ``[world, numel]`` buffer, zeros for a member this rank did not use."""
+        parts = [u.grads.acc.view(self.rows, -1) if u in self.ready else
+                 torch.zeros(self.rows, u.unit.grad_numel, dtype=u.unit.reduce_dtype, device=u.device)
+                 for u in self.units]
+        return torch.cat(parts, dim=1)
 
 
 def skipped_detail(skipped: list[str]) -> int:

@@ -66,8 +66,9 @@ from .._state.offload import copy_stream, join_stream, to_device
 from .._state.packing import leaf_holding, leaves_by_storage, pack_shards, shard_buffer, unpack_unit
 from .._state.plan import RematMode
 from .._comm.recording import relative_view
+from .context import AfterForward, invariant
+from .group import UnitGroup
 from .reduce import UnitGrads
-from .._run.runtime import AfterForward, Runtime, invariant
 
 __all__ = ["GatherUnit", "Hold", "InFlight", "State", "Unit", "Use", "saved_handles"]
 
@@ -135,14 +136,14 @@ class Unit:
     """A unit's runtime state for one runtime (one step, or one call outside a step)."""
 
     __slots__ = (
-        "layout", "unit", "key", "shards", "slots", "mesh", "channel", "rank", "runtime", "grads", "replica",
+        "layout", "unit", "key", "shards", "slots", "mesh", "channel", "rank", "group", "grads", "replica",
         # where it is in its life (see [Note: the life of a unit])
         "state", "full", "storages", "inflight", "secondary", "use", "outputs", "entry", "handles", "reading",
         "calls", "pinned", "bucket",
     )
 
     def __init__(self, layout: Layout, unit: UnitLayout, key: tuple[int, int], shards: list[torch.Tensor], mesh: Any,
-                 slots: list, runtime: Runtime, store: bool, replica: list[torch.Tensor] | None = None,
+                 slots: list, group: UnitGroup, replica: list[torch.Tensor] | None = None,
                  bucket: Any = None, reduce_bucket: Any = None):
         self.layout = layout
         self.unit = unit
@@ -152,8 +153,8 @@ class Unit:
         self.mesh = mesh
         self.channel = mesh.channel("shard")  # all-gathers and reduce-scatters
         self.rank = layout.shard_rank(mesh)  # this rank's row of an all-gather's output
-        self.runtime = runtime
-        self.grads = UnitGrads(self, store, reduce_bucket)
+        self.group = group  # its unit group, the owner of its reductions in flight ([Note: the unit group])
+        self.grads = UnitGrads(self, reduce_bucket)
         self.replica = replica  # SHARD_OPTIMIZER: the tree's kept full parameters, if still those of the shards
         self.state = State.SHARDED
         self.full: list[torch.Tensor] | None = None  # GATHERED: the full parameters
@@ -166,7 +167,7 @@ class Unit:
         self.handles = 0  # saved-tensor handles of all uses not yet read
         self.reading: Use | None = None  # the use whose handles backward is reading
         self.calls = 0  # forward gathers in this micro-batch (remat units prefetch a regather only if > 0)
-        self.pinned = runtime.after_forward is AfterForward.KEEP
+        self.pinned = group.ctx.after_forward is AfterForward.KEEP
         self.bucket = bucket  # the shardfn._group.buckets.GatherBucket it gathers with, if any ([Note: buckets])
         for b in (bucket, reduce_bucket):
             if b is not None:
@@ -190,7 +191,7 @@ class Unit:
         """Whether the unit lets go of its gathered parameters after its forward."""
         if self.pinned:
             return False
-        return self.runtime.after_forward is AfterForward.FREE or bool(self.unit.reshard)
+        return self.group.ctx.after_forward is AfterForward.FREE or bool(self.unit.reshard)
 
     @property
     def entered(self) -> bool:
@@ -198,7 +199,7 @@ class Unit:
 
     def _note(self, event: UnitEvent) -> None:
         if not self.is_root:
-            emit(ResidencyEvent(event, self.unit.name), self.runtime.observers)
+            emit(ResidencyEvent(event, self.unit.name), self.group.ctx.observers)
 
     # -- the one rule of release ------------------------------------------------------------
 
@@ -252,7 +253,7 @@ class Unit:
             with torch.no_grad():
                 out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
                 work = C.all_gather(out.view(-1), self.secondary, group, purpose, self.unit.name, async_op=async_op,
-                                    to=self.runtime.observers, scope=self.runtime.scope)
+                                    to=self.group.ctx.observers, scope=self.group.ctx.scope)
             return InFlight(work, out, self.secondary)
         with torch.no_grad(), copy_stream(self.device) if self.layout.offloaded else nullcontext():
             out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
@@ -262,9 +263,9 @@ class Unit:
             mine = shard_buffer(self.shards, numel, self.unit.param_dtype, offsets) if flat else None
             if mine is None:  # ROWS, or shards that are not views of one buffer: one pack (see [Note: copies])
                 mine = out[self.rank]
-                pack_shards(mine, self.shards, self.layout.offloaded, self.runtime.observers, self.unit.name, offsets)
+                pack_shards(mine, self.shards, self.layout.offloaded, self.group.ctx.observers, self.unit.name, offsets)
             work = C.all_gather(out.view(-1), mine, self.channel, purpose, self.unit.name, async_op=async_op,
-                                to=self.runtime.observers, scope=self.runtime.scope)
+                                to=self.group.ctx.observers, scope=self.group.ctx.scope)
         return InFlight(work, out, mine)
 
     def prefetchable(self, forward: bool) -> bool:
@@ -313,7 +314,7 @@ class Unit:
         """Starts the all-gathers of the units that run after this one (see :meth:`prefetchable`;
         the root is gathered before every unit and is not in their order)."""
         if not self.is_root and self.unit.remat is not RematMode.SELECTIVE:
-            self.runtime.prefetch_after(self.key, forward=forward)
+            self.group.ctx.prefetch_after(self.key, forward)
 
     def _gather(self, purpose: Purpose) -> list[torch.Tensor]:
         """SHARDED or IN_FLIGHT -> GATHERED: the full parameters of the unit (no autograd),
@@ -326,7 +327,7 @@ class Unit:
                 full = self.replica
             elif not lay.gathers and lay.offloaded:  # no all-gather: each leaf copied to the device
                 full = [to_device(s.detach().view(leaf.shape), self.device, self.unit.param_dtype,
-                                  self.runtime.observers, self.unit.name) for s, leaf in zip(self.shards, leaves)]
+                                  self.group.ctx.observers, self.unit.name) for s, leaf in zip(self.shards, leaves)]
             elif not lay.gathers:  # NO_SHARD, or a world of one: the shard is the parameter
                 base = shard_buffer(self.shards, self.unit.numel, self.shards[0].dtype,
                                     self.layout.offsets(self.unit, 0)) if self.unit.flat and self.shards else None
@@ -462,7 +463,7 @@ def saved_handles(units: list[Unit]) -> Any:
         for unit in units:
             index = leaf_holding(t, unit.full, unit.storages) if unit.storages else None
             if index is not None:
-                found = relative_view(t, unit.full) if unit.runtime.scope.recording else (index, 0)
+                found = relative_view(t, unit.full) if unit.group.ctx.scope.recording else (index, 0)
                 if found is None:
                     return t
                 index, kind = found
@@ -492,7 +493,7 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         unit: Unit = ctx.unit
-        shard_grads = unit.grads.backward(grads)
+        shard_grads = unit.group.backward(unit, grads)
         if unit.grads.nodes == 0:
             unit.secondary = None  # the unit's last backward: no regather to come
         unit.settle()

@@ -58,27 +58,25 @@ from typing import Any
 
 import torch
 
-from .._comm import collectives as C
-from .._comm.events import Purpose, marker
 from .._state.plan import Reduction
 from .._state.offload import to_host
 from .._state.packing import pack_unit
-from .._run.runtime import RunningUnit
 
 __all__ = ["UnitGrads"]
 
 
 class UnitGrads:
-    """The gradients of one unit during a runtime (see [Note: one reduction per unit])."""
+    """The gradients of one unit during a runtime (see [Note: one reduction per unit]): what
+    its backward packs, and the shard gradients a reduction gives. Its reductions are
+    issued and waited for by its unit group (shardfn._group.group)."""
 
-    __slots__ = ("unit", "store", "nodes", "graphed", "acc", "replicate", "bucket")
+    __slots__ = ("unit", "nodes", "graphed", "acc", "replicate", "bucket")
 
-    def __init__(self, unit: RunningUnit, store: bool, bucket: Any = None):
+    def __init__(self, unit: Any, bucket: Any = None):
         self.unit = unit
         # Gradients are averaged over the other ranks holding the same shard: the
         # "replicate" axis of the mesh, or the shard axis under NO_SHARD.
         self.replicate = unit.mesh.channel("replicate") if "replicate" in unit.mesh.axis_names else unit.channel
-        self.store = store  # reduce once and leave the result to the runtime (the step's own tree)
         self.nodes = 0  # GatherUnit nodes built in forward whose backward has not run
         self.graphed = False  # a node was built since the last reduction
         self.acc: Any = None  # the unsharded gradient buffer (a world of one: a list of per-leaf gradients)
@@ -89,59 +87,20 @@ class UnitGrads:
         self.graphed = True
 
     @property
-    def _plain(self) -> bool:
+    def plain(self) -> bool:
         """A world of one without replicas: nothing to reduce (see [Note: copies] 4.)."""
         return self.unit.layout.reduction is Reduction.NONE
 
-    def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
-        """One node's backward: this use's gradients of the full parameters.
-
-        Returns the shard gradients autograd gets: this use's, reduced, outside a step;
-        none inside one (the runtime collects the unit's one reduction).
-        """
-        unit = self.unit
-        with marker(lambda: f"shardfn::backward_reduce[{unit.name}]"):
-            self.nodes = max(0, self.nodes - 1)
-            if not self.store:
-                self.acc = None
-                self._accumulate(grads)
-                return self.shard_grads_list(self.to_master(self._issue(asynchronous=False)))
-            self._accumulate(grads)
-            # an optional unit reduces at the end of backward, on every rank (see flush)
-            if self.nodes == 0 and unit.runtime.reduces_now() and not unit.unit.optional:
-                self.reduce()
-        return [None] * len(unit.unit.leaves)
-
-    def flush(self, now: bool) -> None:
-        """After a backward: reduce what the last use's backward did not (see the note)."""
-        self.nodes = 0
-        if now and (self.graphed or self.acc is not None or self.unit.unit.optional):
-            if self.acc is None:
-                self._accumulate(tuple(None for _ in self.unit.unit.leaves))
-            self.reduce()
-
-    def reduce(self) -> None:
-        """Reduces the accumulated gradients once (with its bucket's, when it has one); the
-        runtime collects the result."""
-        rt = self.unit.runtime
-        if self.bucket is not None:
-            self.bucket.add(self.unit)
-        else:
-            rt.reduced.append((self.unit, self._issue(asynchronous=rt.options.overlap)))
-        self.graphed = False
-
-    # -- accumulating ---------------------------------------------------------------------
-
-    def _accumulate(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+    def accumulate(self, grads: tuple[torch.Tensor | None, ...], owned: set[int]) -> None:
+        """Adds one use's gradients: packed into the unsharded buffer, or, in a world of one,
+        kept as the shards' own (``owned``: the storages of gradients handed out so far)."""
         unit = self.unit
         lay, u = unit.layout, unit.unit
         leaves = [lay.leaves[n] for n in u.leaves]
         device = unit.device  # the compute device (the shards may be in host memory: offload)
-        if self._plain:
-            self._own(grads, leaves, device)
+        if self.plain:
+            self._own(grads, leaves, device, owned)
             return
-        if self.store and self.bucket is None:  # the previous unit's reduction: done, and its buffer freed,
-            unit.runtime.wait_pending()  # before this one's exists (buckets: see Runtime.add_pending)
         buf = self._packed(grads, leaves, lay.world, device)
         self.acc = buf if self.acc is None else self.acc.add_(buf)
 
@@ -161,7 +120,7 @@ class UnitGrads:
                         for g, leaf in kept], rows, [leaf.start for _, leaf in kept] if u.flat else None)
         return buf
 
-    def _own(self, grads: tuple[torch.Tensor | None, ...], leaves: list, device: torch.device) -> None:
+    def _own(self, grads: tuple[torch.Tensor | None, ...], leaves: list, device: torch.device, owned: set[int]) -> None:
         """A world of one, nothing to reduce: autograd's gradients are the shards' own.
 
         No buffer and no copy (see [Note: copies]) unless one is needed: the casts to the
@@ -171,7 +130,6 @@ class UnitGrads:
         and the in-place optimizer uses them as scratch, so each must own its memory).
         """
         u = self.unit.unit
-        owned = self.unit.runtime.owned
         if self.acc is None and u.flat and any(
                 g is not None and (g.dtype != u.reduce_dtype or u.reduce_dtype != u.dtype) for g in grads):
             # a flat unit whose gradients are cast: one cast for the unit, into one buffer
@@ -200,40 +158,11 @@ class UnitGrads:
                 acc[j].add_(g.view(shape))
         self.acc = acc
 
-    # -- the collectives ------------------------------------------------------------------
-
-    def _issue(self, asynchronous: bool) -> Any:
-        """The reduction of the accumulated buffer: a flat shard-sized tensor in the reduce
-        dtype (valid once the runtime's pending work is done), or, in a world of one, the
-        per-leaf gradients."""
-        buf, self.acc = self.acc, None
-        if self._plain:
-            return buf
-        unit = self.unit
-        lay, u, rt = unit.layout, unit.unit, unit.runtime
-        op = rt.reduce_op
-        single = lay.reduction.scatters != lay.reduction.all_reduces  # one collective
-        asynchronous = asynchronous and single and self.store
-        work = None
-        if not lay.reduction.scatters:
-            out = buf.view(-1)
-        else:
-            out = torch.empty(u.grad_numel, dtype=u.reduce_dtype, device=buf.device)
-            work = C.reduce_scatter(out, buf.view(-1), unit.channel, Purpose.REDUCE, u.name, op=op,
-                                    async_op=asynchronous, to=rt.observers, scope=rt.scope)
-        if lay.reduction.all_reduces:  # NO_SHARD, and the hybrid strategies' replicate axis
-            work = C.all_reduce(out, self.replicate, Purpose.REDUCE, u.name, op=op, async_op=asynchronous,
-                                to=rt.observers, scope=rt.scope)
-        if asynchronous and work is not None:
-            rt.add_pending(work, (buf, out))
-        return out
-
-    def to_master(self, out: Any) -> Any:
+    def to_master(self, out: Any, to: tuple[Any, ...]) -> Any:
         """A finished reduction in the master dtype (copy 4, when the reduce dtype differs);
         with offload, copied to the host in that dtype instead (one copy per unit, per leaf
         in a world of one: see [Note: offload])."""
         lay, u = self.unit.layout, self.unit.unit
-        to = self.unit.runtime.observers
         if isinstance(out, list):
             return [to_host(g, g.dtype, to, u.name) if g is not None else None for g in out] if lay.offloaded else out
         return to_host(out, u.dtype, to, u.name) if lay.offloaded else out.to(u.dtype)

@@ -58,7 +58,7 @@ from .export import write_config
 from .._state.pieces import LoadPlanner, Pieces, SavePlanner
 from .._state.sharded import ShardedParams
 from .._state.split_pieces import global_shape, split_pieces
-from .._run.verdict import check_verdict, unusable_on_failure
+from .._state.verdict import check_verdict, unusable_on_failure
 from ..optim._protocol import param_leaves
 
 __all__ = ["latest", "load", "save"]
@@ -420,7 +420,7 @@ def _load(path: str, sharded: ShardedParams, opt_state: Any) -> tuple[ShardedPar
     extra = dict(meta["extra"])
     if extra_tensors:
         extra.update(_load_extra_tensors(path, list(extra_tensors), sharded))
-    sharded._values_replaced()  # its values are the checkpoint's now (shardfn._run.verdict)
+    sharded._values_replaced()  # its values are the checkpoint's now (shardfn._state.verdict)
     return sharded, opt_state, extra
 
 

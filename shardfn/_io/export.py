@@ -28,7 +28,7 @@ from .safetensors import INDEX, Writer
 from .._state.sharded import ShardedParams, full_units
 from .._state.split_pieces import global_shape
 from .._parallel.tensor import full_leaf
-from .._run.verdict import check_verdict, unusable_on_failure
+from .._state.verdict import check_verdict, unusable_on_failure
 
 __all__ = ["save_pretrained", "write_config"]
 

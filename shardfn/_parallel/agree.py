@@ -10,7 +10,7 @@ collectives (pipelined with them: no header of its own), and whether this rank's
 two digests rides on the metrics all-reduce as one more number. A step that reads its
 metrics raises DivergenceError there, on every rank, before its update; a ``raise_next``
 step carries it in its verdict, and what uses the shards next raises ([Note: a step that
-does not wait] in shardfn._run.verdict). A graph step runs with a tensor axis on CPU meshes
+does not wait] in shardfn._state.verdict). A graph step runs with a tensor axis on CPU meshes
 only, and checks a CRC of the batch in one header before its program, on the host.
 """
 

@@ -19,7 +19,6 @@ a word, each rank's partial sums of another input added together.
 from __future__ import annotations
 
 import fnmatch
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,10 +29,8 @@ import torch.utils._pytree as pytree
 
 from .._comm import collectives as C
 from .._comm import guard as G
-from .._errors import DivergenceError
 from .features import per_feature, plain
 from .._comm.recording import recording
-from .._comm.events import Collective, Purpose
 from .sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
     reduce_scatter_output)
 from .ops import CopyToTensor, GatherOutput, ReduceFromTensor, full_leaf

@@ -46,7 +46,7 @@ from .._mesh import Mesh
 from .._state.offload import mark_host_trees
 from .._state.plan import Plan, Strategy
 from .._state.sharded import shard
-from .._run.step import jit_step
+from .._jit import jit_step
 from ..optim import adamw
 from ..optim._protocol import param_leaves
 

@@ -50,7 +50,7 @@ from .._comm.recording import Unrecordable, record
 from .restore import put_back
 from .._parallel.agree import agree_on_batch
 from .replay import _COMPILE_FAILED, _HALF_RUN, _LOST, bounded, compile_error, note_failure, peer_failures
-from .._run.verdict import Verdict, agreed_error, check_verdict, read_ready
+from .._state.verdict import Verdict, agreed_error, check_verdict, read_ready
 from .workspace import workspace
 from ..optim import hyperparams
 from ..optim._count import forget

@@ -171,7 +171,7 @@ def agree_on_key(mesh: Any, number: int, has_program: bool, change: Any, nonfini
     same DivergenceError naming the ranks whose key changed (``change()``: this rank's, from
     :func:`what_changed`); see [Note: agreeing on the key]. ``nonfinite``: this rank read a
     verdict that is not finite; the header's unit word carries it on, axis after axis, and if
-    any rank's is True every rank raises ``error()`` after the last axis (shardfn._run.verdict
+    any rank's is True every rank raises ``error()`` after the last axis (shardfn._state.verdict
     [Note: reading a verdict when it is ready]). Call it inside ``G.guarded``, so that an axis
     that raises tells the others."""
     told = []

@@ -38,6 +38,7 @@ from .._group.buckets import buckets_of
 from .compile import compilable
 from .._comm.events import Purpose
 from .._group.gather import Unit, saved_handles
+from .._group.group import UnitGroup
 from .._state.layout import Layout
 from .._state.precision import cast_floating
 from .remat import remat_forward
@@ -162,24 +163,21 @@ def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:
     one per dtype group of the module's parameters (see [Note: mixed dtypes in a unit])."""
     layout: Layout = sharded.layout
     slots = _prepare(apply, layout)
-    store = rt.in_step and sharded is rt.owner
 
-    def build(index: int) -> dict[int, Unit]:
-        buckets = buckets_of(layout, reduce=store)
-        units = {}
+    def build(group: UnitGroup) -> None:
+        buckets = buckets_of(layout, reduce=group.store)
         for u in layout.units:
             shards = [sharded[n] for n in u.leaves]
             # [Note: replicated parameters]; an optional unit is gathered when built (pin), as before any replica
             replica = replica_of(sharded, u.index, shards) if layout.keeps_replica and not u.optional else None
-            units[u.index] = Unit(layout, u, (index, u.index), shards, sharded.mesh, slots[u.index], rt, store,
-                                  replica, *buckets[u.index])
-        for unit in units.values():  # every rank gathers them here, in layout order, run or not
+            group.units[u.index] = Unit(layout, u, (group.index, u.index), shards, sharded.mesh, slots[u.index], group,
+                                        replica, *buckets[u.index])
+        for unit in group.units.values():  # every rank gathers them here, in layout order, run or not
             if unit.unit.optional:
                 unit.pin()
-        return units
 
     by_path: dict[str, list[Unit]] = {}
-    for unit in rt.units_of(sharded, build).values():
+    for unit in rt.group_of(sharded, build).units.values():
         by_path.setdefault(unit.unit.path, []).append(unit)
     return by_path
 

@@ -48,8 +48,9 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
     compiled: dict[str, Callable[..., Any]] = {}
 
     def under(rt: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn`` as the runtime ``rt`` (or None: none) runs it: a remat recompute, which runs
-        in backward, names its runtime ([Note: backward on device threads] in shardfn._comm.guard)."""
+        """``fn`` as the step ``rt`` runs it (a runtime, or its units' context; None: none): a
+        remat recompute, which runs in backward, names its unit's context ([Note: backward on
+        device threads] in shardfn._comm.guard)."""
         if traced is not None and recording():  # the scalars as values of the program ([Note: recording a step])
             device = _device_of(args)  # made there: no host constant in a device program
             return traced(*(torch.full((), a, dtype=torch.float64, device=device) if isinstance(a, float) else a

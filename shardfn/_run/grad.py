@@ -60,7 +60,7 @@ from .._state.sharded import ShardedParams
 from .._parallel.sequence import sequence_parallel, sum_partial_grads
 from .._parallel.tensor import split_sum_of_squares
 from .._parallel.agree import batch_digests, other_batches
-from .verdict import agreed_error
+from .._state.verdict import agreed_error
 
 __all__ = ["Grad", "GradOut", "jit_grad"]
 
@@ -151,7 +151,7 @@ class Grad:
             nonfinite: bool = False) -> Iterator[GradOut]:
         """Computes the gradients and metrics with ``buffers`` as the working buffers, and
         yields them while the runtime is still active (a step runs its optimizer there).
-        ``nonfinite``: this rank read a verdict of ``sharded`` that is not finite (shardfn._run.verdict
+        ``nonfinite``: this rank read a verdict of ``sharded`` that is not finite (shardfn._state.verdict
         [Note: reading a verdict when it is ready]); told in the opening header, and if any
         rank's is True, every rank raises there."""
         layout = sharded.layout
@@ -263,7 +263,7 @@ class Grad:
                 with torch.profiler.record_function("shardfn::backward"):
                     direct = torch.autograd.grad(loss * factor if factor != 1.0 else loss, leaves, allow_unused=True)
             except BaseException:
-                rt.wait_pending()
+                rt.settle()  # nothing left in flight
                 raise
             rt.end_backward(grads)  # every reduction done; the reduced shard gradients added into grads
             used = [n for n, g in zip(trainable, direct) if g is not None]

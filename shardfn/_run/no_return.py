@@ -13,7 +13,7 @@ where it was (shardfn._comm.failures.failed_at: its state as before the step, KE
 buffers put back; or PARTLY updated, in place), its failed header carries that to the peers,
 and every rank raises saying which ranks updated and which did not, never "nothing was
 updated". The trees then are not one model across the ranks: each rank marks the tree it
-holds Unusable (shardfn._run.verdict), and step, checkpoint.save, save_pretrained and gather
+holds Unusable (shardfn._state.verdict), and step, checkpoint.save, save_pretrained and gather
 refuse it, naming shardfn.checkpoint.latest, until checkpoint.load replaces its values.
 docs/ranks-that-differ.md, "A failure after the point of no return".
 """

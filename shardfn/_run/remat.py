@@ -63,13 +63,13 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
         selective = unit.unit.remat is RematMode.SELECTIVE
         # The forward as its runtime runs it (compiled or not), in the recompute too, which
         # runs in backward ([Note: backward on device threads] in shardfn._comm.guard).
-        run = functools.partial(forward.under, unit.runtime) if hasattr(forward, "under") else forward
+        run = functools.partial(forward.under, unit.group.ctx) if hasattr(forward, "under") else forward
         # The unit's buffers as this forward finds them (functional_call has put the tree's in);
         # without grad there is no backward, so no recompute to keep them for.
         kept = [(sub, name, t.detach().clone()) for sub in module.modules() for name, t in sub._buffers.items()
                 if t is not None] if torch.is_grad_enabled() else []
 
-        draws = _SameDraws() if unit.runtime.scope.recording else None  # [Note: random ops in a program]
+        draws = _SameDraws() if unit.group.ctx.scope.recording else None  # [Note: random ops in a program]
         again = call()
 
         def region(*args: Any, **kwargs: Any) -> Any:
@@ -92,7 +92,7 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
                 for u in reversed(units):
                     u.exit()  # the use ends; a kept unit holds its parameters (Unit.holds)
 
-        if selective and unit.runtime.scope.recording:
+        if selective and unit.group.ctx.scope.recording:
             raise Unrecordable("selective remat chooses what to save by dispatch modes that a recorded step cannot hold",
                                "full remat (Remat() without mode='selective')", frozen=False)
         context_fn = _selective(unit.layout.plan.remat.save) if selective else torch.utils.checkpoint.noop_context_fn

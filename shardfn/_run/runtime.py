@@ -31,70 +31,23 @@ user's own autograd) a reduction averages and the loss is the user's own.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from .._comm import collectives as C
 from .._comm import guard as _guard
 from .._comm.events import CollectiveLog, observe, observers
 from .._comm.scope import here, within
+from .._group.context import AfterForward, Context
+from .._group.group import UnitGroup
 from .._state.offload import wait_for_device
 from .options import Accumulate, StepOptions
-from .._parallel.agree import agree_on_optional
 
-__all__ = ["Accumulate", "Runtime", "RunningUnit", "active", "current", "invariant"]
-
-
-def invariant(ok: bool, message: str) -> None:
-    """Raises ``AssertionError("[rank N] ...")`` when an internal invariant fails."""
-    if not ok:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        raise AssertionError(f"[rank {rank}] shardfn internal error: {message}")
-
-
-class RunningUnit(Protocol):
-    """What the runtime and a unit's reduction (shardfn._group.reduce) use of a unit at run time,
-    a shardfn._group.gather.Unit (see [Note: the life of a unit]). Named here, below both, so that
-    neither imports the module of the unit, which imports them."""
-
-    key: tuple[int, int]  # (index of its tree in the runtime, unit index)
-    layout: Any  # the tree's shardfn._state.layout.Layout
-    unit: Any  # its shardfn._state.layout.UnitLayout
-    runtime: "Runtime"
-    mesh: Any
-    channel: Any  # the shardfn._comm.guard.Channel of its all-gathers and reduce-scatters
-    rank: int  # this rank's row of an all-gather's output
-    grads: Any  # its shardfn._group.reduce.UnitGrads
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    def prefetchable(self, forward: bool) -> bool: ...
-
-    def prefetch(self, forward: bool) -> None: ...
-
-    def cancel_prefetch(self) -> None: ...
-
-    def start_micro_batch(self) -> None: ...
-
-    def end(self) -> None: ...
-
-
-class AfterForward(enum.Enum):
-    """What a runtime does with a unit's gathered parameters after the unit's forward."""
-
-    PLAN = "plan"  # what the layout resolved for the unit (UnitLayout.reshard)
-    KEEP = "keep"  # keep every unit gathered until the runtime ends (keep_gathered=True; Unit.pinned)
-    FREE = "free"  # let go after each forward, whatever the plan (bind: no backward follows)
+__all__ = ["Accumulate", "AfterForward", "Runtime", "active", "current"]
 
 
 # A runtime outside a step (apply on shards, bind): no overlap, no prefetch.
@@ -133,11 +86,11 @@ class Runtime:
         # whether it is recorded: read here, on the calling thread, for backward to use.
         where = where if where is not None else _guard.Where.STEP if self.in_step else _guard.Where.APPLY
         self.scope = _guard.here()._replace(guarded=True, where=where, run=run)
-        self._trees: list[tuple[Any, dict[int, RunningUnit]]] = []  # (sharded tree, its units by unit index)
-        self._pending: list[tuple[Any, Any]] = []  # the reduction in flight: (work, buffers to keep alive)
-        self.reduced: list[tuple[RunningUnit, Any]] = []  # (unit, reduced shard gradient), in order
-        self.finished = 0  # ... of them, the first ones already in the master dtype (UnitGrads.to_master)
-        self.owned: set[int] = set()  # storages of gradients handed out in a world of one
+        self._trees: list[tuple[Any, UnitGroup]] = []  # (sharded tree, its unit group)
+        # What its unit groups are handed: one value, carried into backward ([Note: the unit group])
+        self.ctx = Context(mesh, self.scope, self.observers, self.options, owner, self.reduce_op,
+                           self.options.accumulate is Accumulate.REDUCE_EACH, self.after_forward, set(),
+                           self.prefetch_after)
 
     @property
     def sharded(self) -> bool:
@@ -154,28 +107,27 @@ class Runtime:
         """What the step multiplies each micro-batch's loss by before backward."""
         return 1.0 / (self.mesh.data_size * micro_batches)  # (a tensor axis's ranks share one batch)
 
-    def reduces_now(self) -> bool:
-        """Whether the gradients accumulated so far are reduced in this backward."""
-        return self.options.accumulate is Accumulate.REDUCE_EACH or self.last_micro_batch
-
     # -- units ---------------------------------------------------------------------------
 
-    def units_of(self, tree: Any, build: Callable[[int], dict[int, RunningUnit]]) -> dict[int, RunningUnit]:
-        """The units of ``tree`` in this runtime, built by ``build(tree index)`` on first use."""
-        for t, units in self._trees:
+    def group_of(self, tree: Any, build: Callable[[UnitGroup], None]) -> UnitGroup:
+        """The unit group of ``tree`` in this runtime, its units built by ``build(group)`` on first use."""
+        for t, group in self._trees:
             if t is tree:
-                return units
-        units = build(len(self._trees))
-        self._trees.append((tree, units))
-        return units
+                return group
+        store = self.in_step and tree is self.owner
+        group = UnitGroup(self.ctx, len(self._trees), store, store and tree.layout.offloaded)
+        group.last_micro_batch = self.last_micro_batch
+        self._trees.append((tree, group))
+        build(group)
+        return group
 
-    def units(self) -> Iterator[RunningUnit]:
-        for _, units in self._trees:
-            yield from units.values()
+    def units(self) -> Iterator[Any]:
+        for _, group in self._trees:
+            yield from group.units.values()
 
-    def _unit_at(self, key: tuple[int, int]) -> RunningUnit | None:
+    def _unit_at(self, key: tuple[int, int]) -> Any:
         i, index = key
-        return self._trees[i][1].get(index) if i < len(self._trees) else None
+        return self._trees[i][1].units.get(index) if i < len(self._trees) else None
 
     def prefetch_after(self, key: tuple[int, int], forward: bool) -> None:
         """[Note: prefetch] With ``jit_step(prefetch=d)`` (``True`` is 1), gathering a unit
@@ -197,91 +149,37 @@ class Runtime:
             if unit is not None and unit.prefetchable(forward):
                 unit.prefetch(forward)
 
-    # -- reductions ----------------------------------------------------------------------
-
-    def add_pending(self, work: Any, keepalive: Any, bucket: bool = False) -> None:
-        """Tracks an asynchronous reduction, the only one in flight (a bucket's: one of several).
-
-        Each pending reduction keeps its unit's unsharded gradient buffer alive, so the
-        next unit's reduction waits for it before allocating its own buffer (see
-        shardfn._group.reduce): holding them all until the end of backward would cost the whole
-        model's unsharded gradients, and even two at once raise the peak of backward. A
-        bucket's buffer is the gradients themselves (NO_SHARD: the reduced gradient is its
-        part of the buffer), held to the update anyway: buckets do not wait for each other
-        ([Note: buckets]).
-        """
-        invariant(bucket or not self._pending, "wait_pending() before starting another reduction")
-        self._pending.append((work, keepalive))
-
-    def wait_pending(self) -> None:
-        while self._pending:
-            work, _keepalive = self._pending.pop(0)
-            work.wait()
-        if self.owner is not None and self.owner.layout.offloaded:
-            self._finish_reduced()  # each gradient to the host as soon as it is reduced ([Note: offload])
-
-    def _finish_reduced(self) -> None:
-        """Every reduction collected so far (all done) in the master dtype."""
-        for i in range(self.finished, len(self.reduced)):
-            unit, out = self.reduced[i]
-            self.reduced[i] = (unit, unit.grads.to_master(out))
-        self.finished = len(self.reduced)
+    # -- reductions: each group's own ([Note: the unit group]) -------------------------------
 
     def start_micro_batch(self, last: bool) -> None:
         self.last_micro_batch = last
-        for unit in self.units():
-            unit.start_micro_batch()
+        for _, group in self._trees:
+            group.start_micro_batch(last)
 
     def end_backward(self, grads: dict[str, torch.Tensor]) -> None:
         """After a micro-batch's backward: every reduction done, the owner's gradients added
-        into ``grads`` (leaf name -> shard gradient), in the order they were reduced.
-
-        A unit whose graph node never ran backward (its output did not reach the loss)
-        still reduces, with zero gradients, so every rank issues the same reductions.
-        """
-        self.wait_pending()
-        for tree, units in self._trees:
-            if tree is self.owner:
-                if self.mesh.axis_size("tensor") > 1 and not self.scope.recording:
-                    ran = [(u.unit.index, u.grads.acc is not None) for u in units.values() if u.unit.optional]
-                    if ran:
-                        agree_on_optional(ran, self.mesh)
-                for unit in units.values():
-                    unit.grads.flush(self.reduces_now())
-                    self.wait_pending()
-                for unit in units.values():  # a bucket some of whose units were not used ([Note: buckets])
-                    bucket = unit.grads.bucket
-                    if bucket is not None and bucket.ready and self.reduces_now():
-                        bucket.issue()
-                        self.wait_pending()
-        self._finish_reduced()
-        for unit, out in self.reduced:
-            for name, g in unit.grads.shard_grads(out).items():
-                grads[name] = g if name not in grads else grads[name].add_(g)
-        self.reduced.clear()
-        self.finished = 0
+        into ``grads`` (leaf name -> shard gradient), in the order they were reduced."""
+        for _, group in self._trees:
+            if group.store:  # (the other trees reduced each use as it ran: nothing in flight)
+                group.end_backward(grads)
         if self.owner is not None and self.owner.layout.offloaded:
             wait_for_device(self.mesh.device)  # the gradients' copies to the host are done
 
     def settle(self) -> None:
         """Nothing in flight: no reduction, and no prefetched all-gather reading the shards."""
-        self.wait_pending()
-        for unit in self.units():
-            unit.cancel_prefetch()
+        for _, group in self._trees:
+            group.settle()
 
     def restart(self) -> None:
         """Back to the start of the step (a step that runs again, see shardfn._comm.pipelined)."""
         self.finish()
         self._trees.clear()
-        self.reduced.clear()
-        self.finished = 0
         self.seen.clear()
 
     def finish(self) -> list[tuple[int, int]]:
         """After the step: nothing in flight, nothing gathered; returns the order seen."""
-        self.wait_pending()
-        for unit in self.units():
-            unit.end()
+        for _, group in self._trees:
+            group.finish()
         return list(dict.fromkeys(self.seen)) if self.seen else self.order
 
 

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .._group.buckets import gather_buckets, reduce_buckets
+from .bucketing import gather_buckets, reduce_buckets
 from .._comm.guard import unit_id
 from .packing import local_shard
 from .plan import Placement, Plan, Reduction, RematMode, Strategy, Whole

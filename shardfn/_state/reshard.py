@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._comm.events import Purpose
-from .._run.functionalize import Params
+from .tree import Params
 from .layout import Layout
 from .._mesh import Mesh
 from .offload import place_on_host

@@ -30,7 +30,7 @@ from .replica import kept_for
 from .._io.safetensors import Source
 from .._parallel.tensor import full_leaf, local_state
 from .tree import TensorTree
-from .._run.verdict import check_alike, check_usable, unusable_on_failure
+from .verdict import check_alike, check_usable, unusable_on_failure
 
 __all__ = ["ShardedParams", "gather", "shard"]
 
@@ -64,7 +64,7 @@ class ShardedParams(TensorTree):
         # made (a step returns a new tree with them), never changed afterwards
         self._replicas: dict[int, Any] | None = dict(replicas) if replicas else None
         # the unread verdict of the step that made these values, with on_nonfinite="raise_next"
-        # ([Note: a step that does not wait] in shardfn._run.verdict)
+        # ([Note: a step that does not wait] in shardfn._state.verdict)
         self._verdict = None
 
     @property
@@ -85,12 +85,12 @@ class ShardedParams(TensorTree):
 
     def _with_verdict(self, verdict: Any) -> "ShardedParams":
         """This tree's values as a new tree that carries ``verdict``, the verdict of the step
-        that made them (shardfn._run.verdict); its other fields as they are."""
+        that made them (shardfn._state.verdict); its other fields as they are."""
         return self._remade(self._data, _verdict=verdict, _replicas=self._replicas)
 
     def _mark_unusable(self, verdict: Any) -> None:
         """A step on these values failed after its point of no return: they are not one model
-        across the ranks (shardfn._run.verdict.Unusable) until a checkpoint is loaded into them."""
+        across the ranks (shardfn._state.verdict.Unusable) until a checkpoint is loaded into them."""
         self._verdict = verdict
 
     def _values_replaced(self) -> None:

@@ -19,7 +19,20 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-__all__ = ["TensorTree", "TreeInfo", "check_names", "tree_info"]
+__all__ = ["Params", "TensorTree", "TreeInfo", "check_names", "tree_info"]
+
+
+class Params(dict):
+    """A plain ``dict`` name -> tensor, the model's state, that also remembers its module tree.
+
+    It holds every parameter and every buffer (see [Note: the state tree]). The module
+    tree (``params.module``: parameters and buffers on the meta device) lets unit
+    policies such as ``by_module_type(Block)`` resolve and names the buffers, ties and
+    state-dict keys. A plain dict works everywhere a ``Params`` does, except with policies
+    that need the module tree (and then every entry is taken for a parameter).
+    """
+
+    module: nn.Module | None = None
 
 
 class TensorTree(Mapping):

@@ -18,7 +18,7 @@ from .._run.functionalize import Apply, functionalize
 from .._mesh import Mesh
 from .._state.plan import Plan, Strategy
 from .._state.sharded import ShardedParams, gather, shard
-from .._run.step import jit_step
+from .._jit import jit_step
 from ..optim import GradientTransformation, apply_updates
 from ._cluster import Cluster
 
