@@ -189,8 +189,8 @@ def expected_copies(layout):
     return {"gather": gather, "reduce": reduce}
 
 
-PATCHED = [("_group.gather", "Unit", "_issue", "gather"), ("_group.gather", "Unit", "_gather", "gather"),
-           ("_group.buckets", "GatherBucket", "issue", "gather"), ("_group.buckets", "Flight", "wait", "gather"),
+PATCHED = [("_group.group", "UnitGroup", "_all_gather", "gather"), ("_group.gather", "Unit", "_gather", "gather"),
+           ("_group.buckets", "GatherBucket", "packed", "gather"), ("_group.group", "UnitGroup", "_land", "gather"),
            ("_group.group", "UnitGroup", "_issue_bucket", "reduce"),
            ("_group.reduce", "UnitGrads", "accumulate", "reduce"), ("_group.group", "UnitGroup", "_issue", "reduce"),
            ("_group.reduce", "UnitGrads", "to_master", "reduce")]

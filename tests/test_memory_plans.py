@@ -373,7 +373,7 @@ def _life_events(plan, **options):
 
     def spy(self):
         order = finish(self)
-        ended.extend((u.unit.name, u.state.value, u.full is None, u.inflight is None, u.secondary is None)
+        ended.extend((u.unit.name, u.state.value, u.full is None, not u.group.in_flight(u), u.secondary is None)
                      for u in self.units())
         return order
 

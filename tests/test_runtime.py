@@ -275,7 +275,7 @@ def test_a_loss_scaled_step_needs_its_state(clusters):
 
 
 def test_internal_invariants_name_the_rank():
-    from shardfn._run.runtime import invariant
+    from shardfn._group.context import invariant
 
     with pytest.raises(AssertionError, match=r"^\[rank 0\] shardfn internal error: two reductions in flight"):
         invariant(False, "two reductions in flight")

@@ -124,7 +124,7 @@ class _Mesh:
 
 
 def test_graph_step_with_a_tensor_axis_on_a_device_is_refused(monkeypatch):
-    from shardfn._run.step import _check_graph
+    from shardfn._jit import _check_graph
 
     monkeypatch.setenv("SHARDFN_CUDA_GRAPH", "1")  # not what refuses it
     with pytest.raises(ValueError, match=r"a mesh with a 'tensor' axis on cuda: each call checks .* reading the batch "

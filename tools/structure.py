@@ -217,19 +217,21 @@ def counts() -> None:
 # A collective's handle is waited for through these; a class that calls one on what it keeps,
 # or issues a collective with ``async_op``, holds a pending collective.
 WAITS = {"wait", "wait_pending", "wait_tensor"}
-HANDLES = "_comm/communicator.py"  # the communicator's handle types are the pending collective itself
+# The handle types a collective returns are the pending collective itself, not a holder of
+# one: the communicator's, and the guard's Pending (a handle waited for within the timeout).
+HANDLES = {("_comm/communicator.py", None), ("_comm/guard.py", "Pending")}
 MODE_CALLS = {"current", "here", "observers", "recording", "is_fake"}
 
 
 def pending_holders(modules: dict[str, ast.Module]) -> list[tuple[str, str]]:
     """Classes that hold a collective in flight: one of their methods issues a collective with
     ``async_op`` or waits for one (``x.wait()``, ``wait(work, ...)``, ``rt.wait_pending()``),
-    outside the communicator's own handle types. (module, class), sorted."""
+    outside the handle types a collective returns (``HANDLES``). (module, class), sorted."""
     out = set()
     for path, tree in modules.items():
-        if path == HANDLES or path.startswith("testing/"):
+        if (path, None) in HANDLES or path.startswith("testing/"):
             continue
-        for c in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for c in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and (path, n.name) not in HANDLES):
             for n in ast.walk(c):
                 if isinstance(n, ast.Call):
                     name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")

@@ -32,8 +32,6 @@ from typing import Any
 
 import torch
 
-from .._comm import collectives as C
-from .._comm.events import Purpose
 from .._comm.guard import unit_id
 from .._state.packing import pack_shards, shard_buffer
 
@@ -58,35 +56,30 @@ class _Bucket:
 
 class GatherBucket(_Bucket):
     """Units whose all-gathers travel together (see [Note: buckets]): the first member that
-    needs its parameters starts one all-gather for all; each member in flight with it
-    copies its columns out when used (shardfn._group.gather.Unit)."""
+    needs its parameters has its unit group start one all-gather for all; each member in
+    flight with it gets its columns when used (shardfn._group.group)."""
 
     __slots__ = ()
 
     def __init__(self, layout: Any, members: tuple[int, ...]):
         super().__init__(layout, members, [layout.units[i].numel for i in members])
 
-    def issue(self, purpose: Purpose) -> None:
-        """One all-gather of every member's shards into a ``[world, numel]`` output; every
-        member that is sharded goes in flight with it. The members' shard buffers go into
-        this rank's row in one op (a unit whose shards are not one buffer packs its own)."""
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The all-gather's ``[world, numel]`` output and this rank's row, into which every
+        member's shards go in one op (a unit whose shards are not one buffer packs its own);
+        its unit group issues the all-gather (shardfn._group.group)."""
         first = self.units[0]
-        with torch.no_grad():
-            out = torch.empty(first.layout.world, self.numel, dtype=first.unit.param_dtype, device=first.device)
-            row = out[first.rank]
-            parts = [row[off : off + u.unit.numel] for u, off in zip(self.units, self.offsets)]
-            bases = [_shard_base(u) for u in self.units]
-            if all(b is not None for b in bases):
-                torch._foreach_copy_(parts, bases)  # cast to the param dtype on the way
-            else:
-                for unit, part in zip(self.units, parts):
-                    pack_shards(part, unit.shards, False, unit.group.ctx.observers, unit.unit.name,
-                                unit.layout.offsets(unit.unit, unit.rank) if unit.unit.flat else None)
-            work = C.all_gather(out.view(-1), row, first.channel, purpose, self.name, async_op=True,
-                                to=first.group.ctx.observers, scope=first.group.ctx.scope)
-        flight = Flight(work, out, [u.unit.numel for u in self.units], self.name)
-        for i, unit in enumerate(self.units):
-            unit.take_flight(Share(flight, i))
+        out = torch.empty(first.layout.world, self.numel, dtype=first.unit.param_dtype, device=first.device)
+        row = out[first.rank]
+        parts = [row[off : off + u.unit.numel] for u, off in zip(self.units, self.offsets)]
+        bases = [_shard_base(u) for u in self.units]
+        if all(b is not None for b in bases):
+            torch._foreach_copy_(parts, bases)  # cast to the param dtype on the way
+        else:
+            for unit, part in zip(self.units, parts):
+                pack_shards(part, unit.shards, False, unit.group.ctx.observers, unit.unit.name,
+                            unit.layout.offsets(unit.unit, unit.rank) if unit.unit.flat else None)
+        return out, row
 
 
 def _shard_base(unit: Any) -> torch.Tensor | None:
@@ -95,42 +88,6 @@ def _shard_base(unit: Any) -> torch.Tensor | None:
         return None
     offsets = unit.layout.offsets(unit.unit, unit.rank)
     return shard_buffer(unit.shards, unit.unit.numel, unit.shards[0].dtype, offsets)
-
-
-class Flight:
-    """A bucket's all-gather in flight. Waited for once, by the first member to need it;
-    then its output is split into one ``[world, n]`` buffer per member in one copy (what a
-    member's own all-gather would have produced) and let go."""
-
-    __slots__ = ("work", "out", "sizes", "parts", "name")
-
-    def __init__(self, work: Any, out: torch.Tensor, sizes: list[int], name: str):
-        self.work, self.out, self.sizes, self.name = work, out, sizes, name
-        self.parts: list[torch.Tensor | None] = []
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-            self.parts = list(torch.split_with_sizes_copy(self.out, self.sizes, dim=1))
-            self.out = None
-
-
-class Share:
-    """A member's handle on its bucket's all-gather: ``wait()`` for it, then ``columns()``,
-    the member's ``[world, n]`` part (handed over once)."""
-
-    __slots__ = ("flight", "index")
-
-    def __init__(self, flight: Flight, index: int):
-        self.flight, self.index = flight, index
-
-    def wait(self) -> None:
-        self.flight.wait()
-
-    def columns(self) -> torch.Tensor:
-        part, self.flight.parts[self.index] = self.flight.parts[self.index], None
-        return part
 
 
 class ReduceBucket(_Bucket):

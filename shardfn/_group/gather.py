@@ -54,12 +54,11 @@ from __future__ import annotations
 
 import enum
 from contextlib import nullcontext
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .._comm import collectives as C
 from .._comm.events import Purpose, ResidencyEvent, UnitEvent, emit, marker
 from .._state.layout import Layout, UnitLayout
 from .._state.offload import copy_stream, join_stream, to_device
@@ -70,7 +69,7 @@ from .context import AfterForward, invariant
 from .group import UnitGroup
 from .reduce import UnitGrads
 
-__all__ = ["GatherUnit", "Hold", "InFlight", "State", "Unit", "Use", "saved_handles"]
+__all__ = ["GatherUnit", "Hold", "State", "Unit", "Use", "saved_handles"]
 
 
 class State(enum.Enum):
@@ -92,20 +91,6 @@ class Hold(enum.Enum):
     FORWARD = "forward"  # it is kept after forward: backward has not begun
     SAVED = "saved"  # kept after forward: backward has saved handles still to read
     RECOMPUTE = "recompute"  # kept after forward and rematerialised: a recompute is still to run
-
-
-class InFlight(NamedTuple):
-    """An all-gather started for a unit: its own (``out`` the ``[world, numel]`` output,
-    ``keep`` the input, alive until done), or its bucket's (``work`` a Share, ``out`` None)."""
-
-    work: Any
-    out: torch.Tensor | None = None
-    keep: torch.Tensor | None = None
-
-    def wait(self) -> torch.Tensor:
-        """Waits; the unit's ``[world, numel]`` gathered shards (a bucket member: its columns)."""
-        self.work.wait()
-        return self.work.columns() if self.out is None else self.out
 
 
 class Use:
@@ -138,7 +123,7 @@ class Unit:
     __slots__ = (
         "layout", "unit", "key", "shards", "slots", "mesh", "channel", "rank", "group", "grads", "replica",
         # where it is in its life (see [Note: the life of a unit])
-        "state", "full", "storages", "inflight", "secondary", "use", "outputs", "entry", "handles", "reading",
+        "state", "full", "storages", "secondary", "use", "outputs", "entry", "handles", "reading",
         "calls", "pinned", "bucket",
     )
 
@@ -159,7 +144,6 @@ class Unit:
         self.state = State.SHARDED
         self.full: list[torch.Tensor] | None = None  # GATHERED: the full parameters
         self.storages: dict[int, Any] = {}  # GATHERED: id() of their storages -> where each leaf lies in it
-        self.inflight: InFlight | None = None  # IN_FLIGHT: the all-gather started
         self.secondary: torch.Tensor | None = None  # resharded to k ranks: this rank's 1/k (see _issue)
         self.use: Use | None = None  # the use in progress
         self.outputs: tuple[torch.Tensor, ...] | None = None  # that use's full parameters, while it runs
@@ -243,30 +227,30 @@ class Unit:
 
     # -- gathering -----------------------------------------------------------------------
 
-    def _issue(self, purpose: Purpose, async_op: bool) -> InFlight:
-        """Starts the unit's all-gather into a ``[world, numel]`` output of ``param_dtype``: the
-        shard buffer as it is (flat), else one pack of the shards into this rank's row ([Note: copies])."""
+    def staging(self, purpose: Purpose) -> Any:
+        """Where its all-gather's input is made: offloaded shards are copied to the device on
+        the copy stream (counted in any case); else where the step runs."""
+        regather = purpose is Purpose.REGATHER and self.secondary is not None
+        return copy_stream(self.device) if self.layout.offloaded and not regather else nullcontext()
+
+    def gather_buffers(self, purpose: Purpose) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The unit's all-gather: a ``[world, numel]`` output of ``param_dtype``, this rank's
+        input (the shard buffer as it is, flat; else one pack of the shards into this rank's
+        row: [Note: copies]) and the channel it runs on."""
         world, numel = self.layout.world, self.unit.numel
+        out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
         if purpose is Purpose.REGATHER and self.secondary is not None:
             # Resharded to a sub-group after forward: gathered within it (ZeRO++'s hpZ).
             group, _ = self.mesh.subgroup(self.unit.subgroup)
-            with torch.no_grad():
-                out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
-                work = C.all_gather(out.view(-1), self.secondary, group, purpose, self.unit.name, async_op=async_op,
-                                    to=self.group.ctx.observers, scope=self.group.ctx.scope)
-            return InFlight(work, out, self.secondary)
-        with torch.no_grad(), copy_stream(self.device) if self.layout.offloaded else nullcontext():
-            out = torch.empty(world, numel, dtype=self.unit.param_dtype, device=self.device)
-            # offloaded shards live in host memory: copied to the device (counted) in any case
-            flat = self.unit.flat and not self.layout.offloaded
-            offsets = self.layout.offsets(self.unit, self.rank) if self.unit.flat else None
-            mine = shard_buffer(self.shards, numel, self.unit.param_dtype, offsets) if flat else None
-            if mine is None:  # ROWS, or shards that are not views of one buffer: one pack (see [Note: copies])
-                mine = out[self.rank]
-                pack_shards(mine, self.shards, self.layout.offloaded, self.group.ctx.observers, self.unit.name, offsets)
-            work = C.all_gather(out.view(-1), mine, self.channel, purpose, self.unit.name, async_op=async_op,
-                                to=self.group.ctx.observers, scope=self.group.ctx.scope)
-        return InFlight(work, out, mine)
+            return out, self.secondary, group
+        # offloaded shards live in host memory: copied to the device (counted) in any case
+        flat = self.unit.flat and not self.layout.offloaded
+        offsets = self.layout.offsets(self.unit, self.rank) if self.unit.flat else None
+        mine = shard_buffer(self.shards, numel, self.unit.param_dtype, offsets) if flat else None
+        if mine is None:  # ROWS, or shards that are not views of one buffer: one pack (see [Note: copies])
+            mine = out[self.rank]
+            pack_shards(mine, self.shards, self.layout.offloaded, self.group.ctx.observers, self.unit.name, offsets)
+        return out, mine, self.channel
 
     def prefetchable(self, forward: bool) -> bool:
         """Whether the runtime may start this unit's all-gather early (see [Note: prefetch]).
@@ -286,29 +270,25 @@ class Unit:
         return self.handles > 0
 
     def prefetch(self, forward: bool) -> None:
-        """SHARDED -> IN_FLIGHT: starts this unit's all-gather (its bucket's) now;
-        :meth:`_gather` waits for it."""
+        """SHARDED -> IN_FLIGHT: its group starts this unit's all-gather (its bucket's) now;
+        :meth:`_gather` has the group wait for it."""
         if self.layout.gathers and self.state is State.SHARDED and self.replica is None:
-            purpose = Purpose.GATHER if forward else Purpose.REGATHER
-            if self.bucket is not None:
-                self.bucket.issue(purpose)
-                return
-            self.inflight = self._issue(purpose, async_op=True)
-            self.state = State.IN_FLIGHT
-            self._note(UnitEvent.PREFETCH)
+            self.group.prefetch(self, Purpose.GATHER if forward else Purpose.REGATHER)
 
-    def take_flight(self, share: Any) -> None:
-        """SHARDED -> IN_FLIGHT with its bucket's all-gather (``share``: its handle on it,
-        shardfn._group.buckets); a member gathered already keeps what it has."""
-        if self.state is State.SHARDED:
-            self.inflight, self.state = InFlight(share), State.IN_FLIGHT
-            self._note(UnitEvent.PREFETCH)
+    def took_flight(self) -> bool:
+        """SHARDED -> IN_FLIGHT, its all-gather (its bucket's) started by its group; a member
+        of a bucket gathered already keeps what it has (False)."""
+        if self.state is not State.SHARDED:
+            return False
+        self.state = State.IN_FLIGHT
+        self._note(UnitEvent.PREFETCH)
+        return True
 
     def cancel_prefetch(self) -> None:
-        """IN_FLIGHT -> SHARDED: waits for a prefetch that was never used (the order changed)."""
+        """IN_FLIGHT -> SHARDED: its group waits for a prefetch that was never used (the order changed)."""
         if self.state is State.IN_FLIGHT:
-            self.inflight.work.wait()
-            self.inflight, self.state = None, State.SHARDED
+            self.group.cancel(self)
+            self.state = State.SHARDED
 
     def _prefetch_next(self, forward: bool) -> None:
         """Starts the all-gathers of the units that run after this one (see :meth:`prefetchable`;
@@ -338,12 +318,11 @@ class Unit:
                             for s, leaf in zip(self.shards, leaves)]
             else:
                 if self.state is State.SHARDED and self.bucket is not None:
-                    self.bucket.issue(purpose)  # the bucket's all-gather, waited for just below
+                    self.group.prefetch(self, purpose)  # the bucket's all-gather, waited for just below
                 if self.state is State.IN_FLIGHT:
-                    out = self.inflight.wait()  # a bucket's member: its part ([Note: buckets])
-                    self.inflight = None
+                    out = self.group.gathered(self)  # a bucket's member: its part ([Note: buckets])
                 else:
-                    out = self._issue(purpose, async_op=False).out
+                    out = self.group.gather(self, purpose)
                 if self.layout.offloaded:
                     join_stream(out)
                 k = self.unit.subgroup

@@ -1,19 +1,20 @@
 """A unit group: the units of one sharded tree in one runtime, and their reductions in flight.
 
 [Note: the unit group]
-A runtime holds one :class:`UnitGroup` per sharded tree its forward runs. The group makes
-no decision of its own about when to gather or free (that is each unit's one rule,
-[Note: the life of a unit]); it owns what its units have in flight on the way back: each
-unit's reduction is issued here, from the gradients the unit packed (shardfn._group.reduce),
-alone or with its bucket ([Note: buckets]), and waited for here, so that one reduction's
-unsharded buffer is freed before the next one's exists. The step collects the reduced
-shard gradients from the group of its own tree at the end of each backward. Units reach
-the step only through the group's :class:`~shardfn._group.context.Context`, a value.
+A runtime holds one :class:`UnitGroup` per sharded tree its forward runs, and the group
+is the one holder of what its units have in flight. It makes no decision of its own about
+when to gather or free (that is each unit's one rule, [Note: the life of a unit]): a unit
+asks it to start, wait for or cancel its all-gather (its bucket's, [Note: buckets]), and
+hands it its gradients; the group issues each reduction, alone or with its bucket, keeps
+the one in flight and waits for it before the next one's buffer exists. The step collects
+the reduced shard gradients from the group of its own tree at the end of each backward.
+Units and buckets hold buffers, never a handle, and reach the step only through the
+group's :class:`~shardfn._group.context.Context`, a value.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,10 +27,34 @@ from .context import Context, invariant
 __all__ = ["UnitGroup"]
 
 
+class _Flight:
+    """A bucket's all-gather in flight (the group waits for it, once, for the first member
+    that needs it): then its output, split into one ``[world, n]`` buffer per member in one
+    copy (what each member's own all-gather would have produced)."""
+
+    __slots__ = ("work", "out", "sizes", "name", "parts")
+
+    def __init__(self, work: Any, out: torch.Tensor, sizes: list[int], name: str):
+        self.work, self.out, self.sizes, self.name = work, out, sizes, name
+        self.parts: list[torch.Tensor | None] = []
+
+
+class _Gathering(NamedTuple):
+    """A unit's all-gather in flight: its own (``out`` the ``[world, numel]`` output, ``keep``
+    the input, alive until done), or its part of a bucket's (``flight``, at ``index``)."""
+
+    work: Any = None
+    out: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    flight: _Flight | None = None
+    index: int = 0
+
+
 class UnitGroup:
     """The units of one sharded tree in one runtime; see [Note: the unit group]."""
 
-    __slots__ = ("ctx", "index", "store", "units", "last_micro_batch", "_pending", "reduced", "finished", "offloaded")
+    __slots__ = ("ctx", "index", "store", "units", "last_micro_batch", "_gathering", "_pending", "reduced", "finished",
+                 "offloaded")
 
     def __init__(self, ctx: Context, index: int, store: bool, offloaded: bool):
         self.ctx = ctx
@@ -38,6 +63,7 @@ class UnitGroup:
         self.offloaded = offloaded  # its gradients go to the host as each reduction is done ([Note: offload])
         self.units: dict[int, Any] = {}  # unit index -> shardfn._group.gather.Unit
         self.last_micro_batch = True
+        self._gathering: dict[int, _Gathering] = {}  # unit index -> its all-gather in flight
         self._pending: list[tuple[Any, Any]] = []  # reductions in flight: (work, buffers to keep alive)
         self.reduced: list[tuple[Any, Any]] = []  # (unit, reduced shard gradient), in order
         self.finished = 0  # ... of them, the first ones already in the master dtype
@@ -50,6 +76,69 @@ class UnitGroup:
         self.last_micro_batch = last
         for unit in self.units.values():
             unit.start_micro_batch()
+
+    # -- all-gathers ---------------------------------------------------------------------
+
+    def gather(self, unit: Any, purpose: Purpose) -> torch.Tensor:
+        """The unit's all-gather, now (not prefetched): its ``[world, numel]`` output."""
+        return self._all_gather(unit, purpose, async_op=False).out
+
+    def prefetch(self, unit: Any, purpose: Purpose) -> None:
+        """Starts the unit's all-gather (its bucket's: every sharded member goes in flight with
+        it); :meth:`gathered` gives its output."""
+        bucket = unit.bucket
+        if bucket is None:
+            self._gathering[unit.unit.index] = self._all_gather(unit, purpose, async_op=True)
+            unit.took_flight()
+            return
+        ctx, first = self.ctx, bucket.units[0]
+        with torch.no_grad():
+            out, row = bucket.packed()
+            work = C.all_gather(out.view(-1), row, first.channel, purpose, bucket.name, async_op=True,
+                                to=ctx.observers, scope=ctx.scope)
+        flight = _Flight(work, out, [u.unit.numel for u in bucket.units], bucket.name)
+        for i, member in enumerate(bucket.units):
+            if member.took_flight():  # (a member gathered already keeps what it has)
+                self._gathering[member.unit.index] = _Gathering(flight=flight, index=i)
+
+    def gathered(self, unit: Any) -> torch.Tensor:
+        """The unit's all-gather in flight, done: its ``[world, numel]`` output (a bucket
+        member: its columns of the bucket's, handed over once)."""
+        g = self._gathering.pop(unit.unit.index)
+        if g.flight is None:
+            g.work.wait()
+            return g.out
+        self._land(g.flight)
+        part, g.flight.parts[g.index] = g.flight.parts[g.index], None
+        return part
+
+    def cancel(self, unit: Any) -> None:
+        """Waits for a prefetch that was never used (the order changed)."""
+        g = self._gathering.pop(unit.unit.index)
+        if g.flight is None:
+            g.work.wait()
+        else:
+            self._land(g.flight)
+
+    def in_flight(self, unit: Any) -> bool:
+        """Whether the unit's all-gather (its bucket's) is in flight, not yet handed over."""
+        return unit.unit.index in self._gathering
+
+    def _all_gather(self, unit: Any, purpose: Purpose, async_op: bool) -> _Gathering:
+        ctx = self.ctx
+        with torch.no_grad(), unit.staging(purpose):
+            out, mine, ch = unit.gather_buffers(purpose)
+            work = C.all_gather(out.view(-1), mine, ch, purpose, unit.name, async_op=async_op, to=ctx.observers,
+                                scope=ctx.scope)
+        return _Gathering(work, out, mine)
+
+    def _land(self, flight: _Flight) -> None:
+        """A bucket's all-gather done (waited for once), its output split among the members."""
+        if flight.work is not None:
+            flight.work.wait()
+            flight.work = None
+            flight.parts = list(torch.split_with_sizes_copy(flight.out, flight.sizes, dim=1))
+            flight.out = None
 
     # -- a unit's backward ---------------------------------------------------------------
 
