@@ -104,17 +104,20 @@ class UnitGroup:
     def gathered(self, unit: Any) -> torch.Tensor:
         """The unit's all-gather in flight, done: its ``[world, numel]`` output (a bucket
         member: its columns of the bucket's, handed over once)."""
-        g = self._gathering.pop(unit.unit.index)
+        g = self._gathering[unit.unit.index]
+        self._wait(g)  # (kept in flight until done: a wait that raises is waited for again at the end)
+        del self._gathering[unit.unit.index]
         if g.flight is None:
-            g.work.wait()
             return g.out
-        self._land(g.flight)
         part, g.flight.parts[g.index] = g.flight.parts[g.index], None
         return part
 
     def cancel(self, unit: Any) -> None:
         """Waits for a prefetch that was never used (the order changed)."""
-        g = self._gathering.pop(unit.unit.index)
+        self._wait(self._gathering[unit.unit.index])
+        del self._gathering[unit.unit.index]
+
+    def _wait(self, g: _Gathering) -> None:
         if g.flight is None:
             g.work.wait()
         else:
