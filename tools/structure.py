@@ -247,8 +247,8 @@ def _calls(tree: ast.Module, names: set[str]) -> list[ast.Call]:
 
 def runtime_reads(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
     """Places that find the step's runtime instead of being handed it: the ambient lookup
-    ``current()``, a ``.runtime`` back-pointer read, and the call stacks kept on ``apply``
-    (``apply.calls``, ``apply.tensor_calls``, ``apply.prepared``)."""
+    ``current()``, a ``.runtime`` back-pointer read, and what is kept on ``apply`` for its
+    calls (``apply.calls``, ``apply.tensor_calls``, ``apply.active``, ``apply.prepared``)."""
     out = []
     for path, tree in modules.items():
         for n in _calls(tree, {"current"}):
@@ -256,7 +256,7 @@ def runtime_reads(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
         for n in ast.walk(tree):
             if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and (
                     n.attr == "runtime" or (isinstance(n.value, ast.Name) and n.value.id == "apply"
-                                            and n.attr in ("calls", "tensor_calls", "prepared"))):
+                                            and n.attr in ("calls", "tensor_calls", "active", "prepared"))):
                 out.append((path, n.lineno, ast.unparse(n)))
     return sorted(out)
 

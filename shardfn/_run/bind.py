@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from .._comm import guard as G
-from .call import units_for
+from .call import Active, active, units_for
 from .._comm.events import Purpose
 from .._comm.guard import Where, guarded
 from .runtime import AfterForward, Runtime, current
@@ -79,10 +79,10 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
     if not isinstance(sharded, ShardedParams):
         raise TypeError(f"bind(apply, sharded): expected the ShardedParams from shardfn.shard(), got "
                         f"{type(sharded).__name__}.")
-    if not hasattr(apply, "calls") or not isinstance(getattr(apply, "module", None), nn.Module):
+    if not hasattr(apply, "active") or not isinstance(getattr(apply, "module", None), nn.Module):
         raise TypeError(f"bind(apply, sharded): expected the apply of shardfn.functionalize(), got "
                         f"{type(apply).__name__}.")
-    if current() is not None or apply.calls:
+    if current() is not None or apply.active:
         raise RuntimeError("bind(apply, sharded) inside a step or a sharded call: bind is for inference outside a "
                            "step; inside loss_fn call apply(params, ...).")
     layout = sharded.layout
@@ -99,21 +99,19 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
     placed = [state[n] for _, n in names]
     for (d, attr), t in zip(slots, placed):
         d[attr] = t
-    apply.calls.append(units)
     # split layers run split in the block (shardfn._parallel.tensor); a sequence region runs whole: the
     # same sums, on sequences of any length (a generated token at a time)
-    apply.tensor_calls.append(TensorCall.of(layout, rt, Pass.WHOLE))
+    call = Active(units, TensorCall.of(layout, rt, Pass.WHOLE))
     returned = False
     try:
         # An error on one rank reaches the others at their next collective (guarded); ranks
         # that made different calls learn it at the latest here, at the end of the block
         # (see the agreement below).
-        with torch.no_grad(), guarded(sharded.mesh, Where.BIND), sharded.mesh.random.drawing(sharded.mesh):
+        with active(apply, call), torch.no_grad(), guarded(sharded.mesh, Where.BIND), \
+                sharded.mesh.random.drawing(sharded.mesh):
             yield apply.module
         returned = True
     finally:
-        apply.calls.pop()
-        apply.tensor_calls.pop()
         for unit in (u for group in units.values() for u in reversed(group)):
             if unit.entered:  # a unit's forward raised
                 unit.exit()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -50,16 +50,40 @@ from .._parallel.tensor import heads_of, tp_forward
 from .._parallel.call import TensorCall
 from .._state.tree import check_names
 
-__all__ = ["sharded_call", "units_for"]
+__all__ = ["Active", "active", "sharded_call", "units_for"]
 
 
 # -- module hooks -----------------------------------------------------------------------
 
 
+class Active(NamedTuple):
+    """A sharded call of ``apply`` in progress, as its module hooks read it: the units by
+    module path, and what its split layers read (None: a recompute outside the call)."""
+
+    units: dict[str, list[Unit]]
+    tensor: TensorCall | None
+
+
+@contextlib.contextmanager
+def active(apply: Any, call: Active) -> Iterator[None]:
+    """``call`` is the sharded call of ``apply`` in progress for the block (the innermost of
+    ``apply.active``: hooks installed once per module find it there)."""
+    apply.active.append(call)
+    try:
+        yield
+    finally:
+        apply.active.pop()
+
+
+def _now(apply: Any) -> Active | None:
+    return apply.active[-1] if apply.active else None
+
+
 def _active_units(apply: Any, path: str) -> list[Unit]:
     """The units of the module at ``path`` in the sharded call of ``apply`` in progress
     (one per dtype group; none outside a call)."""
-    return apply.calls[-1].get(path, []) if apply.calls else []
+    now = _now(apply)
+    return now.units.get(path, []) if now is not None else []
 
 
 def _pre_hook(apply: Any, path: str):
@@ -116,11 +140,10 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
     precision = layout.plan.precision
     if precision.cast_inputs:
         args, kwargs = cast_floating((args, kwargs), precision.param)
-    apply.calls.append(units)
     call = TensorCall.of(layout, rt)  # what its split layers read (shardfn._parallel.tensor, shardfn._parallel.sequence)
-    apply.tensor_calls.append(call)
     try:
-        out = functional_call(apply.module, state, args, kwargs, tie_weights=True, strict=False)
+        with active(apply, Active(units, call)):
+            out = functional_call(apply.module, state, args, kwargs, tie_weights=True, strict=False)
         if call.sequence:
             check_closed(call)
         # A module that *replaced* a buffer (rather than updating it in place) left the new
@@ -133,8 +156,6 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
                 sharded._set_buffers(replaced)
         return cast_floating(out, precision.output)
     finally:
-        apply.calls.pop()
-        apply.tensor_calls.pop()
         for u in (u for group in units.values() for u in reversed(group)):
             if u.entered:  # the unit's forward raised: undo its hooks and parameters
                 u.exit()
@@ -144,16 +165,13 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
 def _tensor_call(apply: Any) -> Any:
     """What re-enters the sharded call in progress (its split layers' layout and runtime)
     around a rematerialised unit's recompute, which runs in backward, after the call."""
-    now = apply.tensor_calls[-1] if apply.tensor_calls else None  # (not its inputs: they are activations)
+    now = _now(apply)
+    tensor = now.tensor if now is not None else None  # (not its inputs: they are activations)
 
-    @contextlib.contextmanager
-    def again() -> Iterator[None]:
-        # the forward checked the region; the recompute runs inside it, in backward
-        apply.tensor_calls.append(None if now is None else now.again())
-        try:
-            yield
-        finally:
-            apply.tensor_calls.pop()
+    def again() -> Any:
+        # the forward checked the region; the recompute runs inside it, in backward, where
+        # no unit is found by its hooks (the remat unit's own are its recompute's)
+        return active(apply, Active({}, None if tensor is None else tensor.again()))
 
     return again
 
@@ -225,7 +243,8 @@ def _prepare_tensor(apply: Any, layout: Layout) -> None:
     """Split layers' forwards ([Note: hand-written tensor collectives]) and the sequence
     region's ([Note: the sequence region]); each inert in other layouts' calls."""
     def active() -> Any:
-        return apply.tensor_calls[-1] if apply.tensor_calls else None
+        now = _now(apply)
+        return now.tensor if now is not None else None
 
     def hook(key: str, path: str, make: Any) -> None:
         if key + path not in apply.hooked:

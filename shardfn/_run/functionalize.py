@@ -42,8 +42,7 @@ class Apply:
         self.names = names  # every name of the state tree
         self.hooked: set[str] = set()  # unit module paths carrying shardfn's hooks
         self.prepared: dict[int, Any] = {}  # id(layout) -> (layout, slots), see shardfn._run.call
-        self.calls: list[dict[str, Any]] = []  # the units of the sharded calls in progress (innermost last)
-        self.tensor_calls: list[Any] = []  # the calls as split layers see them (shardfn._parallel.call.TensorCall)
+        self.active: list[Any] = []  # the sharded calls in progress, innermost last (shardfn._run.call.Active)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Apply":
         return self  # a function: a copied module tree still names the model function of its trees
