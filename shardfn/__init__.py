@@ -10,7 +10,7 @@ from ._run.batch import Mean as Mean
 from ._run.batch import MicroBatches as MicroBatches
 from ._run.batch import Whole as Whole
 from ._run.bind import bind as bind
-from ._run.compile import compile_stats as compile_stats
+from ._compile import compile_stats as compile_stats
 from ._comm.events import CollectiveLog as CollectiveLog
 from ._comm.events import Residency as Residency
 from ._comm.events import record_collectives as record_collectives
@@ -47,7 +47,7 @@ from ._state.precision import LossScaleState as LossScaleState
 from ._state.precision import Precision as Precision
 from ._run.options import Aux as Aux
 from ._run.options import OnNonfinite as OnNonfinite
-from ._run.psum import on_shards as on_shards
+from .optim._psum import on_shards as on_shards
 from ._state.reshard import reshard as reshard
 from ._run.options import Accumulate as Accumulate
 from ._state.sharded import ShardedParams as ShardedParams

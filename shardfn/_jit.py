@@ -14,7 +14,7 @@ from typing import Any
 from ._deprecated import as_loss, old_options
 from ._mesh import Mesh
 from ._program.graph import GraphStep
-from ._run.compile import backend_of
+from ._compile import backend_of
 from ._run.grad import Grad
 from ._run.options import Accumulate, Aux, OnNonfinite, StepOptions, check_options
 from ._run.step import Step

@@ -176,7 +176,7 @@ def test_jit_grad_updates_and_averages_buffers_as_a_step(clusters):
 def norm_after_changes(loss_name):
     """The norm grads report after the user changes them in place, against the norm of what
     they hold; and the collectives each read of the norm issued."""
-    from shardfn._run.psum import sum_of_squares
+    from shardfn.optim._psum import sum_of_squares
 
     mesh = mesh_for("FULL_SHARD")
     torch.manual_seed(0)

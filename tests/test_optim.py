@@ -451,9 +451,9 @@ def test_clip_by_global_norm_scales_every_leaf_by_one_factor():
 
 
 def test_clip_by_global_norm_uses_the_norm_of_the_step():
-    # Inside a step the norm comes from shardfn._run.gradients.global_norm, which returns the
+    # Inside a step the norm comes from shardfn.optim._gradients.global_norm, which returns the
     # norm the step computed (over all shards) instead of this rank's local one.
-    from shardfn._run.gradients import Gradients
+    from shardfn.optim._gradients import Gradients
 
     grads = Gradients({"w": torch.tensor([3.0, 4.0])}, global_norm=torch.tensor(10.0))
     clip = optim.clip_by_global_norm(1.0)
@@ -763,7 +763,7 @@ def test_chain_of_clip_and_adamw_in_place_equals_the_pure_path():
 
 def test_chain_in_place_uses_the_grads_object_the_step_measured():
     # In a step, clip reads the norm the step computed, which its gradient tree carries.
-    from shardfn._run.gradients import Gradients
+    from shardfn.optim._gradients import Gradients
 
     params = {"w": torch.zeros(2, requires_grad=True)}
     grads = Gradients({"w": torch.tensor([3.0, 4.0])}, global_norm=torch.tensor(10.0))
@@ -967,8 +967,8 @@ def test_in_place_chain_with_clip_allocates_only_the_clip_factor():
     # Inside a step the norm is the step's (its gradient tree carries it), so clipping in
     # place allocates only the 0-d fp32 intermediates of max_norm / (norm + 1e-6) clamped:
     # at most 3 x 4 bytes, and nothing parameter-sized.
-    from shardfn._run.gradients import Gradients
-    from shardfn._run.gradients import global_norm
+    from shardfn.optim._gradients import Gradients
+    from shardfn.optim._gradients import global_norm
 
     opt = optim.chain(optim.clip_by_global_norm(0.1), optim.adamw(1e-2, weight_decay=0.1))
     params, grads = mem_problem()

@@ -215,11 +215,11 @@ def test_no_module_stores_into_a_sharded_tree():
 # modules directly in shardfn/ <= 20.
 PENDING_HOLDERS = 2
 RUNTIME_READS = 14
-MODE_READS = 62
+MODE_READS = 61
 CONTEXT_VARS = 2
 SWAPPED_GLOBALS = 0
 REDUCE_SCATTER_MODULES = 2
-TOP_MODULES = 8
+TOP_MODULES = 9
 
 
 def test_the_core_counts_are_pinned():

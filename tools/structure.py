@@ -62,7 +62,7 @@ def tree_writers(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
             continue
         for n in ast.walk(tree):
             if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr in TREE_FIELDS \
-                    and not (isinstance(n.value, ast.Name) and n.value.id == "self") and path != "_run/gradients.py":
+                    and not (isinstance(n.value, ast.Name) and n.value.id == "self") and path != "optim/_gradients.py":
                 out.append((path, n.lineno, ast.unparse(n)))
             elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in TREE_MUTATORS:
                 out.append((path, n.lineno, ast.unparse(n.func)))

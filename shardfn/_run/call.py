@@ -35,7 +35,7 @@ from torch.func import functional_call
 
 from .._comm import guard as _guard
 from .._group.buckets import buckets_of
-from .compile import compilable
+from .._compile import compilable
 from .._comm.events import Purpose
 from .._group.gather import Unit, saved_handles
 from .._group.group import UnitGroup

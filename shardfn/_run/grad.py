@@ -47,13 +47,13 @@ from .._comm.events import Purpose
 from .._comm.guard import Where, guarded
 from .._state.layout import Layout
 from .._mesh import Mesh
-from .compile import backend_of
+from .._compile import backend_of
 from .._deprecated import as_loss, old_options
 from .functionalize import apply_of
-from .gradients import Gradients
+from ..optim._gradients import Gradients
 from .options import Accumulate, Aux, StepOptions, check_options
 from .._comm.pipelined import Deviated, Run, Schedule
-from .psum import sum_of_squares
+from ..optim._psum import sum_of_squares
 from .._comm.recording import device_values, recording
 from .runtime import Runtime, active
 from .._state.sharded import ShardedParams

@@ -10,9 +10,9 @@ Example:
     {'learning_rate': 0.0003}
 """
 
-from .._run.gradients import Gradients as Gradients
-from .._run.gradients import global_norm as global_norm
-from .._run.psum import psum as psum
+from ._gradients import Gradients as Gradients
+from ._gradients import global_norm as global_norm
+from ._psum import psum as psum
 from ._adamw import AdamWState as AdamWState
 from ._adafactor import AdafactorState as AdafactorState
 from ._adafactor import adafactor as adafactor

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._run.psum import psum
+from ._psum import psum
 from .._comm.recording import recording
 from ._count import advance, host_count, incremented as _next, new_count
 from ._checks import _count, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _trainable

@@ -11,7 +11,7 @@ import torch
 
 from ._count import advance, incremented as _next, new_count
 from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _scratch, _trainable
-from .._run.compile import compilable
+from .._compile import compilable
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from ._fused import fused_groups, zeros_like_views
 from ._masked import Mask, _check_mask, _selected

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._run.gradients import global_norm
+from ._gradients import global_norm
 from ._checks import _check_hyper, _scratch
 from ._combinators import stateless
 from ._protocol import GradientTransformation, Params, Updates

@@ -28,7 +28,7 @@ __all__ = ["add_decayed_weights", "chain", "scale", "stateless"]
 # update_grads_(grads, state, params) -> (updates, state): the same result as update,
 # computed by overwriting grads' tensors. A kernel returns a new dict (never the grads
 # Mapping passed in), so a transformed tree never carries the norm the step attached to
-# its own gradients (shardfn._run.gradients.Gradients). chain and masked have a kernel when all
+# its own gradients (shardfn.optim._gradients.Gradients). chain and masked have a kernel when all
 # their members do. A member without one makes chain.update_ None rather than running its
 # pure update: a pure update may return tensors that alias its state or the params (an
 # identity transform, a momentum buffer), which the next member would then overwrite as

@@ -10,7 +10,7 @@ from ._count import advance, incremented as _next, new_count
 from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _scratch, _trainable
 from ._combinators import _add_
 from ._fused import fused_groups, zeros_like_views
-from .._run.compile import compilable
+from .._compile import compilable
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 
 

@@ -38,7 +38,6 @@ from .._comm import guard as G
 from .._comm.events import Purpose
 from .._comm.guard import guarded
 from .._comm.scope import here, within
-from .runtime import current
 
 __all__ = ["on_shards", "psum", "sum_of_squares"]
 
@@ -94,7 +93,8 @@ def psum(t: torch.Tensor, *, split: bool | None = None) -> torch.Tensor:
         >>> with shardfn.on_shards(sharded):  # as inside an optimizer's update: local shards
         ...     norms = {n: psum(p.square().sum()).sqrt() for n, p in sharded.items()}  # whole parameters' norms
     """
-    rt, shards = current(), here().shards
+    scope = here()
+    rt, shards = scope.runtime, scope.shards
     if rt is not None:
         mesh, sharded = rt.mesh, rt.sharded
     elif shards is not None:

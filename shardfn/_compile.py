@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from .._comm.compiling import watch_compiles
-from .._comm.recording import recording
-from .runtime import current
+from ._comm.compiling import watch_compiles
+from ._comm.recording import recording
+from ._comm.scope import here
 
 __all__ = ["backend_of", "compilable", "compile_stats"]
 
@@ -70,7 +70,7 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return under(current(), *args, **kwargs)
+        return under(here().runtime, *args, **kwargs)
 
     wrapped.under = under  # type: ignore[attr-defined]
     return wrapped

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .psum import psum, sum_of_squares
+from ._psum import psum, sum_of_squares
 from .._state.tree import TensorTree
 
 __all__ = ["Gradients", "global_norm"]
