@@ -52,7 +52,7 @@ from ._state.reshard import reshard as reshard
 from ._run.options import Accumulate as Accumulate
 from ._state.sharded import ShardedParams as ShardedParams
 from ._state.sharded import gather as gather
-from ._state.sharded import shard as shard
+from ._shard import shard as shard
 from ._jit import jit_step as jit_step
 
 __version__ = "0.1.0"

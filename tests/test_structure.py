@@ -219,7 +219,7 @@ MODE_READS = 61
 CONTEXT_VARS = 2
 SWAPPED_GLOBALS = 0
 REDUCE_SCATTER_MODULES = 2
-TOP_MODULES = 9
+TOP_MODULES = 10
 
 
 def test_the_core_counts_are_pinned():
@@ -276,3 +276,11 @@ def test_no_collective_asks_which_mode_it_runs_in():
     assert asked == []
     tests = {n: ast.unparse(t) for n, t in modules.items() if n in ("_comm/collectives.py", "_comm/communicator.py")}
     assert all("if scope.recording" not in text and "is_fake" not in text for text in tests.values())
+
+
+def test_no_two_folders_import_each_other():
+    """The folders are layers (docs/structure.md, "The house"): an import runs one way between
+    any two of them, as between modules (no cycle)."""
+    edges = _tool().folder_edges()
+    assert ("shardfn._run", "shardfn._group") in edges  # the measure sees the folders' imports
+    assert sorted((a, b) for a, b in edges if (b, a) in edges and a < b) == []

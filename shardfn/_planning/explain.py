@@ -45,7 +45,7 @@ from .._memory import track_live_bytes
 from .._mesh import Mesh
 from .._state.offload import mark_host_trees
 from .._state.plan import Plan, Strategy
-from .._state.sharded import shard
+from .._shard import shard
 from .._jit import jit_step
 from ..optim import adamw
 from ..optim._protocol import param_leaves

@@ -17,7 +17,8 @@ from .._deprecated import renamed
 from .._run.functionalize import Apply, functionalize
 from .._mesh import Mesh
 from .._state.plan import Plan, Strategy
-from .._state.sharded import ShardedParams, gather, shard
+from .._shard import shard
+from .._state.sharded import ShardedParams, gather
 from .._jit import jit_step
 from ..optim import GradientTransformation, apply_updates
 from ._cluster import Cluster
