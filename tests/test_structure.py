@@ -215,7 +215,7 @@ def test_no_module_stores_into_a_sharded_tree():
 # modules directly in shardfn/ <= 20.
 PENDING_HOLDERS = 2
 RUNTIME_READS = 14
-MODE_READS = 61
+MODE_READS = 57
 CONTEXT_VARS = 2
 SWAPPED_GLOBALS = 0
 REDUCE_SCATTER_MODULES = 2

@@ -40,7 +40,7 @@ from torch.distributed import ReduceOp
 
 from .._comm import collectives as C
 from .._comm import guard as _guard
-from .._comm.events import CollectiveLog, observe, observers
+from .._comm.events import CollectiveLog, observe
 from .._comm.scope import here, within
 from .._group.context import AfterForward, Context
 from .._group.group import UnitGroup
@@ -81,11 +81,12 @@ class Runtime:
         self.buffers = buffers  # shardfn._run.buffers.StepBuffers of the owner, in a step
         self.log = CollectiveLog()
         # A step reports to the observers active when it started, and to its own log.
-        self.observers = (*observers(), self.log) if self.in_step else observers()
+        outer = here()  # the scope it starts in, read once ([Note: the scope] in shardfn._comm.scope)
+        self.observers = (*outer.observers, self.log) if self.in_step else outer.observers
         # What its collectives' headers say, the step's pipelined run (shardfn._comm.pipelined) and
         # whether it is recorded: read here, on the calling thread, for backward to use.
         where = where if where is not None else _guard.Where.STEP if self.in_step else _guard.Where.APPLY
-        self.scope = _guard.here()._replace(guarded=True, where=where, run=run)
+        self.scope = outer._replace(guarded=True, where=where, run=run)
         self._trees: list[tuple[Any, UnitGroup]] = []  # (sharded tree, its unit group)
         # What its unit groups are handed: one value, carried into backward ([Note: the unit group])
         self.ctx = Context(mesh, self.scope, self.observers, self.options, owner, self.reduce_op,

@@ -87,13 +87,14 @@ class Step:
         scale = float(opt_state.scale) if self.loss_scale is not None else 1.0
         # [Note: reading a verdict when it is ready]: at world 1 this raises; else the opening header tells
         # (a graph step reads its verdicts itself, before it runs or records this step)
-        nonfinite = (self.options.on_nonfinite is OnNonfinite.RAISE_NEXT and not recording()
+        recorded = recording()  # read once, where the step begins ([Note: the scope])
+        nonfinite = (self.options.on_nonfinite is OnNonfinite.RAISE_NEXT and not recorded
                      and read_ready(sharded, "step"))
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=self.options.donate,
                                track=self.options.sync_buffers)
         with self.grad.run(sharded, batch, buffers, scale, nonfinite) as out:
             grads, metrics = out.grads, out.metrics
-            if not recording():  # a graph step's program computes them itself (shardfn._program.graph)
+            if not recorded:  # a graph step's program computes them itself (shardfn._program.graph)
                 metrics.update(hyperparams(self.optimizer, inner))
             skip = False
             if self.loss_scale is not None:
@@ -120,7 +121,7 @@ class Step:
                     new, inner = self._update(self, sharded, grads, inner, buffers)
             # [Note: replicated parameters]; a recorded program keeps no replica between
             # replays (it gathers each unit in its forward), so it does not make one here
-            if sharded.layout.keeps_replica and not recording():
+            if sharded.layout.keeps_replica and not recorded:
                 new = refresh(new, current().observers, donated=self.options.donate)
             if not self.options.read_metrics and not is_fake(metrics["loss"]):
                 new = new._with_verdict(Verdict(metrics["loss"], metrics["grad_norm"], sharded._verdict,
