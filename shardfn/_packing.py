@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import bisect
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._events import Transfer, emit
 from ._offload import to_device_into
@@ -20,8 +22,8 @@ from ._offload import to_device_into
 LeafLayout = Any  # shardfn._layout.LeafLayout (imported there from here: no cycle)
 
 __all__ = [
-    "leaf_holding", "leaves_by_storage", "local_shard", "pack_leaf", "pack_shards", "pack_unit", "shard_buffer",
-    "unpack_leaf", "unpack_unit", "with_gaps",
+    "kept_buffer", "kept_views", "leaf_holding", "leaves_by_storage", "local_shard", "pack_leaf", "pack_shards",
+    "pack_unit", "shard_buffer", "unpack_leaf", "unpack_unit", "with_gaps",
 ]
 
 
@@ -214,3 +216,62 @@ def shard_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
                 s.numel() > 1 and s.stride() != (1,)):
             return None
     return base
+
+
+# [Note: kept views]
+# Finding a flat unit's shard buffer and making its leaves' views of it cost the host a call
+# per leaf, at every gather (twice a step under FULL_SHARD) and in every optimizer update.
+# Both depend only on which tensor objects the shards are, never on their values (an in-place
+# update or a load shows through a view), so they are kept per unit, keyed weakly by its
+# first shard (they go with the tree's tensors, holding no memory of their own), and used
+# only while every shard is the same object and for the same layout: a new tree, a
+# reshard or a copy has new tensors. A cast is a copy of the current values: never kept.
+# Nothing changes a shard's metadata in place (set_, resize_); a recording keeps nothing.
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _Kept:
+    """What :func:`kept_buffer` and :func:`kept_views` know of one unit's shards."""
+
+    __slots__ = ("shards", "buffer_for", "buffer", "views_for", "views")
+
+    def __init__(self, shards: Sequence[torch.Tensor]):
+        self.shards = tuple(weakref.ref(s) for s in shards)
+        self.buffer_for: Any = None
+        self.buffer: torch.Tensor | None = None
+        self.views_for: Any = None
+        self.views: Any = None
+
+
+def _kept(shards: Sequence[torch.Tensor]) -> _Kept:
+    kept = _KEPT.get(shards[0])
+    if kept is None or len(kept.shards) != len(shards) or any(r() is not s for r, s in zip(kept.shards, shards)):
+        kept = _KEPT[shards[0]] = _Kept(shards)
+    return kept
+
+
+def kept_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
+                offsets: Sequence[int]) -> torch.Tensor | None:
+    """:func:`shard_buffer`, found once for the same shards ([Note: kept views])."""
+    if not shards:
+        return None
+    kept, key = _kept(shards), (numel, dtype, tuple(offsets))
+    if kept.buffer_for != key:
+        kept.buffer, kept.buffer_for = shard_buffer(shards, numel, dtype, offsets), key
+    return kept.buffer
+
+
+def kept_views(shards: Sequence[torch.Tensor], key: tuple, base: torch.Tensor, leaves: Sequence[LeafLayout],
+               dtype: torch.dtype, keep: bool) -> tuple[list[torch.Tensor], dict | None]:
+    """A flat unit's parameters in ``dtype`` from ``base``, its shards' buffer, and where each
+    lies (:func:`leaves_by_storage`, None if not kept): views of ``base`` in its own dtype,
+    made once for the same shards and ``key`` (the objects their layout is made of, compared
+    by identity) while ``keep``; a cast, every time ([Note: kept views])."""
+    if base.dtype != dtype or not keep:
+        return unpack_unit(base.detach().to(dtype).view(1, -1), leaves, 1), None
+    kept = _kept(shards)
+    was = kept.views_for
+    if was is None or len(was) != len(key) or any(a is not b for a, b in zip(was, key)):
+        full = unpack_unit(base.detach().view(1, -1), leaves, 1)
+        kept.views, kept.views_for = (full, leaves_by_storage(full)), key
+    return kept.views

@@ -19,7 +19,7 @@ from ._events import Purpose
 from ._guard import guarded
 from ._resolve import layout_for, make_subgroups
 from ._layout import Layout
-from ._packing import shard_buffer, unpack_leaf, with_gaps
+from ._packing import kept_buffer, shard_buffer, unpack_leaf, with_gaps
 from ._materialize import deferred_state, scattered_state
 from ._mesh import Mesh
 from ._offload import Offload, place_on_host, to_device_into
@@ -114,8 +114,8 @@ class ShardedParams(TensorTree):
         out = []
         for unit in self.layout.units:
             if unit.flat and unit.grad_numel and not self.layout.offloaded:
-                base = shard_buffer([self._data[n] for n in unit.leaves], unit.numel, unit.dtype,
-                                    self.layout.offsets(unit, self.layout.shard_rank(self.mesh)))
+                base = kept_buffer([self._data[n] for n in unit.leaves], unit.numel, unit.dtype,
+                                   self.layout.offsets(unit, self.layout.shard_rank(self.mesh)))
                 if base is not None:
                     out.append((base, unit.leaves))
         return out
