@@ -190,7 +190,9 @@ class UnitGrads:
             if g is None:
                 g = torch.zeros(shape, dtype=u.dtype, device=device)
             else:
-                g = (g.detach() if g.requires_grad else g).to(u.reduce_dtype).to(u.dtype)
+                g = g.detach() if g.requires_grad else g
+                if g.dtype != u.reduce_dtype or u.reduce_dtype != u.dtype:  # (else both casts return g)
+                    g = g.to(u.reduce_dtype).to(u.dtype)
                 if acc[j] is None and (not g.is_contiguous() or id(g.untyped_storage()) in owned):
                     g = g.clone(memory_format=torch.contiguous_format)
             if acc[j] is None:
