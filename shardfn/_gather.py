@@ -63,7 +63,7 @@ from . import _collectives as C
 from ._events import Purpose, ResidencyEvent, UnitEvent, emit, marker
 from ._layout import Layout, UnitLayout
 from ._offload import copy_stream, join_stream, to_device
-from ._packing import kept_buffer, kept_views, leaf_holding, leaves_by_storage, pack_shards, unpack_unit
+from ._packing import kept_buffer, kept_views, leaf_holding, leaves_by_storage, pack_shards, storage_key, unpack_unit
 from ._plan import RematMode
 from ._recording import relative_view
 from ._reduce import UnitGrads
@@ -156,7 +156,7 @@ class Unit:
         self.replica = replica  # SHARD_OPTIMIZER: the tree's kept full parameters, if still those of the shards
         self.state = State.SHARDED
         self.full: list[torch.Tensor] | None = None  # GATHERED: the full parameters
-        self.storages: dict[int, Any] = {}  # GATHERED: id() of their storages -> where each leaf lies in it
+        self.storages: dict[int, Any] = {}  # GATHERED: their storages (storage_key) -> where each leaf lies in it
         self.inflight: InFlight | None = None  # IN_FLIGHT: the all-gather started
         self.secondary: torch.Tensor | None = None  # resharded to k ranks: this rank's 1/k (see _issue)
         self.use: Use | None = None  # the use in progress
@@ -458,7 +458,7 @@ def saved_handles(units: list[Unit]) -> Any:
     def pack(t: torch.Tensor) -> Any:
         if t.is_sparse:
             return t
-        storage = id(t.untyped_storage())  # (most are activations: one look-up for all units)
+        storage = storage_key(t)  # (most are activations: one look-up for all units)
         for unit in units:
             index = leaf_holding(t, unit.full, unit.storages) if storage in unit.storages else None
             if index is not None:

@@ -23,7 +23,7 @@ LeafLayout = Any  # shardfn._layout.LeafLayout (imported there from here: no cyc
 
 __all__ = [
     "kept_buffer", "kept_views", "leaf_holding", "leaves_by_storage", "local_shard", "pack_leaf", "pack_shards",
-    "pack_unit", "shard_buffer", "unpack_leaf", "unpack_unit", "with_gaps",
+    "pack_unit", "shard_buffer", "storage_key", "unpack_leaf", "unpack_unit", "with_gaps",
 ]
 
 
@@ -59,15 +59,25 @@ def unpack_unit(gathered: torch.Tensor, leaves: Sequence[LeafLayout], world: int
     return [t.view(-1)[: math.prod(leaf.shape)].view(leaf.shape) for t, leaf in zip(outs, leaves)]
 
 
+def storage_key(t: torch.Tensor) -> int | None:
+    """Which storage ``t`` lives in, as an int that no other live storage has (None: it has
+    none). Not ``id(t.untyped_storage())``: that makes a Python object for the storage,
+    which then lives as long as it does, and a step asks for every tensor autograd saves."""
+    try:
+        return torch._C._storage_id(t)  # (fake and meta tensors have one; a wrapper subclass may not)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def leaves_by_storage(full: Sequence[torch.Tensor]) -> dict[int, tuple[list[int], list[tuple[int, int]]]]:
-    """id() of each storage a unit's gathered parameters ``full`` live in -> the storage
+    """:func:`storage_key` of each storage a unit's gathered parameters ``full`` live in -> the storage
     offsets where those in it start, in order, and each one's ``(end, index)``: all of a flat
-    unit's share one storage (id(), as fake tensors have no data_ptr)."""
+    unit's share one storage."""
     spans: dict[int, list[tuple[int, int, int]]] = {}
     for i, t in enumerate(full):
         start = t.storage_offset()
         end = start + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else start
-        spans.setdefault(id(t.untyped_storage()), []).append((start, end, i))
+        spans.setdefault(storage_key(t), []).append((start, end, i))
     return {k: ([a for a, _, _ in sorted(v)], [(e, i) for _, e, i in sorted(v)]) for k, v in spans.items()}
 
 
@@ -77,7 +87,7 @@ def leaf_holding(t: torch.Tensor, full: Sequence[torch.Tensor],
     starts in, None if none: a view of parameter i is made again from parameter i, at its
     place in it, however a regather lays the unit's parameters out. One bisection of the
     starts, not a look at every parameter: this runs for every tensor a unit's forward saves."""
-    found = by_storage.get(id(t.untyped_storage()))
+    found = by_storage.get(storage_key(t))
     if found is None:
         return None
     starts, ends = found

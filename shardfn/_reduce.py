@@ -62,7 +62,7 @@ from . import _collectives as C
 from ._events import Purpose, marker
 from ._plan import Reduction
 from ._offload import to_host
-from ._packing import pack_unit
+from ._packing import pack_unit, storage_key
 from ._runtime import RunningUnit
 
 __all__ = ["UnitGrads"]
@@ -177,7 +177,7 @@ class UnitGrads:
             # a flat unit whose gradients are cast: one cast for the unit, into one buffer
             # (the shard's layout), not one per leaf
             flat = self._packed(grads, leaves, 1, device).view(-1).to(u.dtype)
-            owned.add(id(flat.untyped_storage()))
+            owned.add(storage_key(flat))
             self.acc = [flat[leaf.start:leaf.start + math.prod(leaf.shape)].view(
                 self.unit.layout.shard_shape(leaf.path, self.unit.rank)) if leaf.grad_offset >= 0 else None
                 for leaf in leaves]
@@ -193,10 +193,10 @@ class UnitGrads:
                 g = g.detach() if g.requires_grad else g
                 if g.dtype != u.reduce_dtype or u.reduce_dtype != u.dtype:  # (else both casts return g)
                     g = g.to(u.reduce_dtype).to(u.dtype)
-                if acc[j] is None and (not g.is_contiguous() or id(g.untyped_storage()) in owned):
+                if acc[j] is None and (not g.is_contiguous() or storage_key(g) in owned):
                     g = g.clone(memory_format=torch.contiguous_format)
             if acc[j] is None:
-                owned.add(id(g.untyped_storage()))
+                owned.add(storage_key(g))
                 acc[j] = g.view(shape)
             else:
                 acc[j].add_(g.view(shape))
