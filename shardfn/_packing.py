@@ -236,7 +236,7 @@ def shard_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
 # first shard (they go with the tree's tensors, holding no memory of their own), and used
 # only while every shard is the same object and for the same layout: a new tree, a
 # reshard or a copy has new tensors. A cast is a copy of the current values: never kept.
-# Nothing changes a shard's metadata in place (set_, resize_); a recording keeps nothing.
+# Nothing changes a shard's metadata in place (set_, resize_); a recording makes its own views.
 _KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
