@@ -73,7 +73,7 @@ class Mesh:
         Mesh(replicate=2, shard=4, device=cpu, backend=gloo, rank=0)
     """
 
-    __slots__ = ("_dm", "_device", "guard", "random")
+    __slots__ = ("_dm", "_device", "guard", "random", "_ranks")
 
     def __init__(self, device_mesh: DeviceMesh, step_timeout: float = _guard.DEFAULT_STEP_TIMEOUT):
         names = tuple(device_mesh.mesh_dim_names or ())
@@ -84,6 +84,7 @@ class Mesh:
                 "('replicate', 'shard', 'tensor'). Build one with Mesh.from_env(replicate=R, tensor=T)."
             )
         self._dm = device_mesh
+        self._ranks: dict[str, int] = {}  # axis -> this rank's index on it (fixed: asked per unit and step)
         if device_mesh.device_type == "cuda":
             self._device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -300,9 +301,11 @@ class Mesh:
         return self._dm.size(self.axis_names.index(axis))
 
     def axis_rank(self, axis: str) -> int:
-        if axis not in self.axis_names:
-            return 0
-        return int(self._dm.get_local_rank(axis if self._dm.mesh_dim_names else 0))
+        got = self._ranks.get(axis)
+        if got is None:
+            got = self._ranks[axis] = 0 if axis not in self.axis_names else int(
+                self._dm.get_local_rank(axis if self._dm.mesh_dim_names else 0))
+        return got
 
     # -- collectives for the training loop -------------------------------------------------
     # What Lightning's strategy.barrier / broadcast / reduce / all_gather do, over the whole

@@ -62,7 +62,7 @@ import torch.nn as nn
 from .._comm.events import Purpose, ResidencyEvent, UnitEvent, emit, marker
 from .._state.layout import Layout, UnitLayout
 from .._state.offload import copy_stream, join_stream, to_device
-from .._state.packing import leaf_holding, leaves_by_storage, pack_shards, shard_buffer, unpack_unit
+from .._state.packing import kept_buffer, kept_views, leaf_holding, leaves_by_storage, pack_shards, storage_key, unpack_unit
 from .._state.plan import RematMode
 from .._comm.recording import relative_view
 from .context import AfterForward, invariant
@@ -94,9 +94,8 @@ class Hold(enum.Enum):
 
 
 class Use:
-    """One application of :class:`GatherUnit`: how many saved-tensor handles of the full
-    parameters it produced backward still holds. Handles reference their use, so it must
-    not reference the parameters: the graph would keep them alive (see :func:`saved_handles`)."""
+    """One application of :class:`GatherUnit`: how many of its saved-tensor handles backward still
+    holds. Handles reference their use, so it must not reference the parameters (:func:`saved_handles`)."""
 
     __slots__ = ("pending",)
 
@@ -143,7 +142,7 @@ class Unit:
         self.replica = replica  # SHARD_OPTIMIZER: the tree's kept full parameters, if still those of the shards
         self.state = State.SHARDED
         self.full: list[torch.Tensor] | None = None  # GATHERED: the full parameters
-        self.storages: dict[int, Any] = {}  # GATHERED: id() of their storages -> where each leaf lies in it
+        self.storages: dict[int, Any] = {}  # GATHERED: their storages (storage_key) -> where each leaf lies in it
         self.secondary: torch.Tensor | None = None  # resharded to k ranks: this rank's 1/k (see _issue)
         self.use: Use | None = None  # the use in progress
         self.outputs: tuple[torch.Tensor, ...] | None = None  # that use's full parameters, while it runs
@@ -246,7 +245,7 @@ class Unit:
         # offloaded shards live in host memory: copied to the device (counted) in any case
         flat = self.unit.flat and not self.layout.offloaded
         offsets = self.layout.offsets(self.unit, self.rank) if self.unit.flat else None
-        mine = shard_buffer(self.shards, numel, self.unit.param_dtype, offsets) if flat else None
+        mine = kept_buffer(self.shards, numel, self.unit.param_dtype, offsets) if flat else None
         if mine is None:  # ROWS, or shards that are not views of one buffer: one pack (see [Note: copies])
             mine = out[self.rank]
             pack_shards(mine, self.shards, self.layout.offloaded, self.group.ctx.observers, self.unit.name, offsets)
@@ -300,7 +299,7 @@ class Unit:
         """SHARDED or IN_FLIGHT -> GATHERED: the full parameters of the unit (no autograd),
         from one all-gather of the flat shards."""
         invariant(self.state is not State.GATHERED, f"unit {self.unit.name!r} gathered twice")
-        lay, world = self.layout, self.layout.world
+        lay, world, storages = self.layout, self.layout.world, None
         leaves = [lay.leaves[n] for n in self.unit.leaves]
         with torch.no_grad():
             if self.replica is not None:  # [Note: replicated parameters]: gathered after the last update
@@ -309,10 +308,11 @@ class Unit:
                 full = [to_device(s.detach().view(leaf.shape), self.device, self.unit.param_dtype,
                                   self.group.ctx.observers, self.unit.name) for s, leaf in zip(self.shards, leaves)]
             elif not lay.gathers:  # NO_SHARD, or a world of one: the shard is the parameter
-                base = shard_buffer(self.shards, self.unit.numel, self.shards[0].dtype,
-                                    self.layout.offsets(self.unit, 0)) if self.unit.flat and self.shards else None
+                base = kept_buffer(self.shards, self.unit.numel, self.shards[0].dtype,
+                                   self.layout.offsets(self.unit, 0)) if self.unit.flat and self.shards else None
                 if base is not None:  # a flat unit: one cast of its buffer (if any), the parameters views of it
-                    full = unpack_unit(base.detach().to(self.unit.param_dtype).view(1, -1), leaves, 1)
+                    full, storages = kept_views(self.shards, (lay, self.unit), base, leaves, self.unit.param_dtype,
+                                                keep=not self.group.ctx.scope.recording)
                 else:
                     full = [s.detach().view(leaf.shape).to(self.unit.param_dtype)
                             for s, leaf in zip(self.shards, leaves)]
@@ -332,7 +332,7 @@ class Unit:
                     self.secondary = out.view(-1).chunk(k)[index].clone()
                 full = unpack_unit(out, leaves, world)  # one copy: FSDP2's copy-out
         self.state, self.full = State.GATHERED, full
-        self.storages = leaves_by_storage(full)
+        self.storages = storages if storages is not None else leaves_by_storage(full)
         self._note(UnitEvent.GATHER if purpose is Purpose.GATHER else UnitEvent.REGATHER)
         return full
 
@@ -432,15 +432,15 @@ class _Handle:
 
 
 def saved_handles(units: list[Unit]) -> Any:
-    """Saved-tensor hooks that pack the gathered parameters of ``units`` (the units of one
-    module, several when its parameters have several dtypes: [Note: mixed dtypes in a
-    unit]) as :class:`_Handle`; everything else autograd saves passes through."""
+    """Saved-tensor hooks that pack the gathered parameters of ``units`` (one module's, several for several
+    dtypes: [Note: mixed dtypes in a unit]) as :class:`_Handle`; everything else autograd saves passes through."""
 
     def pack(t: torch.Tensor) -> Any:
         if t.is_sparse:
             return t
+        storage = storage_key(t)  # (most are activations: one look-up for all units)
         for unit in units:
-            index = leaf_holding(t, unit.full, unit.storages) if unit.storages else None
+            index = leaf_holding(t, unit.full, unit.storages) if storage in unit.storages else None
             if index is not None:
                 found = relative_view(t, unit.full) if unit.group.ctx.scope.recording else (index, 0)
                 if found is None:

@@ -60,7 +60,7 @@ import torch
 
 from .._state.plan import Reduction
 from .._state.offload import to_host
-from .._state.packing import pack_unit
+from .._state.packing import pack_unit, storage_key
 
 __all__ = ["UnitGrads"]
 
@@ -135,7 +135,7 @@ class UnitGrads:
             # a flat unit whose gradients are cast: one cast for the unit, into one buffer
             # (the shard's layout), not one per leaf
             flat = self._packed(grads, leaves, 1, device).view(-1).to(u.dtype)
-            owned.add(id(flat.untyped_storage()))
+            owned.add(storage_key(flat))
             self.acc = [flat[leaf.start:leaf.start + math.prod(leaf.shape)].view(
                 self.unit.layout.shard_shape(leaf.path, self.unit.rank)) if leaf.grad_offset >= 0 else None
                 for leaf in leaves]
@@ -148,11 +148,13 @@ class UnitGrads:
             if g is None:
                 g = torch.zeros(shape, dtype=u.dtype, device=device)
             else:
-                g = (g.detach() if g.requires_grad else g).to(u.reduce_dtype).to(u.dtype)
-                if acc[j] is None and (not g.is_contiguous() or id(g.untyped_storage()) in owned):
+                g = g.detach() if g.requires_grad else g
+                if g.dtype != u.reduce_dtype or u.reduce_dtype != u.dtype:  # (else both casts return g)
+                    g = g.to(u.reduce_dtype).to(u.dtype)
+                if acc[j] is None and (not g.is_contiguous() or storage_key(g) in owned):
                     g = g.clone(memory_format=torch.contiguous_format)
             if acc[j] is None:
-                owned.add(id(g.untyped_storage()))
+                owned.add(storage_key(g))
                 acc[j] = g.view(shape)
             else:
                 acc[j].add_(g.view(shape))

@@ -130,7 +130,7 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
 def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> Any:
     layout: Layout = sharded.layout
     store = rt.in_step and sharded is rt.owner
-    units = units_for(apply, sharded, rt)
+    units, ties = units_for(apply, sharded, rt), apply.prepared[id(layout)][2]
     roots = units.get("", [])
     # Buffers: the step's working copies for the step's own tree, else the tree's own.
     buffers = rt.buffers.work if store and rt.buffers is not None else {n: sharded[n] for n in layout.buffers}
@@ -142,8 +142,9 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
         args, kwargs = cast_floating((args, kwargs), precision.param)
     call = TensorCall.of(layout, rt)  # what its split layers read (shardfn._parallel.tensor, shardfn._parallel.sequence)
     try:
+        state.update({alias: state[n] for n, aliases in ties if n in state for alias in aliases})
         with active(apply, Active(units, call)):
-            out = functional_call(apply.module, state, args, kwargs, tie_weights=True, strict=False)
+            out = functional_call(apply.module, state, args, kwargs, tie_weights=False, strict=False)
         if call.sequence:
             check_closed(call)
         # A module that *replaced* a buffer (rather than updating it in place) left the new
@@ -235,8 +236,18 @@ def _prepare(apply: Any, layout: Layout) -> dict[int, list[tuple[nn.Module, str,
                 sub_path, _, attr = alias.rpartition(".")
                 slots[u.index].append((apply.module.get_submodule(sub_path), attr, i))
     _prepare_tensor(apply, layout)
-    apply.prepared[id(layout)] = (layout, slots)
+    apply.prepared[id(layout)] = (layout, slots, _ties(apply.module))
     return slots
+
+
+def _ties(module: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
+    """Each name of a tensor the module holds under several names, with its other names:
+    the untying ``functional_call(tie_weights=True)`` does at every call, done once (the
+    meta module tree of ``apply`` never changes), so a call passes every name itself."""
+    names: dict[int, list[str]] = {}
+    for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(n)
+    return [(n, tuple(m for m in group if m != n)) for group in names.values() if len(group) > 1 for n in group]
 
 
 def _prepare_tensor(apply: Any, layout: Layout) -> None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import bisect
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._comm.events import Transfer, emit
 from .offload import to_device_into
@@ -20,8 +22,8 @@ from .offload import to_device_into
 LeafLayout = Any  # shardfn._state.layout.LeafLayout (imported there from here: no cycle)
 
 __all__ = [
-    "leaf_holding", "leaves_by_storage", "local_shard", "pack_leaf", "pack_shards", "pack_unit", "shard_buffer",
-    "unpack_leaf", "unpack_unit", "with_gaps",
+    "kept_buffer", "kept_views", "leaf_holding", "leaves_by_storage", "local_shard", "pack_leaf", "pack_shards",
+    "pack_unit", "shard_buffer", "storage_key", "unpack_leaf", "unpack_unit", "with_gaps",
 ]
 
 
@@ -57,15 +59,25 @@ def unpack_unit(gathered: torch.Tensor, leaves: Sequence[LeafLayout], world: int
     return [t.view(-1)[: math.prod(leaf.shape)].view(leaf.shape) for t, leaf in zip(outs, leaves)]
 
 
+def storage_key(t: torch.Tensor) -> int | None:
+    """Which storage ``t`` lives in, as an int that no other live storage has (None: it has
+    none). Not ``id(t.untyped_storage())``: that makes a Python object for the storage,
+    which then lives as long as it does, and a step asks for every tensor autograd saves."""
+    try:
+        return torch._C._storage_id(t)  # (fake and meta tensors have one; a wrapper subclass may not)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def leaves_by_storage(full: Sequence[torch.Tensor]) -> dict[int, tuple[list[int], list[tuple[int, int]]]]:
-    """id() of each storage a unit's gathered parameters ``full`` live in -> the storage
+    """:func:`storage_key` of each storage a unit's gathered parameters ``full`` live in -> the storage
     offsets where those in it start, in order, and each one's ``(end, index)``: all of a flat
-    unit's share one storage (id(), as fake tensors have no data_ptr)."""
+    unit's share one storage."""
     spans: dict[int, list[tuple[int, int, int]]] = {}
     for i, t in enumerate(full):
         start = t.storage_offset()
         end = start + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else start
-        spans.setdefault(id(t.untyped_storage()), []).append((start, end, i))
+        spans.setdefault(storage_key(t), []).append((start, end, i))
     return {k: ([a for a, _, _ in sorted(v)], [(e, i) for _, e, i in sorted(v)]) for k, v in spans.items()}
 
 
@@ -75,7 +87,7 @@ def leaf_holding(t: torch.Tensor, full: Sequence[torch.Tensor],
     starts in, None if none: a view of parameter i is made again from parameter i, at its
     place in it, however a regather lays the unit's parameters out. One bisection of the
     starts, not a look at every parameter: this runs for every tensor a unit's forward saves."""
-    found = by_storage.get(id(t.untyped_storage()))
+    found = by_storage.get(storage_key(t))
     if found is None:
         return None
     starts, ends = found
@@ -214,3 +226,62 @@ def shard_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
                 s.numel() > 1 and s.stride() != (1,)):
             return None
     return base
+
+
+# [Note: kept views]
+# Finding a flat unit's shard buffer and making its leaves' views of it cost the host a call
+# per leaf, at every gather (twice a step under FULL_SHARD) and in every optimizer update.
+# Both depend only on which tensor objects the shards are, never on their values (an in-place
+# update or a load shows through a view), so they are kept per unit, keyed weakly by its
+# first shard (they go with the tree's tensors, holding no memory of their own), and used
+# only while every shard is the same object and for the same layout: a new tree, a
+# reshard or a copy has new tensors. A cast is a copy of the current values: never kept.
+# Nothing changes a shard's metadata in place (set_, resize_); a recording makes its own views.
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _Kept:
+    """What :func:`kept_buffer` and :func:`kept_views` know of one unit's shards."""
+
+    __slots__ = ("shards", "buffer_for", "buffer", "views_for", "views")
+
+    def __init__(self, shards: Sequence[torch.Tensor]):
+        self.shards = tuple(weakref.ref(s) for s in shards)
+        self.buffer_for: Any = None
+        self.buffer: torch.Tensor | None = None
+        self.views_for: Any = None
+        self.views: Any = None
+
+
+def _kept(shards: Sequence[torch.Tensor]) -> _Kept:
+    kept = _KEPT.get(shards[0])
+    if kept is None or len(kept.shards) != len(shards) or any(r() is not s for r, s in zip(kept.shards, shards)):
+        kept = _KEPT[shards[0]] = _Kept(shards)
+    return kept
+
+
+def kept_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
+                offsets: Sequence[int]) -> torch.Tensor | None:
+    """:func:`shard_buffer`, found once for the same shards ([Note: kept views])."""
+    if not shards:
+        return None
+    kept, key = _kept(shards), (numel, dtype, tuple(offsets))
+    if kept.buffer_for != key:
+        kept.buffer, kept.buffer_for = shard_buffer(shards, numel, dtype, offsets), key
+    return kept.buffer
+
+
+def kept_views(shards: Sequence[torch.Tensor], key: tuple, base: torch.Tensor, leaves: Sequence[LeafLayout],
+               dtype: torch.dtype, keep: bool) -> tuple[list[torch.Tensor], dict | None]:
+    """A flat unit's parameters in ``dtype`` from ``base``, its shards' buffer, and where each
+    lies (:func:`leaves_by_storage`, None if not kept): views of ``base`` in its own dtype,
+    made once for the same shards and ``key`` (the objects their layout is made of, compared
+    by identity) while ``keep``; a cast, every time ([Note: kept views])."""
+    if base.dtype != dtype or not keep:
+        return unpack_unit(base.detach().to(dtype).view(1, -1), leaves, 1), None
+    kept = _kept(shards)
+    was = kept.views_for
+    if was is None or len(was) != len(key) or any(a is not b for a, b in zip(was, key)):
+        full = unpack_unit(base.detach().view(1, -1), leaves, 1)
+        kept.views, kept.views_for = (full, leaves_by_storage(full)), key
+    return kept.views

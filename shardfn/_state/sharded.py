@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 from .._comm import collectives as C
 from .._comm.events import Purpose
 from .layout import Layout
-from .packing import shard_buffer, unpack_leaf, with_gaps
+from .packing import kept_buffer, shard_buffer, unpack_leaf, with_gaps
 from .._mesh import Mesh
 from .offload import to_device_into
 from .replica import kept_for
@@ -104,8 +104,8 @@ class ShardedParams(TensorTree):
         out = []
         for unit in self.layout.units:
             if unit.flat and unit.grad_numel and not self.layout.offloaded:
-                base = shard_buffer([self._data[n] for n in unit.leaves], unit.numel, unit.dtype,
-                                    self.layout.offsets(unit, self.layout.shard_rank(self.mesh)))
+                base = kept_buffer([self._data[n] for n in unit.leaves], unit.numel, unit.dtype,
+                                   self.layout.offsets(unit, self.layout.shard_rank(self.mesh)))
                 if base is not None:
                     out.append((base, unit.leaves))
         return out

@@ -86,8 +86,12 @@ def fused_groups(keys: Sequence[str], params: Mapping[str, torch.Tensor], grads:
             continue
         first = names[0]
         trees = [grads, *states]
-        bases = [_window(tree[first] if first in tree else None, params[first], base) for tree in trees]
-        if any(b is None for b in bases) or (dtype is not None and bases[0].dtype != dtype):
+        bases = []
+        for tree in trees:  # (the first that has no window ends the look: per-leaf gradients at world 1)
+            bases.append(_window(tree[first] if first in tree else None, params[first], base))
+            if bases[-1] is None:
+                break
+        if bases[-1] is None or (dtype is not None and bases[0].dtype != dtype):
             continue
         placed = [n for n in names if params[n].numel()]  # (an empty piece's offset does not matter)
         if all(_at(tree[n], b) == _at(params[n], base) is not None for n in placed for tree, b in zip(trees, bases)):
