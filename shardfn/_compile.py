@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from ._comm.compiling import watch_compiles
-from ._comm.recording import recording
 from ._comm.scope import here
 
 __all__ = ["backend_of", "compilable", "compile_stats"]
@@ -51,7 +50,8 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
         """``fn`` as the step ``rt`` runs it (a runtime, or its units' context; None: none): a
         remat recompute, which runs in backward, names its unit's context ([Note: backward on
         device threads] in shardfn._comm.guard)."""
-        if traced is not None and recording():  # the scalars as values of the program ([Note: recording a step])
+        # while recorded, the scalars as values of the program ([Note: recording a step])
+        if traced is not None and rt is not None and rt.scope.comm.recorded:
             device = _device_of(args)  # made there: no host constant in a device program
             return traced(*(torch.full((), a, dtype=torch.float64, device=device) if isinstance(a, float) else a
                             for a in args), **kwargs)

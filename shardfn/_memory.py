@@ -30,7 +30,6 @@ what tells them apart. Without offload everything is device memory.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import re
 import weakref
 from collections.abc import Iterator, Mapping
@@ -65,18 +64,19 @@ _HOST: dict[int, weakref.ref] = {}
 _ACTIVE: list["LiveBytes"] = []  # trackers running now, told when a storage is marked
 
 
-_ON_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfn_on_host", default=False)
-
-
 @contextlib.contextmanager
 def on_host():
     """What ops make inside the block is host memory (for :class:`LiveBytes`): the schedule
-    guard's headers, which travel over its gloo control group whatever the device is."""
-    token = _ON_HOST.set(True)
+    guard's headers, which travel over its gloo control group whatever the device is. The
+    trackers running now are told, each of them (nested blocks count)."""
+    told = list(_ACTIVE)
+    for mode in told:
+        mode.on_host += 1
     try:
         yield
     finally:
-        _ON_HOST.reset(token)
+        for mode in told:
+            mode.on_host -= 1
 
 
 def mark_host(t: torch.Tensor) -> None:
@@ -114,6 +114,7 @@ class LiveBytes(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
         self._host: set[int] = set()  # ... of those, the host storages
         self._refs: dict[int, weakref.ref] = {}
+        self.on_host = 0  # inside how many shardfn._memory.on_host blocks: what ops make is host memory
 
     @property
     def device_current(self) -> int:
@@ -192,7 +193,7 @@ class LiveBytes(TorchDispatchMode):
             self._count(args[0])
         # What an op makes from host memory is host memory (the optimizer's temporaries on
         # offloaded shards); what it makes from nothing or from device memory is not.
-        host = _ON_HOST.get() or bool(self._host) and any(
+        host = self.on_host > 0 or bool(self._host) and any(
             isinstance(a, torch.Tensor) and not is_traceable_wrapper_subclass(a) and _storage_key(a) in self._host
             for a in pytree.tree_leaves((args, kwargs)))
         for t in pytree.tree_leaves(out):

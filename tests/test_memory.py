@@ -57,7 +57,7 @@ def header_exchange_bytes():
 
     mesh = sf.Mesh.from_group()
     with sf.track_live_bytes() as mem:
-        headers = G.exchange(mesh.channel("shard"), [0] * G.HEADER, "a test")
+        headers = G.exchange(mesh.channel("shard"), [0] * G.HEADER, "a test", G.Scope())
     return mem.peak, mem.device_peak, mem.host_peak, len(headers)
 
 

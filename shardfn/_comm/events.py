@@ -26,11 +26,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .scope import here, within
+from .scope import within
 
 __all__ = [
     "Collective", "CollectiveCall", "CollectiveLog", "Purpose", "Residency", "ResidencyEvent", "Transfer", "UnitEvent",
-    "emit", "marker", "observers", "record_collectives", "track_residency",
+    "emit", "marker", "record_collectives", "track_residency",
 ]
 
 
@@ -196,21 +196,16 @@ class Residency:
         self.events.append(event)
 
 
-def observers() -> tuple[Any, ...]:
-    """The observers active here (a step captures them for its backward)."""
-    return here().observers
-
-
 @contextlib.contextmanager
 def observe(observer: Any) -> Iterator[Any]:
     """Adds ``observer`` (anything with ``receive(event)``) for the block."""
-    with within(observers=(*here().observers, observer)):
+    with within(more_observers=(observer,)):
         yield observer
 
 
-def emit(event: Any, to: tuple[Any, ...] | None = None) -> None:
-    """Hands ``event`` to the observers ``to`` (default: those active here)."""
-    for obs in here().observers if to is None else to:
+def emit(event: Any, to: tuple[Any, ...]) -> None:
+    """Hands ``event`` to the observers ``to`` (the caller's scope's, handed down)."""
+    for obs in to:
         obs.receive(event)
 
 

@@ -42,7 +42,6 @@ where the check is pipelined (see [Note: the pipelined guard] in shardfn._comm.p
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import time
 from collections.abc import Generator, Iterable, Iterator
@@ -62,12 +61,11 @@ from .header import (_CONTEXTS, _DTYPES, _KINDS, _PURPOSES, DETAIL, DIVERGED, FA
 from .events import Collective, Purpose
 from .._memory import on_host
 from .recording import untraced
-from .scope import Scope, Where, here, within
+from .scope import Scope, Where, within
 
 __all__ = [
     "Channel", "CommError", "DivergenceError", "Failure", "Guard", "PeerError", "Scope", "Where", "agree",
-    "agree_exit", "agree_words", "current_run", "exchange", "fail", "guarded", "here", "running", "wait",
-    "words",
+    "agree_exit", "agree_words", "exchange", "fail", "guarded", "wait", "words",
 ]
 
 DEFAULT_STEP_TIMEOUT = 60.0
@@ -84,16 +82,6 @@ _POLL_S = 0.0005  # between looks at the collectives of exchanges run side by si
 # the objects backward reaches, the runtime's :class:`Scope` (``Runtime.scope``) and
 # observers, passed to the collectives as arguments. tests/test_backward_threads.py runs
 # every backward under an empty context to hold this on the CPU.
-
-
-def current_run() -> Any:
-    """The step in progress that checks its schedule (a shardfn._comm.pipelined.Run), or None."""
-    return here().run
-
-
-def running(run: Any) -> contextlib.AbstractContextManager[Scope]:
-    """Makes ``run`` the step in progress for the block (None: none)."""
-    return within(run=run)
 
 
 class Guard:
@@ -154,13 +142,12 @@ class Channel:
         return self.guard.timeout
 
 
-def words(kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0,
-          dtype: torch.dtype | None = None, scope: Scope | None = None) -> list[int]:
-    """The first five words of a header (what, unit, bytes, detail, where); ``scope``: the
-    caller's (default: :func:`here`)."""
+def words(kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int, dtype: torch.dtype | None,
+          where: int) -> list[int]:
+    """The first five words of a header (what, unit, bytes, detail, where); ``where``: what
+    the caller's region is (its scope's ``where``)."""
     code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-    return [code * 4096 + _KINDS.index(kind) * 64 + _PURPOSES.index(purpose), unit_id(unit), nbytes, detail,
-            (here() if scope is None else scope).where]
+    return [code * 4096 + _KINDS.index(kind) * 64 + _PURPOSES.index(purpose), unit_id(unit), nbytes, detail, where]
 
 
 def check_alive(what: str) -> None:
@@ -174,33 +161,31 @@ def check_alive(what: str) -> None:
         )
 
 
-def agree(ch: Channel, kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int = 0,
-          dtype: torch.dtype | None = None, scope: Scope | None = None) -> None:
+def agree(ch: Channel, kind: Collective, purpose: Purpose, unit: str, nbytes: int, detail: int,
+          dtype: torch.dtype | None, scope: Scope) -> None:
     """Exchanges this collective's header on ``ch``; raises unless every rank's is the same.
-    ``scope``: the caller's (default: :func:`here`)."""
+    ``scope``: the caller's, handed down from where its public call began."""
     ch.guard.check_alive(f"{kind.value} ({purpose.value})")
     if ch.off:
         return
-    scope = here() if scope is None else scope
-    mine = words(kind, purpose, unit, nbytes, detail, dtype, scope)
+    mine = words(kind, purpose, unit, nbytes, detail, dtype, scope.where)
     if unit:
         ch.guard.names.setdefault(mine[UNIT], unit)
-    agree_words(ch, mine, f"{kind.value} ({label(purpose, unit)})", scope=scope)
+    agree_words(ch, mine, f"{kind.value} ({label(purpose, unit)})", 0, scope)
 
 
-def agree_exit(ch: Channel, context: str) -> None:
+def agree_exit(ch: Channel, context: str, scope: Scope) -> None:
     """The end of a ``with`` block that issues collectives: every rank of ``ch`` ends
     it here, or the ranks' calls inside it differed and all of them raise
-    DivergenceError, naming what each was doing."""
-    agree(ch, Collective.BARRIER, Purpose.EXIT, context, 0)
+    DivergenceError, naming what each was doing. ``scope``: the block's caller's."""
+    agree(ch, Collective.BARRIER, Purpose.EXIT, context, 0, 0, None, scope)
 
 
-def agree_words(ch: Channel, mine: list[int], what: str, position: int = 0,
-                scope: Scope | None = None, free: int | None = None) -> list[list[int]]:
+def agree_words(ch: Channel, mine: list[int], what: str, position: int, scope: Scope,
+                free: int | None = None) -> list[list[int]]:
     """Exchanges the header ``mine`` (five words) on ``ch``; raises DivergenceError
     unless every rank's is the same (but for word ``free``, a flag the caller reads);
-    returns them all. ``scope``: the caller's (default: :func:`here`)."""
-    scope = here() if scope is None else scope
+    returns them all. ``scope``: the caller's."""
     headers = exchange(ch, [*mine, OK, position], what, scope)
     same = (lambda h: h[:STATUS]) if free is None else (lambda h: h[:free] + h[free + 1:STATUS])
     if any(same(h) != same(headers[0]) or h[STATUS] != OK for h in headers):
@@ -211,9 +196,9 @@ def agree_words(ch: Channel, mine: list[int], what: str, position: int = 0,
     return headers
 
 
-def exchange(ch: Channel, mine: list[int], what: str, scope: Scope | None = None) -> list[list[int]]:
+def exchange(ch: Channel, mine: list[int], what: str, scope: Scope) -> list[list[int]]:
     """All ranks' headers; raises PeerError when a peer's header says it failed.
-    ``scope``: the caller's (default: :func:`here`).
+    ``scope``: the caller's (whether it is recorded, its pipelined run).
 
     A recorded step's headers are this call's host work, not its program's ([Note:
     recording a step]).
@@ -224,15 +209,14 @@ def exchange(ch: Channel, mine: list[int], what: str, scope: Scope | None = None
     and that is the answer. Otherwise (a divergence, a failure, a deviation: every rank sees
     it, so every rank goes on alike) an all-gather brings each rank's header for the message.
     """
-    scope = here() if scope is None else scope
-    with untraced(scope.recording):
+    with untraced(scope.comm.recorded):
         return _exchange(ch, mine, what, scope.run)
 
 
-def _exchange_all(channels: list[Channel], mine: list[int], what: str) -> list[list[list[int]]]:
+def _exchange_all(channels: list[Channel], mine: list[int], what: str, recorded: bool) -> list[list[list[int]]]:
     """All ranks' headers on each of ``channels``, the exchanges run side by side (see
-    :func:`fail`); no check of what they hold."""
-    with untraced():
+    :func:`fail`); no check of what they hold. ``recorded``: whether the caller's step is."""
+    with untraced(recorded):
         return _side_by_side([(ch, _rounds(ch, mine)) for ch in channels], what)
 
 
@@ -380,7 +364,7 @@ def _live(channels: Iterable[Channel]) -> list[Channel]:
     return [ch for ch in channels if not ch.off]
 
 
-def fail(mesh: Any, exc: BaseException) -> Told | None:
+def fail(mesh: Any, exc: BaseException, scope: Scope) -> Told | None:
     """Tells every peer of ``mesh`` that this rank's guarded call raised ``exc``: one failed
     header on each of its axis groups that did not raise ``exc`` (see :func:`told`).
     Returns what it saw doing so, or None when it told no one (the groups knew already, or a
@@ -392,11 +376,12 @@ def fail(mesh: Any, exc: BaseException) -> Told | None:
     group for rank 2, rank 2 on its shard group for rank 3, rank 3 on its replicate group for
     rank 1, rank 1 on its shard group for rank 0. Side by side, each group's exchange meets the
     next header of every rank in it: a failing rank's, or a peer's, which raises PeerError
-    there and passes the error on along its other axes, side by side again."""
+    there and passes the error on along its other axes, side by side again.
+    ``scope``: the failed region's (its pipelined run, whether it is recorded)."""
     guard = mesh.guard
     if guard.broken is not None or not dist.is_initialized() or isinstance(exc, CommError):
         return None
-    run = current_run()  # a pipelined step first plays its collectives out, as the peers run them
+    run = scope.run  # a pipelined step first plays its collectives out, as the peers run them
     error = run.before_fail() if run is not None else None
     if isinstance(error, CommError):  # a peer that is gone; the caller's error is the one to see
         return None
@@ -418,7 +403,7 @@ def fail(mesh: Any, exc: BaseException) -> Told | None:
         origin = exc.rank if isinstance(exc, PeerError) else me
         store.set(f"shardfn/failure/{me}/{incident}", f"{origin}|{describe(exc)}")
         failed = [0, 0, 0, failed_at(exc) if error is None else Failure.UNPLAYED, 0, FAILED + incident, 0]
-        for ch, headers in zip(todo, _exchange_all(todo, failed, "telling the other ranks of an error")):
+        for ch, headers in zip(todo, _exchange_all(todo, failed, "telling the other ranks of an error", scope.comm.recorded)):
             for r, h in zip(ch.ranks, headers):
                 if r != me and h[STATUS] >= FAILED:
                     began, text = read_failure(r, h[STATUS])
@@ -430,17 +415,19 @@ def fail(mesh: Any, exc: BaseException) -> Told | None:
 
 
 @contextmanager
-def guarded(mesh: Any, where: int | None = None) -> Iterator[None]:
+def guarded(mesh: Any, where: int | None = None, **changes: Any) -> Iterator[Scope]:
     """A region whose errors every peer learns (see :func:`fail`); ``where`` marks its
-    collectives' headers. Nested regions leave it to the outermost."""
-    scope = here()
-    outer = not scope.guarded
-    with within(guarded=True, where=scope.where if where is None else where):
+    collectives' headers, ``changes`` the rest of its scope (shardfn._comm.scope.within).
+    Yields the region's scope, which its code hands down. Nested regions leave it to the
+    outermost."""
+    if where is not None:
+        changes["where"] = where
+    with within(guarded=True, **changes) as (outer, scope):
         try:
-            yield
+            yield scope
         except Exception as e:
-            if outer and mesh is not None and mesh.size > 1:
-                seen = fail(mesh, e)
+            if not outer.guarded and mesh is not None and mesh.size > 1:
+                seen = fail(mesh, e, scope)
                 if isinstance(e, PeerError) and seen is not None:
                     name_the_others(e, seen)
                 if not isinstance(e, (PeerError, DivergenceError, CommError)) and not str(e).startswith("[rank "):

@@ -118,16 +118,18 @@ class Run:
     def _groups(self) -> list[G.Channel]:
         return [self.mesh.channel(a) for a in self.mesh.axis_names if not self.mesh.channel(a).off]
 
-    def open(self, nonfinite: bool = False) -> bool:
+    def open(self, scope: G.Scope, nonfinite: bool = False) -> bool:
         """The step's opening header, on every axis: the schedule every rank is about to run,
         and in its detail whether this rank, or a rank it heard on an earlier axis, read a
         verdict that is not finite (shardfn._state.verdict [Note: reading a verdict when it is
-        ready]). Returns whether any rank did: then every rank raises, the step still opening."""
+        ready]). Returns whether any rank did: then every rank raises, the step still opening.
+        ``scope``: the step's runtime's."""
         fp = self.schedule.fingerprint()
         n = len(self.schedule.verified) if fp else 0
         for ch in self._groups():
-            headers = G.agree_words(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", n)[:1], fp, n,
-                                         int(nonfinite), G.Where.STEP], "the start of a step", free=G.DETAIL)
+            what = G.words(Collective.BARRIER, Purpose.STEP, "", n, 0, None, G.Where.STEP)[0]
+            headers = G.agree_words(ch, [what, fp, n, int(nonfinite), G.Where.STEP], "the start of a step", 0, scope,
+                                    free=G.DETAIL)
             nonfinite = nonfinite or any(h[G.DETAIL] for h in headers)
         self.opening = nonfinite
         return nonfinite
@@ -152,7 +154,7 @@ class Run:
         caller's scope (in backward, its runtime's: [Note: backward on device threads])."""
         if ch.off:
             return
-        words = G.words(kind, purpose, unit, t.numel() * t.element_size(), detail, t.dtype, scope)
+        words = G.words(kind, purpose, unit, t.numel() * t.element_size(), detail, t.dtype, scope.where)
         entry = Entry(ch, ch.axis, tuple(words), kind, t.dtype, t.device, t.numel(), op)
         if not (self.phase1 and self.pipelined):  # checked: a waited header (recorded until the metrics)
             G.agree_words(ch, words, f"{kind.value} ({G.label(purpose, unit)})", self.position, scope)
@@ -168,10 +170,10 @@ class Run:
             return
         self._deviate(words)
 
-    def end_of_backward(self) -> None:
-        """Before the metrics all-reduce: the end of the pipelined part."""
+    def end_of_backward(self, scope: G.Scope) -> None:
+        """Before the metrics all-reduce: the end of the pipelined part. ``scope``: the step's runtime's."""
         if self.pipelined and self.phase1 and self.deviation is None and self.position != len(self.schedule.verified):
-            self._deviate(G.words(Collective.ALL_REDUCE, Purpose.METRICS, "", -1))
+            self._deviate(G.words(Collective.ALL_REDUCE, Purpose.METRICS, "", -1, 0, None, scope.where))
         self.phase1 = False
 
     def _deviate(self, words: list[int]) -> None:
@@ -220,12 +222,13 @@ class Run:
 
     # -- the verdict -----------------------------------------------------------------------
 
-    def report(self) -> None:
+    def report(self, scope: G.Scope) -> None:
         """On a rank that deviated: its report in the metrics header of every axis. Returns
-        when every rank deviated alike (the step is to run again), else raises."""
+        when every rank deviated alike (the step is to run again), else raises. ``scope``:
+        the step's runtime's."""
         position, words = self.deviation
         for state in self._groups():
-            headers = G.exchange(state, [*words, G.DIVERGED, position], "the metrics all-reduce (a deviation)")
+            headers = G.exchange(state, [*words, G.DIVERGED, position], "the metrics all-reduce (a deviation)", scope)
             if any(h[G.STATUS] != G.DIVERGED or h[G.POSITION] != position or h[:G.STATUS] != words for h in headers):
                 raise G.told(G.DivergenceError(self.explain(state, headers)), state)
 

@@ -32,9 +32,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from .communicator import EAGER, RECORDED
-from .scope import here, within
+from .scope import within
 
-__all__ = ["Unrecordable", "device_values", "recording", "relative_view", "untraced"]
+__all__ = ["Unrecordable", "device_values", "relative_view", "untraced"]
 
 
 
@@ -49,20 +49,14 @@ class Unrecordable(RuntimeError):
         self.why, self.fix, self.where, self.frozen = why, fix, where, frozen  # where: None names the raising frame
 
 
-def recording() -> bool:
-    """Whether a graph step is being recorded in this context (see the note). Read on the
-    thread that runs the step; code that runs in backward takes it from its runtime
-    (``Runtime.scope.recording``: [Note: backward on device threads] in shardfn._comm.guard)."""
-    return here().comm.recorded
-
-
-def device_values(values: list[float], dtype: Any, device: Any) -> Any:
-    """``torch.tensor(values)`` on ``device``. While recording, made there by factories
-    (``full``): a tensor built on the host and copied over would be a host constant of the
-    program, which a captured device program cannot hold ([Note: recording a step])."""
+def device_values(values: list[float], dtype: Any, device: Any, recorded: bool) -> Any:
+    """``torch.tensor(values)`` on ``device``. While recording (``recorded``: the caller's
+    step is, as its context says), made there by factories (``full``): a tensor built on the
+    host and copied over would be a host constant of the program, which a captured device
+    program cannot hold ([Note: recording a step])."""
     import torch
 
-    if not recording():
+    if not recorded:
         return torch.tensor(values, dtype=dtype, device=device)
     if not values:
         return torch.zeros(0, dtype=dtype, device=device)
@@ -75,12 +69,12 @@ def record() -> contextlib.AbstractContextManager[Any]:
 
 
 @contextlib.contextmanager
-def untraced(recorded: bool | None = None) -> Iterator[None]:
+def untraced(recorded: bool) -> Iterator[None]:
     """Tensor work that is this call's, not the recorded program's (the guard's headers):
     runs with every dispatch mode (the recorder's) set aside. ``recorded``: whether the
-    caller's step is being recorded, as its runtime carries it (default: :func:`recording`,
-    on the calling thread only: [Note: backward on device threads] in shardfn._comm.guard)."""
-    if not (recording() if recorded is None else recorded):
+    caller's step is being recorded, as its scope carries it ([Note: backward on device
+    threads] in shardfn._comm.guard)."""
+    if not recorded:
         yield
         return
     from torch.utils._python_dispatch import _disable_current_modes

@@ -43,11 +43,6 @@ class Scope(NamedTuple):
     shards: Any = None  # (mesh, whether the shard axis holds different shards), set by on_shards
     observers: tuple[Any, ...] = ()  # what events are handed to (shardfn._comm.events)
 
-    @property
-    def recording(self) -> bool:
-        """Whether a graph step is being recorded ([Note: recording a step])."""
-        return self.comm.recorded
-
 
 _SCOPE: contextvars.ContextVar[Scope] = contextvars.ContextVar("shardfn_scope", default=Scope())
 
@@ -59,11 +54,17 @@ def here() -> Scope:
 
 
 @contextlib.contextmanager
-def within(**changes: Any) -> Iterator[Scope]:
-    """The block runs in the calling scope with ``changes`` made to it."""
-    scope = _SCOPE.get()._replace(**changes)
+def within(more_observers: tuple[Any, ...] = (), **changes: Any) -> Iterator[tuple[Scope, Scope]]:
+    """The block runs in the calling scope with ``changes`` made to it, and
+    ``more_observers`` added to its observers; yields ``(the calling scope, the block's)``,
+    so that a region that nests (shardfn._comm.guard.guarded) learns what it is inside of
+    without looking it up again."""
+    outer = _SCOPE.get()
+    if more_observers:
+        changes["observers"] = (*changes.get("observers", outer.observers), *more_observers)
+    scope = outer._replace(**changes)
     token = _SCOPE.set(scope)
     try:
-        yield scope
+        yield outer, scope
     finally:
         _SCOPE.reset(token)

@@ -34,6 +34,7 @@ class Context(NamedTuple):
 
     mesh: Any
     scope: Any  # shardfn._comm.scope.Scope: the header's where, the pipelined run, the communicator
+    recorded: bool  # the mode: a graph step being recorded ([Note: recording a step])
     observers: tuple[Any, ...]  # where events go (the step's collective log among them)
     options: Any  # shardfn._run.options.StepOptions: overlap, prefetch, compile
     owner: Any  # the step's own sharded tree (None outside a step)

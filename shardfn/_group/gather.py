@@ -312,7 +312,7 @@ class Unit:
                                    self.layout.offsets(self.unit, 0)) if self.unit.flat and self.shards else None
                 if base is not None:  # a flat unit: one cast of its buffer (if any), the parameters views of it
                     full, storages = kept_views(self.shards, (lay, self.unit), base, leaves, self.unit.param_dtype,
-                                                keep=not self.group.ctx.scope.recording)
+                                                keep=not self.group.ctx.recorded)
                 else:
                     full = [s.detach().view(leaf.shape).to(self.unit.param_dtype)
                             for s, leaf in zip(self.shards, leaves)]
@@ -442,7 +442,7 @@ def saved_handles(units: list[Unit]) -> Any:
         for unit in units:
             index = leaf_holding(t, unit.full, unit.storages) if storage in unit.storages else None
             if index is not None:
-                found = relative_view(t, unit.full) if unit.group.ctx.scope.recording else (index, 0)
+                found = relative_view(t, unit.full) if unit.group.ctx.recorded else (index, 0)
                 if found is None:
                     return t
                 index, kind = found

@@ -277,10 +277,10 @@ class UnitGroup:
         """
         self.wait_pending()
         mesh = self.ctx.mesh
-        if mesh.axis_size("tensor") > 1 and not self.ctx.scope.recording:
+        if mesh.axis_size("tensor") > 1 and not self.ctx.recorded:
             ran = [(u.unit.index, u.grads.acc is not None) for u in self.units.values() if u.unit.optional]
             if ran:
-                agree_on_optional(ran, mesh)
+                agree_on_optional(ran, mesh, self.ctx.scope)
         now = self.reduces_now()
         for unit in self.units.values():
             self._flush(unit, now)

@@ -87,10 +87,10 @@ def other_batches(digests: torch.Tensor, mesh: Any) -> DivergenceError:
     return DivergenceError(message + _NOTHING_CHANGED)
 
 
-def agree_on_batch(batch: Any, mesh: Any) -> None:
+def agree_on_batch(batch: Any, mesh: Any, scope: G.Scope) -> None:
     """A graph step's check, before its program, on the host: raises DivergenceError on
     every rank of this rank's tensor group unless all of them got the same batch (a CRC-32
-    of each tensor leaf's bytes in one header on the tensor axis)."""
+    of each tensor leaf's bytes in one header on the tensor axis). ``scope``: the caller's."""
     ch = mesh.channel("tensor")
     if ch.off:  # a planning run's fake group: no values to compare, nothing to exchange (as every guard header)
         return
@@ -99,13 +99,14 @@ def agree_on_batch(batch: Any, mesh: Any) -> None:
         if isinstance(leaf, torch.Tensor):
             data = leaf.detach().reshape(-1).cpu().contiguous().view(torch.uint8)
             digest = zlib.crc32(data.numpy().tobytes(), zlib.crc32(repr((leaf.shape, leaf.dtype)).encode(), digest))
-    _agree(ch, mesh, digest, "the batch of a tensor group", _OTHER_BATCHES)
+    _agree(ch, mesh, digest, "the batch of a tensor group", _OTHER_BATCHES, scope)
 
 
-def _agree(ch: Any, mesh: Any, digest: int, what: str, message: str) -> None:
+def _agree(ch: Any, mesh: Any, digest: int, what: str, message: str, scope: G.Scope) -> None:
     """One header on the tensor axis with this rank's ``digest``; ranks whose digests differ
     all raise DivergenceError with ``message``, before anything changes."""
-    headers = G.exchange(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", 0, digest), G.OK, 0], what)
+    mine = G.words(Collective.BARRIER, Purpose.STEP, "", 0, digest, None, scope.where)
+    headers = G.exchange(ch, [*mine, G.OK, 0], what, scope)
     digests = [h[G.DETAIL] for h in headers]
     if len(set(digests)) > 1:
         raise G.told(DivergenceError(message.format(rank=mesh.rank, ranks=list(ch.ranks), digests=digests)), ch)
@@ -120,11 +121,12 @@ _OTHER_UNITS = (
 )
 
 
-def agree_on_optional(ran: list[tuple[int, bool]], mesh: Any) -> None:
+def agree_on_optional(ran: list[tuple[int, bool]], mesh: Any, scope: G.Scope) -> None:
     """Raises DivergenceError on every rank of this rank's tensor group unless all of them
     ran the same optional units (``(unit index, whether its backward ran)``), before any of
-    those units is reduced: one header on the tensor axis after each backward."""
+    those units is reduced: one header on the tensor axis after each backward. ``scope``:
+    the step's runtime's."""
     ch = mesh.channel("tensor")
     if ch.off:
         return
-    _agree(ch, mesh, zlib.crc32(repr(ran).encode()), "the optional units a tensor group ran", _OTHER_UNITS)
+    _agree(ch, mesh, zlib.crc32(repr(ran).encode()), "the optional units a tensor group ran", _OTHER_UNITS, scope)

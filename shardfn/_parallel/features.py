@@ -81,14 +81,16 @@ def _like(t: torch.Tensor, src: PerFeature) -> PerFeature:
     return out
 
 
-def per_feature(y: torch.Tensor, layer: str, parts: int, rank: int, program: str = "") -> torch.Tensor:
-    """``y``, a colwise layer's output, as a :class:`PerFeature` (plain while make_fx records
-    or dynamo compiles, and in a planning run: see shardfn._parallel.sequence._tracing). ``program``:
-    "graph" or "compile" where this call's forward is to be a program after."""
+def per_feature(y: torch.Tensor, layer: str, rt: Any, program: str = "") -> torch.Tensor:
+    """``y``, a colwise layer's output in the call of runtime ``rt``, as a :class:`PerFeature`
+    (plain while make_fx records or dynamo compiles, and in a planning run: see
+    shardfn._parallel.sequence._tracing). ``program``: "graph" or "compile" where this call's
+    forward is to be a program after."""
     from .sequence import _tracing
 
-    if _tracing(y):
+    if _tracing(rt):
         return y
+    parts, rank = rt.mesh.axis_size("tensor"), rt.mesh.axis_rank("tensor")
     with torch._C.DisableTorchFunctionSubclass():
         out = y.as_subclass(PerFeature)
     out.layer, out.parts, out.rank, out.program = layer, parts, rank, program

@@ -52,14 +52,15 @@ class TensorRandom:
         self.active = False  # whether the default generators hold the stream now
 
     @contextmanager
-    def drawing(self, mesh: Any) -> Iterator[None]:
+    def drawing(self, mesh: Any, scope: Any) -> Iterator[None]:
         """For the block, torch's default generators draw from the stream (nothing on a mesh
-        without a tensor axis; nothing more inside a block that already does)."""
+        without a tensor axis; nothing more inside a block that already does). ``scope``:
+        the caller's (shardfn._comm.scope.Scope), for the header that starts the stream."""
         if self.active or mesh.axis_size("tensor") == 1:
             yield
             return
         if self.states is None:
-            self.states = self._start(mesh)
+            self.states = self._start(mesh, scope)
         own = _states(mesh.device)
         _set(self.states, mesh.device)
         self.active = True
@@ -70,13 +71,13 @@ class TensorRandom:
             self.states = _states(mesh.device)
             _set(own, mesh.device)
 
-    def _start(self, mesh: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _start(self, mesh: Any, scope: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stream's first state, from tensor rank 0's seed (one header on the tensor axis)."""
         ch = mesh.channel("tensor")
         seed = torch.initial_seed() & (2**62 - 1)
         if not ch.off:
-            headers = G.exchange(ch, [*G.words(Collective.BARRIER, Purpose.STEP, "", 0, seed), G.OK, 0],
-                                 "the tensor axis's random stream")
+            mine = G.words(Collective.BARRIER, Purpose.STEP, "", 0, seed, None, scope.where)
+            headers = G.exchange(ch, [*mine, G.OK, 0], "the tensor axis's random stream", scope)
             seed = headers[0][G.DETAIL]
         self.seed = seed
         cpu = torch.Generator().manual_seed(seed).get_state()

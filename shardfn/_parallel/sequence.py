@@ -132,20 +132,19 @@ def _same_draws(before: Any, device: torch.device) -> bool:
     return before is None or before == _draws(device)
 
 
-def _tracing(x: torch.Tensor) -> bool:
+def _tracing(rt: Any) -> bool:
     """Whether make_fx is recording a graph step's program or dynamo compiling a unit (the
-    first call of each ran eagerly, with the checks), or ``x`` is a planning run's fake
-    tensor (a real run checks)."""
-    from torch._subclasses.fake_tensor import is_fake
+    first call of each ran eagerly, with the checks), or the call's runtime ``rt`` is a
+    planning run's, on fake tensors (a real run checks)."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-    return get_proxy_mode() is not None or torch.compiler.is_compiling() or is_fake(x)
+    return get_proxy_mode() is not None or torch.compiler.is_compiling() or rt.scope.comm.fake
 
 
-def gathered_input(x: Any, path: str) -> torch.Tensor:
+def gathered_input(x: Any, path: str, rt: Any) -> torch.Tensor:
     """A colwise layer's input in the region: the plain tensor its block gathered (already
     plain while a program is recorded or compiled, or in a planning run: see :func:`_tracing`)."""
-    if _tracing(x):
+    if _tracing(rt):
         return x
     if not isinstance(x, _Gathered):
         raise ValueError(f"shardfn: the colwise layer {path!r} runs in a plan with sequence parallelism, and its input "
@@ -226,7 +225,7 @@ def container_forward(active: Any, path: str, module: nn.Module) -> Any:
                              "'sequence'.")
         key, x = found[0]
         whole = _GatherPartial.apply(x, rt, path)
-        if not _tracing(whole):  # (make_fx would hold a subclass's tensor as a constant: the first call checked)
+        if not _tracing(rt):  # (make_fx would hold a subclass's tensor as a constant: the first call checked)
             whole = whole.as_subclass(_Gathered)
             whole.block = path
         if isinstance(key, int):

@@ -30,7 +30,6 @@ import torch.utils._pytree as pytree
 from .._comm import collectives as C
 from .._comm import guard as G
 from .features import per_feature, plain
-from .._comm.recording import recording
 from .sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
     reduce_scatter_output)
 from .ops import CopyToTensor, GatherOutput, ReduceFromTensor, full_leaf
@@ -377,12 +376,12 @@ def tp_forward(active: Any, path: str, module: nn.Module, by_heads: bool) -> Any
             y = F.linear(_shared_copy(now.copies, x, rt, path), module.weight, module.bias)
             return GatherOutput.apply(y, rt, path)
         if style == "colwise":
-            x = gathered_input(x, path) if sequence else _shared_copy(now.copies, x, rt, path)
+            x = gathered_input(x, path, rt) if sequence else _shared_copy(now.copies, x, rt, path)
             y = F.linear(x, module.weight, module.bias)
             if by_heads:
                 return y
-            program = "graph" if recording() else "compile" if getattr(rt.options, "compile", None) else ""
-            return per_feature(y, path, rt.mesh.axis_size("tensor"), rt.mesh.axis_rank("tensor"), program)
+            program = "graph" if rt.ctx.recorded else "compile" if getattr(rt.options, "compile", None) else ""
+            return per_feature(y, path, rt, program)
         x = plain(x)
         if sequence:
             y = reduce_scatter_output(now, F.linear(x, module.weight), path)

@@ -230,10 +230,11 @@ def agree_on_capture(mesh: Any, error: BaseException | None) -> None:
     rank on the others, within the step timeout ([Note: a capture that fails on one rank])."""
     if error is not None:
         error.add_note(_NOT_CAPTURED.format(rank=mesh.rank))
-    with G.guarded(mesh, G.Where.STEP):
+    with G.guarded(mesh, G.Where.STEP) as scope:
         if error is not None:
             raise error
         for axis in mesh.axis_names:
             ch = mesh.channel(axis)
             if not ch.off:
-                G.agree_words(ch, G.words(Collective.BARRIER, Purpose.STEP, "", 0, 1), "the capture of a CUDA graph")
+                G.agree_words(ch, G.words(Collective.BARRIER, Purpose.STEP, "", 0, 1, None, scope.where),
+                              "the capture of a CUDA graph", 0, scope)

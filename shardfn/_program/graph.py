@@ -42,7 +42,8 @@ from .._comm import guard as G
 from .._comm.failures import describe
 from .._run.batch import count_tokens
 from .._errors import CommError, DivergenceError
-from .._comm.events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe, observers
+from .._comm.events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe
+from .._comm.scope import here
 from .._run.functionalize import apply_of
 from .host import refuse_host_tensors
 from .key import ModelAttributes, agree_on_key, group_values, refuse_moved, what_changed
@@ -259,10 +260,11 @@ class GraphStep:
         return self._program.workspace if self._program is not None else None
 
     def __call__(self, sharded: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+        scope = here()  # a public call: the scope it begins in, read once ([Note: the scope])
         nonfinite = read_ready(sharded, "step")  # [Note: reading a verdict when it is ready]
         if self.mesh.axis_size("tensor") > 1:  # [Note: a graph step]: on the host, outside the program
-            with G.guarded(self.mesh, G.Where.STEP):
-                agree_on_batch(batch, self.mesh)
+            with G.guarded(self.mesh, G.Where.STEP) as guarded:
+                agree_on_batch(batch, self.mesh, guarded)
         last = self._last
         if last is not None and last[0] is sharded and last[1] is opt_state:  # the trees the last call returned
             state, shape, counts, optimizers = last[2:]
@@ -274,6 +276,7 @@ class GraphStep:
             if not self.warm:  # (the eager step it runs leaves the verdicts to this call: read them all)
                 check_verdict(sharded, "step")
                 self._key = (None, *self._batch_key(batch), self._model_key(sharded), group_values(optimizers))
+                forget(t for t in leaves if isinstance(t, torch.Tensor) and t.dim() == 0)  # [Note: step counts]
                 with put_back(_bases([t for t in leaves if isinstance(t, torch.Tensor)] + _hidden(optimizers)),
                               optimizers):  # [Note: a recording that raises]
                     out = self._warm_up(sharded, opt_state, batch)
@@ -288,18 +291,19 @@ class GraphStep:
         program = self.programs.get(key)
         if self.mesh.size > 1:  # [Note: agreeing on the key]
             last, recorded = self._key, self._program is not None
-            with G.guarded(self.mesh, G.Where.STEP):
-                agree_on_key(self.mesh, program.number if program else len(self.programs) + 1, program is not None,
+            with G.guarded(self.mesh, G.Where.STEP) as guarded:
+                agree_on_key(self.mesh, guarded, program.number if program else len(self.programs) + 1, program is not None,
                              lambda: what_changed(self.mesh.rank, key, last, recorded, self._attributes), nonfinite,
                              lambda: agreed_error(sharded, "step"))
         self._key = key
         if program is None:
+            forget(counts)  # a read while recording reaches the tensor ([Note: step counts])
             with put_back(state, optimizers):
-                program, aux = self._record(sharded, opt_state, batch, state, inputs)
+                program, aux = self._record(sharded, opt_state, batch, state, inputs, scope)
             program.number = len(self.programs) + 1
             self.programs[key] = program
         else:
-            aux = self._replay(program, state, inputs)
+            aux = self._replay(program, state, inputs, scope)
         forget(counts)  # written by the program, perhaps without a trace ([Note: step counts])
         sharded = sharded._with_verdict(Verdict(aux[0], aux[1], sharded._verdict))  # the same tensors, updated in place
         self._last = (sharded, opt_state, state, shape, counts, optimizers)
@@ -337,7 +341,8 @@ class GraphStep:
             self._attributes = ModelAttributes(apply.module)
         return self._attributes.values()
 
-    def _replay(self, program: _Program, state: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
+    def _replay(self, program: _Program, state: list[torch.Tensor], inputs: list[Any],
+                scope: G.Scope) -> list[torch.Tensor]:
         if program.fn is program.gm and self.backend is not None:  # [Note: random ops in a program] in _remat
             options = {"fallback_random": True} if self.backend == "inductor" else None
             program.fn = torch.compile(program.gm, backend=self.backend, fullgraph=True, dynamic=False, options=options)
@@ -353,7 +358,7 @@ class GraphStep:
             fn.prepare(state, inputs)
         first = fn is not program.gm and not program.compiled  # it compiles first ([Note: a replay that raises ...])
         try:
-            with torch.no_grad(), bounded(self.mesh, not first), self.mesh.random.drawing(self.mesh):
+            with torch.no_grad(), bounded(self.mesh, not first), self.mesh.random.drawing(self.mesh, scope):
                 out = fn(state, inputs)
         except Exception as e:
             lost = isinstance(e, RuntimeError) and any(
@@ -370,14 +375,14 @@ class GraphStep:
                 if peers:
                     self.mesh.guard.broken += f" What the other ranks said: {peers}."
                 raise CommError(self.mesh.guard.broken) from None
-            with torch.no_grad(), bounded(self.mesh, False), self.mesh.random.drawing(self.mesh):
+            with torch.no_grad(), bounded(self.mesh, False), self.mesh.random.drawing(self.mesh, scope):
                 program.gm(state, inputs)  # nothing ran: the program, op by op, for the peers
             e.add_note(_COMPILE_FAILED.format(rank=self.mesh.rank))
             with G.guarded(self.mesh, G.Where.STEP):
                 raise
         program.replays += 1
         program.compiled = program.compiled or fn is not program.gm
-        to = observers()
+        to = scope.observers
         if to:
             for call in program.calls:
                 emit(call, to)
@@ -413,7 +418,7 @@ class GraphStep:
                                              fix=e.fix)) from None
 
     def _record(self, sharded: Any, opt_state: Any, batch: Any, state: list[torch.Tensor],
-                inputs: list[Any]) -> tuple[_Program, Any]:
+                inputs: list[Any], scope: G.Scope) -> tuple[_Program, Any]:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         out: dict[str, Any] = {}
@@ -463,8 +468,8 @@ class GraphStep:
             if ch.off:
                 continue
             what = "the recorded program of jit_step(graph=True)"
-            mine = G.words(Collective.BARRIER, Purpose.STEP, "", 0, prog.fingerprint)
-            headers = G.exchange(ch, [*mine, G.OK, 0], what)
+            mine = G.words(Collective.BARRIER, Purpose.STEP, "", 0, prog.fingerprint, None, scope.where)
+            headers = G.exchange(ch, [*mine, G.OK, 0], what, scope)
             prints = [h[G.DETAIL] for h in headers]
             if len(set(prints)) > 1:
                 raise G.told(DivergenceError(_DIFFERENT.format(rank=self.mesh.rank, ranks=list(ch.ranks), prints=prints,

@@ -164,7 +164,7 @@ def what_changed(rank: int, key: Any, last: Any, recorded: bool, attributes: Mod
     return "; ".join(parts)
 
 
-def agree_on_key(mesh: Any, number: int, has_program: bool, change: Any, nonfinite: bool = False,
+def agree_on_key(mesh: Any, scope: Any, number: int, has_program: bool, change: Any, nonfinite: bool = False,
                  error: Any = None) -> None:
     """Every rank of ``mesh`` runs its program ``number`` (programs are numbered as the ranks
     recorded them, together), or records it (``has_program`` False), or every rank raises the
@@ -173,17 +173,17 @@ def agree_on_key(mesh: Any, number: int, has_program: bool, change: Any, nonfini
     verdict that is not finite; the header's unit word carries it on, axis after axis, and if
     any rank's is True every rank raises ``error()`` after the last axis (shardfn._state.verdict
     [Note: reading a verdict when it is ready]). Call it inside ``G.guarded``, so that an axis
-    that raises tells the others."""
+    that raises tells the others, with the scope it yields."""
     told = []
     for axis in mesh.axis_names:
         ch = mesh.channel(axis)
         if ch.off:
             continue
         what = "the key of jit_step(graph=True)'s program"
-        mine = G.words(Collective.BARRIER, Purpose.STEP, "", int(has_program), number)
+        mine = G.words(Collective.BARRIER, Purpose.STEP, "", int(has_program), number, None, scope.where)
         mine[G.UNIT] = int(nonfinite)
         position = ch.position
-        headers = G.exchange(ch, [*mine, G.OK, 0], what)
+        headers = G.exchange(ch, [*mine, G.OK, 0], what, scope)
         told.append(ch)
         if not all(h[G.WHAT] == mine[G.WHAT] and h[G.WHERE] == mine[G.WHERE] for h in headers):
             raise G.told(DivergenceError(G._diverged(ch, headers)), ch)  # a peer doing something else

@@ -51,7 +51,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
-from torch._subclasses.fake_tensor import is_fake
 
 from .._comm import collectives as C
 from .._comm.events import Purpose
@@ -306,23 +305,25 @@ def split(batch: Any, micro_batches: int, call: str = "jit_step") -> list[Any]:
     return [pytree.tree_map(lambda x: take(x, i), batch, is_leaf=_is_marker) for i in range(micro_batches)]
 
 
-def agree_on_micro_batches(batches: MicroBatches, mesh: Any) -> list[tuple[int, int]]:
+def agree_on_micro_batches(batches: MicroBatches, mesh: Any, scope: Any) -> list[tuple[int, int]]:
     """Every rank's number and sizes of micro-batches; raises on every rank if the numbers
-    differ. Returns each rank's smallest and largest micro-batch (rows)."""
+    differ. Returns each rank's smallest and largest micro-batch (rows). ``scope``: the
+    step's runtime's."""
     sizes = [rows(b) for b in batches]
     mine = torch.tensor([len(sizes), min(sizes), max(sizes)], dtype=torch.int64, device=mesh.device)
-    everyone = C.all_gather_mesh(mine, mesh, Purpose.MICRO_BATCHES).view(-1, 3) if mesh.size > 1 else mine.view(1, 3)
+    everyone = C.all_gather_mesh(mine, mesh, Purpose.MICRO_BATCHES, scope=scope).view(-1, 3) if mesh.size > 1 else mine.view(1, 3)
     counts = everyone[:, 0].tolist()
     if len(set(counts)) > 1:
         raise ValueError(_COUNTS_DIFFER.format(rank=mesh.rank, counts=counts))
     return [(int(lo), int(hi)) for lo, hi in everyone[:, 1:].tolist()]
 
 
-def objective(out: Any, has_aux: bool, needs_grad: bool,
-              read: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+def objective(out: Any, has_aux: bool, needs_grad: bool, read: bool,
+              fake: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
     """``loss_fn``'s result as ``(what to back-propagate, Mean's count (0-d fp32) or None, aux)``.
     ``read=False``: a negative count is not read on the host but becomes NaN, which makes the
-    step's values non-finite (shardfn._run.step [Note: a step that does not wait])."""
+    step's values non-finite (shardfn._run.step [Note: a step that does not wait]).
+    ``fake``: a planning run (shardfn.explain), whose count has no value to read."""
     aux = None
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2) or isinstance(out, Mean):
@@ -340,7 +341,7 @@ def objective(out: Any, has_aux: bool, needs_grad: bool,
         count = torch.as_tensor(count).detach().reshape(()).to(torch.float32)
         if not read:
             count = torch.where(count >= 0, count, torch.nan)
-        elif not is_fake(count) and not float(count) >= 0:  # a planning run (explain) has no values
+        elif not fake and not float(count) >= 0:
             raise TypeError(f"shardfn.Mean(total, count): count must be a number >= 0, got {float(count)!r}.")
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
         raise TypeError(_NOT_A_LOSS.format(aux=" (with aux=...: (loss, aux))" if has_aux else "",

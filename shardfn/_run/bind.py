@@ -37,7 +37,7 @@ from .._comm import guard as G
 from .call import Active, active, units_for
 from .._comm.events import Purpose
 from .._comm.guard import Where, guarded
-from .runtime import AfterForward, Runtime, current
+from .runtime import AfterForward, Runtime
 from .._state.sharded import ShardedParams
 from .._parallel.call import Pass, TensorCall
 
@@ -82,11 +82,22 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
     if not hasattr(apply, "active") or not isinstance(getattr(apply, "module", None), nn.Module):
         raise TypeError(f"bind(apply, sharded): expected the apply of shardfn.functionalize(), got "
                         f"{type(apply).__name__}.")
-    if current() is not None or apply.active:
-        raise RuntimeError("bind(apply, sharded) inside a step or a sharded call: bind is for inference outside a "
-                           "step; inside loss_fn call apply(params, ...).")
+    # The block is one guarded region from here: an error on one rank (gathering the root
+    # unit, or in the block) reaches the others at their next collective; ranks that made
+    # different calls learn it at the latest at the end of the block (see the agreement below).
+    with guarded(sharded.mesh, Where.BIND) as scope:
+        if scope.runtime is not None or apply.active:
+            raise RuntimeError("bind(apply, sharded) inside a step or a sharded call: bind is for inference outside "
+                               "a step; inside loss_fn call apply(params, ...).")
+        returned = yield from _bound(apply, sharded, keep_gathered, scope)
+    if returned:  # every rank ends the block here, or the ranks' calls differed: all of them raise
+        G.agree_exit(sharded.mesh.channel("shard"), "shardfn.bind(...)", scope)
+
+
+def _bound(apply: Any, sharded: ShardedParams, keep_gathered: bool, scope: Any) -> Iterator[nn.Module]:
+    """The block of :func:`bind` inside its guarded region (``scope``); returns whether it ended without an error."""
     layout = sharded.layout
-    rt = Runtime(sharded.mesh, after_forward=AfterForward.KEEP if keep_gathered else AfterForward.FREE,
+    rt = Runtime(sharded.mesh, scope, after_forward=AfterForward.KEEP if keep_gathered else AfterForward.FREE,
                  where=Where.BIND)
     units = units_for(apply, sharded, rt)
     with torch.no_grad():
@@ -104,11 +115,7 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
     call = Active(units, TensorCall.of(layout, rt, Pass.WHOLE))
     returned = False
     try:
-        # An error on one rank reaches the others at their next collective (guarded); ranks
-        # that made different calls learn it at the latest here, at the end of the block
-        # (see the agreement below).
-        with active(apply, call), torch.no_grad(), guarded(sharded.mesh, Where.BIND), \
-                sharded.mesh.random.drawing(sharded.mesh):
+        with active(apply, call), torch.no_grad(), sharded.mesh.random.drawing(sharded.mesh, rt.scope):
             yield apply.module
         returned = True
     finally:
@@ -124,5 +131,4 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
             d[attr] = original
         if replaced:
             sharded._set_buffers(replaced)
-    if returned:  # every rank ends the block here, or the ranks' calls differed: all of them raise
-        G.agree_exit(sharded.mesh.channel("shard"), "shardfn.bind(...)")
+    return returned

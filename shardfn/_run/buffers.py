@@ -21,21 +21,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from typing import Any
+
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from .._comm import collectives as C
 from .._comm.events import Purpose
-from .._comm.recording import device_values, recording
+from .._comm.recording import device_values
 
 __all__ = ["StepBuffers"]
 
 
 class StepBuffers:
-    """The working copies of one tree's buffers during a step."""
+    """The working copies of one tree's buffers during a step. ``scope``: the step's, as its
+    public call began (whether it is recorded, or a planning run without values)."""
 
-    def __init__(self, tree: Mapping[str, torch.Tensor], names: Sequence[str], *, donate: bool, track: bool):
+    def __init__(self, tree: Mapping[str, torch.Tensor], names: Sequence[str], *, donate: bool, track: bool,
+                 scope: Any):
         own = {n: tree[n] for n in names}
+        self.scope = scope
         self.own, self.donate = dict(own), donate
         self.work: dict[str, torch.Tensor] = own if donate else {n: b.clone() for n, b in own.items()}
         # Floating-point buffers are compared with their value before the step; with
@@ -54,7 +58,7 @@ class StepBuffers:
         with torch.no_grad():
             for n, t in self.own.items():
                 if self.donate:
-                    if not is_fake(t):
+                    if not self.scope.comm.fake:
                         t.copy_(self.before[n])
                     self.work[n] = t
                 else:
@@ -62,26 +66,29 @@ class StepBuffers:
 
     def flags(self, device: torch.device) -> torch.Tensor:
         """1.0 for each floating-point buffer this rank's forward changed, else 0.0."""
-        if recording() and self.floating:  # compared on the device: a recorded step reads nothing
+        comm = self.scope.comm
+        if comm.recorded and self.floating:  # compared on the device: a recorded step reads nothing
             return torch.stack([_changed(self.work[n], self.before[n]) for n in self.floating]).to(device)
-        out = [0.0 if _same(self.work[n], self.before[n]) else 1.0 for n in self.floating]
-        return device_values(out, torch.float32, device)
+        # a planning run (shardfn.explain) has no values: it changed nothing
+        out = [0.0 if comm.fake or _same(self.work[n], self.before[n]) else 1.0 for n in self.floating]
+        return device_values(out, torch.float32, device, comm.recorded)
 
-    def sync(self, changed_anywhere: torch.Tensor, mesh) -> list[str]:
+    def sync(self, changed_anywhere: torch.Tensor, mesh: Any, scope: Any) -> list[str]:
         """Averages the buffers some rank changed over the whole mesh; returns their names.
+        ``scope``: the step's runtime's (its pipelined run, its collective log).
 
         A planning run (shardfn.explain, fake tensors) has no values, so it cannot know
         which buffers change: it averages none.
         """
-        if is_fake(changed_anywhere) or not self.floating:  # (nothing to read from the device)
+        if self.scope.comm.fake or not self.floating:  # (nothing to read from the device)
             return []
-        if recording():
-            return self._sync_all(changed_anywhere, mesh)
+        if self.scope.comm.recorded:
+            return self._sync_all(changed_anywhere, mesh, scope)
         names = [n for n, f in zip(self.floating, changed_anywhere.tolist()) if f > 0]
         if not names or mesh.size == 1:
             return names
         flat = torch.cat([self.work[n].detach().reshape(-1).float() for n in names])
-        C.all_reduce_mesh(flat, mesh, Purpose.BUFFERS, op=C.AVG)
+        C.all_reduce_mesh(flat, mesh, Purpose.BUFFERS, op=C.AVG, scope=scope)
         offset = 0
         with torch.no_grad():
             for n in names:
@@ -90,7 +97,7 @@ class StepBuffers:
                 offset += b.numel()
         return names
 
-    def _sync_all(self, changed_anywhere: torch.Tensor, mesh) -> list[str]:
+    def _sync_all(self, changed_anywhere: torch.Tensor, mesh: Any, scope: Any) -> list[str]:
         """A recorded step cannot choose on the host which buffers to average: it averages
         every floating-point buffer (one all-reduce per mesh axis, whether or not one
         changed) and keeps the average only where some rank changed the buffer."""
@@ -98,7 +105,7 @@ class StepBuffers:
         if mesh.size == 1:
             return names
         flat = torch.cat([self.work[n].detach().reshape(-1).float() for n in names])
-        C.all_reduce_mesh(flat, mesh, Purpose.BUFFERS, op=C.AVG)
+        C.all_reduce_mesh(flat, mesh, Purpose.BUFFERS, op=C.AVG, scope=scope)
         offset = 0
         with torch.no_grad():
             for n, flag in zip(names, changed_anywhere.unbind(0)):
@@ -116,6 +123,4 @@ def _changed(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
 
 
 def _same(now: torch.Tensor, before: torch.Tensor) -> bool:
-    if is_fake(now) or is_fake(before):  # a planning run (shardfn.explain) has no values
-        return True
     return now.shape == before.shape and now.dtype == before.dtype and bool(torch.equal(now, before))

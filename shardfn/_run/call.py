@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from .._comm import guard as _guard
+from .._comm.scope import here
 from .._group.buckets import buckets_of
 from .._compile import compilable
 from .._comm.events import Purpose
@@ -43,7 +44,7 @@ from .._state.layout import Layout
 from .._state.precision import cast_floating
 from .remat import remat_forward
 from .._state.replica import replica_of
-from .runtime import Runtime, current
+from .runtime import Runtime
 from .._parallel.sequence import (SEQUENCE_STYLES, blocks_of, check_closed, container_forward, region_check_hook,
     sequence_forward, sequence_parallel)
 from .._parallel.tensor import heads_of, tp_forward
@@ -116,15 +117,16 @@ def _post_hook(apply: Any, path: str):
 
 
 def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
-    """``apply(sharded, *args, **kwargs)``: see [Note: how a sharded call works]."""
-    rt = current()
+    """``apply(sharded, *args, **kwargs)``: see [Note: how a sharded call works]. A public
+    call: the step it runs in, if any, is found in its scope, read here once ([Note: the scope])."""
+    rt = here().runtime
     if rt is not None:
         return _call(apply, sharded, rt, args, kwargs)
     # Outside a step: a runtime for this call alone; an error in it reaches every rank.
     if sharded.mesh.size > 1:
         sharded.mesh.guard.check_alive("apply(sharded, ...)")
-    with _guard.guarded(sharded.mesh, _guard.Where.APPLY), sharded.mesh.random.drawing(sharded.mesh):
-        return _call(apply, sharded, Runtime(sharded.mesh), args, kwargs)
+    with _guard.guarded(sharded.mesh, _guard.Where.APPLY) as scope, sharded.mesh.random.drawing(sharded.mesh, scope):
+        return _call(apply, sharded, Runtime(sharded.mesh, scope), args, kwargs)
 
 
 def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> Any:

@@ -38,7 +38,6 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import is_fake
 
 from .._comm import collectives as C
 from .batch import MicroBatches, agree_on_micro_batches, count_tokens, objective, rows, split, uneven_error
@@ -54,7 +53,8 @@ from ..optim._gradients import Gradients
 from .options import Accumulate, Aux, StepOptions, check_options
 from .._comm.pipelined import Deviated, Run, Schedule
 from ..optim._psum import sum_of_squares
-from .._comm.recording import device_values, recording
+from .._comm.recording import device_values
+from .._comm.scope import Scope
 from .runtime import Runtime, active
 from .._state.sharded import ShardedParams
 from .._parallel.sequence import sequence_parallel, sum_partial_grads
@@ -91,7 +91,11 @@ class GradOut(NamedTuple):
     metrics: dict[str, Any]
     # with a tensor axis: the tensor ranks, over the mesh, whose group got two batches (0-d;
     # [Note: one batch per tensor group]); what a raise_next step's verdict carries
-    batches_differ: torch.Tensor | None = None
+    batches_differ: torch.Tensor | None
+    # what the step's update is handed from the run, still active: a call that ends the
+    # run's work in flight (Runtime.settle), and the observers the run reports to
+    settle: Callable[[], None]
+    observers: tuple[Any, ...]
 
 
 class Grad:
@@ -112,10 +116,11 @@ class Grad:
         self.schedule = Schedule()  # the collectives of the last verified call
 
     def __call__(self, sharded: ShardedParams, batch: Any) -> tuple[torch.Tensor, Gradients, dict[str, Any]]:
-        with guarded(self.mesh, Where.STEP):  # a rank whose arguments are refused tells the others
+        with guarded(self.mesh, Where.STEP) as scope:  # a rank whose arguments are refused tells the others
             self.check(sharded)
-        buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=True, track=self.options.sync_buffers)
-        with self.run(sharded, batch, buffers) as out:
+        buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=True, track=self.options.sync_buffers,
+                              scope=scope)
+        with self.run(sharded, batch, buffers, scope) as out:
             pass
         replaced = buffers.replaced(sharded)
         if replaced:
@@ -147,33 +152,34 @@ class Grad:
             raise ValueError(_OTHER_LAYOUT.format(what=self.options.what, first=self.layout, got=sharded.layout))
 
     @contextmanager
-    def run(self, sharded: ShardedParams, batch: Any, buffers: StepBuffers, scale: float = 1.0,
+    def run(self, sharded: ShardedParams, batch: Any, buffers: StepBuffers, scope: Scope, scale: float = 1.0,
             nonfinite: bool = False) -> Iterator[GradOut]:
         """Computes the gradients and metrics with ``buffers`` as the working buffers, and
         yields them while the runtime is still active (a step runs its optimizer there).
+        ``scope``: the one the public call began in, handed down ([Note: the scope]).
         ``nonfinite``: this rank read a verdict of ``sharded`` that is not finite (shardfn._state.verdict
         [Note: reading a verdict when it is ready]); told in the opening header, and if any
         rank's is True, every rank raises there."""
         layout = sharded.layout
         run = Run(self.schedule, self.mesh) if self.mesh.size > 1 else None
-        rt = Runtime(self.mesh, self.options, order=self.order, owner=sharded, buffers=buffers, run=run)
+        rt = Runtime(self.mesh, scope, self.options, order=self.order, owner=sharded, buffers=buffers, run=run)
         done = False
-        with self.mesh.random.drawing(self.mesh):  # [Note: randomness on the tensor axis]
+        with self.mesh.random.drawing(self.mesh, scope):  # [Note: randomness on the tensor axis]
             rng = _rng_state(self.mesh.device) if run is not None and run.pipelined else None
             try:
                 with active(rt):
-                    if run is not None and run.open(nonfinite):
+                    if run is not None and run.open(rt.scope, nonfinite):
                         raise run.told(agreed_error(sharded, self.options.what))
                     # [Note: one batch per tensor group] (a graph step's: on the host, before its program)
-                    checked = self.mesh.axis_size("tensor") > 1 and not recording()
+                    checked = self.mesh.axis_size("tensor") > 1 and not scope.comm.recorded
                     digests = batch_digests(batch, rt) if checked else None
                     while True:  # once, or twice when every rank's schedule changed alike
                         try:
                             loss, count, grads, auxes = self._grads(rt, sharded, batch, scale)
                             if run is not None:
-                                run.end_of_backward()
+                                run.end_of_backward(rt.scope)
                         except Deviated:
-                            run.report()  # raises (the buffers are restored below), unless every rank deviated alike
+                            run.report(rt.scope)  # raises (the buffers are restored below), unless every rank deviated alike
                             buffers.restore()  # then the step runs again from the same state
                             rt.restart()
                             run.rerun()
@@ -190,7 +196,7 @@ class Grad:
                     sq = (split_sum_of_squares(grads, layout, self.mesh, sum_of_squares)
                           if self.mesh.axis_size("tensor") > 1 else sum_of_squares(grads))
                     differ = (digests != digests[0]).any() if digests is not None else None
-                    reduced = self._reduce_metrics(layout, loss, count, sq,
+                    reduced = self._reduce_metrics(rt.scope, layout, loss, count, sq,
                                                    buffers.flags(self.mesh.device), auxes, len(auxes),
                                                    rows=0 if count is not None else _size(batch),
                                                    tokens=tokens if summed else None, differ=differ)
@@ -203,19 +209,20 @@ class Grad:
                     metrics: dict[str, Any] = {"loss": reduced["loss"], "grad_norm": norm}
                     if self.options.read_metrics:
                         extra = [reduced["differ"]] if differ is not None else []
-                        metrics["loss"], metrics["grad_norm"], *read = _scalars(reduced["loss"], norm, *extra,
-                                                                               *([tokens] if summed else []))
+                        metrics["loss"], metrics["grad_norm"], *read = _scalars(scope.comm.fake, reduced["loss"], norm,
+                                                                               *extra, *([tokens] if summed else []))
                         if extra and read.pop(0):  # (the same sum on every rank: every rank raises here)
                             raise run.told(other_batches(digests, self.mesh))
                         tokens = int(read[0]) if read and read[0] is not None else tokens
                         if not all(math.isfinite(v) for v in (metrics["loss"], metrics["grad_norm"]) if v is not None):
-                            metrics["nonfinite"] = self._nonfinite_ranks(loss, grads)
+                            metrics["nonfinite"] = self._nonfinite_ranks(loss, grads, rt.scope)
                     if self.has_aux:
                         metrics["aux"] = reduced["aux"]
                     if self.options.sync_buffers:
-                        buffers.sync(reduced["changed"], self.mesh)
+                        buffers.sync(reduced["changed"], self.mesh, rt.scope)
                     done = True  # from here on the caller updates the state
-                    yield GradOut(reduced["loss"], Gradients(grads, norm), metrics, reduced["differ"])
+                    yield GradOut(reduced["loss"], Gradients(grads, norm), metrics, reduced["differ"], rt.settle,
+                                  rt.observers)
             except BaseException:
                 if not done:
                     buffers.restore()  # nothing the step changed stays changed
@@ -237,7 +244,7 @@ class Grad:
         trainable = [n for n, leaf in sharded.layout.leaves.items() if leaf.requires_grad]
         leaves = [sharded[n] for n in trainable]
         batches = split(batch, self.options.micro_batches, "jit_grad" if self.options.what == "grad_fn" else "jit_step")
-        sizes = agree_on_micro_batches(batch, self.mesh) if isinstance(batch, MicroBatches) else None
+        sizes = agree_on_micro_batches(batch, self.mesh, rt.scope) if isinstance(batch, MicroBatches) else None
         k = len(batches)
         grads: dict[str, torch.Tensor] = {}
         values, counts, auxes = [], [], []
@@ -248,7 +255,7 @@ class Grad:
         for i, mb in enumerate(batches):
             rt.start_micro_batch(last=i == k - 1)
             loss, count, aux = objective(self.loss_fn(apply, sharded, mb), self.has_aux, bool(leaves),
-                                           self.options.read_metrics)
+                                           self.options.read_metrics, rt.scope.comm.fake)
             if counts and (count is None) != (counts[0] is None):
                 raise TypeError("loss_fn(apply, params, batch): returned shardfn.Mean for some micro-batches and a plain "
                                 "loss for others; return one kind in a step.")
@@ -278,17 +285,17 @@ class Grad:
             return torch.stack(values).mean(), None, out, auxes
         return torch.stack([v.float() for v in values]).sum(), torch.stack(counts).sum(), out, auxes
 
-    def _nonfinite_ranks(self, loss: torch.Tensor, grads: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    def _nonfinite_ranks(self, loss: torch.Tensor, grads: dict[str, torch.Tensor], scope: Scope) -> dict[str, list[int]]:
         """Which ranks saw a non-finite loss, and which hold non-finite gradient shards: one
         small all-gather, only in a step whose global loss or norm is not finite (the same
         decision on every rank: both came out of the metrics all-reduce)."""
         bad = torch.tensor([not bool(torch.isfinite(loss.detach()).all()),
                             not all(bool(torch.isfinite(g).all()) for g in grads.values())], dtype=torch.float32)
-        every = C.all_gather_mesh(bad.to(self.mesh.device), self.mesh, Purpose.METRICS).view(-1, 2).cpu()
+        every = C.all_gather_mesh(bad.to(self.mesh.device), self.mesh, Purpose.METRICS, scope=scope).view(-1, 2).cpu()
         return {"loss": [r for r in range(len(every)) if every[r, 0]],
                 "grads": [r for r in range(len(every)) if every[r, 1]]}
 
-    def _reduce_metrics(self, layout: Layout, loss: torch.Tensor, count: torch.Tensor | None, sq: torch.Tensor,
+    def _reduce_metrics(self, scope: Scope, layout: Layout, loss: torch.Tensor, count: torch.Tensor | None, sq: torch.Tensor,
                         flags: torch.Tensor, auxes: list[Any], k: int, rows: int = 0,
                         tokens: int | None = None, differ: torch.Tensor | None = None) -> dict[str, Any]:
         """Global loss and gradient norm, which buffers changed on any rank (and Mean's global
@@ -299,12 +306,13 @@ class Grad:
         is the sum of totals over the global count, and the gradients are to be multiplied
         by ``rescale`` (see [Note: token-weighted losses]). The sum of squares is summed over
         all ranks and divided by the number of replicas of each shard, which hold the same
-        gradients. A buffer flag is positive where some rank changed it.
+        gradients. A buffer flag is positive where some rank changed it. ``scope``: the
+        runtime's (its pipelined run, its log, whether it is recorded or a planning run).
         """
         device = self.mesh.device
         head = [loss.detach().float(), sq.float()] + ([count] if count is not None else [])
         if tokens is not None:  # exact in fp32 sums: 12 low bits, and the rest ([Note: tokens over the ranks])
-            head += list(device_values([tokens >> 12, tokens & 4095], torch.float32, device))
+            head += list(device_values([tokens >> 12, tokens & 4095], torch.float32, device, scope.comm.recorded))
         aux_flat, unflatten = _flat_aux(auxes) if self.options.aux is Aux.MEAN else (torch.zeros(0, device=device), None)
         tail = [differ.float().reshape(1)] if differ is not None else []  # [Note: one batch per tensor group]
         v = torch.cat([torch.stack([t.to(device) for t in head]), flags, aux_flat.to(device), *tail])
@@ -315,7 +323,7 @@ class Grad:
             keep[v.numel() - len(tail):] = 1
             v = v * keep
         if self.mesh.size > 1:
-            C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM, detail=rows)
+            C.all_reduce_mesh(v, self.mesh, Purpose.METRICS, op=C.SUM, detail=rows, scope=scope)
         n = len(head)
         norm = (v[1] / layout.replicas).sqrt()
         out: dict[str, Any] = {"changed": v[n : n + flags.numel()], "rescale": None, "tokens": None,
@@ -326,7 +334,7 @@ class Grad:
             out["loss"] = v[0] / self.mesh.data_size
         else:
             total = v[2]
-            if self.options.read_metrics and not is_fake(total) and float(total) == 0:
+            if self.options.read_metrics and not scope.comm.fake and float(total) == 0:
                 raise ValueError(_NO_ELEMENTS.format(rank=self.mesh.rank, what=self.options.what))
             rescale = self.mesh.data_size * k / total
             out["loss"], out["rescale"] = v[0] / total, rescale
@@ -365,11 +373,11 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None] | None) -> No
             torch.cuda.set_rng_state(state[1])
 
 
-def _scalars(*ts: torch.Tensor) -> list[float | None]:
+def _scalars(fake: bool, *ts: torch.Tensor) -> list[float | None]:
     """Metrics as Python floats, read from the device in one copy: the step's one
     synchronisation with the device, which its check that the step is finite needs before
-    the state changes (``None`` for fake tensors: a planning run has no values)."""
-    if any(is_fake(t) for t in ts):
+    the state changes (``None`` in a planning run, ``fake``: it has no values)."""
+    if fake:
         return [None] * len(ts)
     # fp64 only for a count of tokens (exact to 2**53); fp32 metrics are read as they are
     dtype = torch.float32 if all(t.is_floating_point() for t in ts) else torch.float64

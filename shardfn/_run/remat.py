@@ -69,7 +69,7 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
         kept = [(sub, name, t.detach().clone()) for sub in module.modules() for name, t in sub._buffers.items()
                 if t is not None] if torch.is_grad_enabled() else []
 
-        draws = _SameDraws() if unit.group.ctx.scope.recording else None  # [Note: random ops in a program]
+        draws = _SameDraws() if unit.group.ctx.recorded else None  # [Note: random ops in a program]
         again = call()
 
         def region(*args: Any, **kwargs: Any) -> Any:
@@ -92,7 +92,7 @@ def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module
                 for u in reversed(units):
                     u.exit()  # the use ends; a kept unit holds its parameters (Unit.holds)
 
-        if selective and unit.group.ctx.scope.recording:
+        if selective and unit.group.ctx.recorded:
             raise Unrecordable("selective remat chooses what to save by dispatch modes that a recorded step cannot hold",
                                "full remat (Remat() without mode='selective')", frozen=False)
         context_fn = _selective(unit.layout.plan.remat.save) if selective else torch.utils.checkpoint.noop_context_fn

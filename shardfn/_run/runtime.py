@@ -14,8 +14,9 @@ block. It owns, for that step and no longer:
 * the working copies of the buffers (shardfn._run.buffers);
 * the step's collective log (``metrics["comm_bytes"]``) and the observers to report to.
 
-The step in progress is found in the scope (:func:`current`; [Note: the scope] in
-shardfn._comm.scope), by ``apply`` and by :func:`shardfn.optim.psum`, on the calling thread. Code that runs in backward
+The step in progress is found in the scope ([Note: the scope] in shardfn._comm.scope) by
+the public calls made inside it, ``apply`` and :func:`shardfn.optim.psum`, on the calling
+thread. Code that runs in backward
 (reductions, regathers, saved-tensor hooks, recomputes) holds a reference to the runtime
 instead, and takes from it all it would read from a context: the runtime's ``scope``
 (where it runs, its pipelined run, whether it is recorded) and ``observers``, fixed when
@@ -41,13 +42,13 @@ from torch.distributed import ReduceOp
 from .._comm import collectives as C
 from .._comm import guard as _guard
 from .._comm.events import CollectiveLog, observe
-from .._comm.scope import here, within
+from .._comm.scope import Scope, within
 from .._group.context import AfterForward, Context
 from .._group.group import UnitGroup
 from .._state.offload import wait_for_device
 from .options import Accumulate, StepOptions
 
-__all__ = ["Accumulate", "AfterForward", "Runtime", "active", "current"]
+__all__ = ["Accumulate", "AfterForward", "Runtime", "active"]
 
 
 # A runtime outside a step (apply on shards, bind): no overlap, no prefetch.
@@ -60,6 +61,7 @@ class Runtime:
     def __init__(
         self,
         mesh: Any,
+        outer: Scope,
         options: StepOptions | None = None,
         *,
         order: list[tuple[int, int]] | None = None,
@@ -80,16 +82,16 @@ class Runtime:
         self.owner = owner  # the step's own sharded tree: its gradients are collected
         self.buffers = buffers  # shardfn._run.buffers.StepBuffers of the owner, in a step
         self.log = CollectiveLog()
-        # A step reports to the observers active when it started, and to its own log.
-        outer = here()  # the scope it starts in, read once ([Note: the scope] in shardfn._comm.scope)
+        # A step reports to the observers of the scope it starts in (``outer``, handed down
+        # from where its public call began: [Note: the scope]), and to its own log.
         self.observers = (*outer.observers, self.log) if self.in_step else outer.observers
         # What its collectives' headers say, the step's pipelined run (shardfn._comm.pipelined) and
         # whether it is recorded: read here, on the calling thread, for backward to use.
         where = where if where is not None else _guard.Where.STEP if self.in_step else _guard.Where.APPLY
-        self.scope = outer._replace(guarded=True, where=where, run=run)
+        self.scope = outer._replace(guarded=True, where=where, run=run, observers=self.observers)
         self._trees: list[tuple[Any, UnitGroup]] = []  # (sharded tree, its unit group)
         # What its unit groups are handed: one value, carried into backward ([Note: the unit group])
-        self.ctx = Context(mesh, self.scope, self.observers, self.options, owner, self.reduce_op,
+        self.ctx = Context(mesh, self.scope, self.scope.comm.recorded, self.observers, self.options, owner, self.reduce_op,
                            self.options.accumulate is Accumulate.REDUCE_EACH, self.after_forward, set(),
                            self.prefetch_after)
 
@@ -184,15 +186,11 @@ class Runtime:
         return list(dict.fromkeys(self.seen)) if self.seen else self.order
 
 
-def current() -> Runtime | None:
-    """The runtime of the step in progress in this context, if any."""
-    return here().runtime
-
-
 @contextmanager
 def active(rt: Runtime) -> Iterator[Runtime]:
     """Makes ``rt`` the step in progress for the block; an error in it reaches every rank
     (see [Note: the schedule guard])."""
-    with within(runtime=rt, run=rt.scope.run), _guard.guarded(rt.mesh, rt.scope.where), observe(rt.log):
+    with within(runtime=rt, run=rt.scope.run, shards=(rt.mesh, rt.sharded)), _guard.guarded(rt.mesh, rt.scope.where), \
+            observe(rt.log):
         yield rt
 

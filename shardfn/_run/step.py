@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from .buffers import StepBuffers
 from .grad import Grad
@@ -15,10 +15,8 @@ from .._comm.guard import Failure, Where, guarded
 from .no_return import after_agreement, check_outputs, quick as _quick, signature as _signature
 from .options import OnNonfinite
 from .._state.offload import mark_host_trees, place_on_host, wait_for_device
-from .._comm.recording import recording
 from .._state.replica import refresh
 from .._state.precision import DynamicLossScale, LossScaleState
-from .runtime import current
 from .._state.sharded import ShardedParams, unit_views
 from .._state.verdict import Unusable, Verdict, check_usable, read_ready, unusable_on_failure
 from ..optim import GradientTransformation, apply_updates, apply_updates_, hyperparams
@@ -81,18 +79,18 @@ class Step:
             raise
 
     def _step(self, sharded: ShardedParams, opt_state: Any, batch: Any) -> tuple[ShardedParams, Any, dict[str, Any]]:
-        with guarded(self.mesh, Where.STEP):  # a rank whose arguments are refused tells the others
+        with guarded(self.mesh, Where.STEP) as scope:  # a rank whose arguments are refused tells the others
             self._check(sharded, opt_state)
         inner = opt_state.opt_state if self.loss_scale is not None else opt_state
         scale = float(opt_state.scale) if self.loss_scale is not None else 1.0
         # [Note: reading a verdict when it is ready]: at world 1 this raises; else the opening header tells
         # (a graph step reads its verdicts itself, before it runs or records this step)
-        recorded = recording()  # read once, where the step begins ([Note: the scope])
+        recorded, fake = scope.comm.recorded, scope.comm.fake  # the mode, where the step begins ([Note: the scope])
         nonfinite = (self.options.on_nonfinite is OnNonfinite.RAISE_NEXT and not recorded
                      and read_ready(sharded, "step"))
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=self.options.donate,
-                               track=self.options.sync_buffers)
-        with self.grad.run(sharded, batch, buffers, scale, nonfinite) as out:
+                               track=self.options.sync_buffers, scope=scope)
+        with self.grad.run(sharded, batch, buffers, scope, scale, nonfinite) as out:
             grads, metrics = out.grads, out.metrics
             if not recorded:  # a graph step's program computes them itself (shardfn._program.graph)
                 metrics.update(hyperparams(self.optimizer, inner))
@@ -100,7 +98,7 @@ class Step:
             if self.loss_scale is not None:
                 # The same value on every rank: the norm came out of an all-reduce.
                 norm = grads.global_norm
-                skip = not is_fake(norm) and not bool(torch.isfinite(norm))
+                skip = not fake and not bool(torch.isfinite(norm))
                 metrics.update(loss_scale=scale, skipped=skip)
                 opt_state = LossScaleState(inner, *self.loss_scale.next(opt_state, not skip))
             elif "nonfinite" in metrics:  # (raise_next: the verdicts were read when the step began)  # the same on every rank (see Grad._nonfinite_ranks)
@@ -118,12 +116,12 @@ class Step:
             else:
                 with torch.profiler.record_function("shardfn::optimizer"), \
                         after_agreement(None, buffers, inner):
-                    new, inner = self._update(self, sharded, grads, inner, buffers)
+                    new, inner = self._update(self, out.settle, sharded, grads, inner, buffers)
             # [Note: replicated parameters]; a recorded program keeps no replica between
             # replays (it gathers each unit in its forward), so it does not make one here
             if sharded.layout.keeps_replica and not recorded:
-                new = refresh(new, current().observers, donated=self.options.donate)
-            if not self.options.read_metrics and not is_fake(metrics["loss"]):
+                new = refresh(new, out.observers, donated=self.options.donate)
+            if not self.options.read_metrics and not fake:
                 new = new._with_verdict(Verdict(metrics["loss"], metrics["grad_norm"], sharded._verdict,
                                                 out.batches_differ))
         opt_state = opt_state._replace(opt_state=inner) if self.loss_scale is not None else inner
@@ -131,34 +129,38 @@ class Step:
 
     # -- the update: one of three paths, chosen when the step is built -----------------------
 
-    def _quiet(self, sharded: ShardedParams) -> None:
-        """Before the shards are written in place, or read on the host: no all-gather still
-        reads them, and (offload) no copy to the device ([Note: offload])."""
-        current().settle()
+    def _quiet(self, settle: Callable[[], None], sharded: ShardedParams) -> None:
+        """Before the shards are written in place, or read on the host: no all-gather of the
+        step still reads them (``settle``, the run's), and (offload) no copy to the device
+        ([Note: offload])."""
+        settle()
         if sharded.layout.offloaded:  # the optimizer runs on the host
             wait_for_device(self.mesh.device)
 
-    def _in_place(self, sharded: ShardedParams, grads: Any, inner: Any, buffers: StepBuffers) -> tuple[ShardedParams, Any]:
+    def _in_place(self, settle: Callable[[], None], sharded: ShardedParams, grads: Any, inner: Any,
+                  buffers: StepBuffers) -> tuple[ShardedParams, Any]:
         """Donation with an in-place optimizer (optim [Note: donation]): parameters and state
         are updated in place, the gradients serve as scratch."""
-        self._quiet(sharded)
+        self._quiet(settle, sharded)
         with after_agreement(Failure.PARTLY):
             inner = self.optimizer.update_(grads, inner, sharded)
         return _with_buffers(sharded, buffers), inner
 
-    def _donated(self, sharded: ShardedParams, grads: Any, inner: Any, buffers: StepBuffers) -> tuple[ShardedParams, Any]:
+    def _donated(self, settle: Callable[[], None], sharded: ShardedParams, grads: Any, inner: Any,
+                 buffers: StepBuffers) -> tuple[ShardedParams, Any]:
         """Donation with an optimizer without ``update_``: its updates added into the shards."""
-        self._quiet(sharded)
+        self._quiet(settle, sharded)
         new = self.optimizer.update(grads, inner, sharded)
         updates, new_inner = check_outputs(new, inner, sharded)  # before anything is written
         with after_agreement(Failure.PARTLY):
             apply_updates_(sharded, updates)
         return _with_buffers(sharded, buffers), new_inner
 
-    def _fresh(self, sharded: ShardedParams, grads: Any, inner: Any, buffers: StepBuffers) -> tuple[ShardedParams, Any]:
+    def _fresh(self, settle: Callable[[], None], sharded: ShardedParams, grads: Any, inner: Any,
+               buffers: StepBuffers) -> tuple[ShardedParams, Any]:
         """``donate=False``: new shards and buffers; the arguments stay untouched."""
         if sharded.layout.offloaded:
-            self._quiet(sharded)
+            self._quiet(settle, sharded)
         updates, inner = check_outputs(self.optimizer.update(grads, inner, sharded), inner, sharded)
         params = apply_updates(sharded.params(), updates)
         if sharded.layout.offloaded:  # new shards, in host memory like the old ones ([Note: offload])

@@ -8,7 +8,6 @@ from typing import NamedTuple
 import torch
 
 from ._psum import psum
-from .._comm.recording import recording
 from ._count import advance, host_count, incremented as _next, new_count
 from ._checks import _count, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _trainable
 from ._fused import zeros_like_views
@@ -21,8 +20,9 @@ __all__ = ["AdafactorState", "adafactor"]
 
 def _done(count: torch.Tensor) -> int:
     """The updates done, as a number: Adafactor computes its step sizes on the host. While a
-    graph step records, read from the tensor here, which the recording refuses."""
-    return int(count) if recording() else host_count(count)
+    graph step records, read from the tensor (the mirror forgot it), which the recording
+    refuses ([Note: step counts])."""
+    return host_count(count)
 
 
 class AdafactorState(NamedTuple):

@@ -8,7 +8,8 @@ from typing import Any, Union
 
 import torch
 
-from .._comm.recording import Unrecordable, recording
+from .._comm.recording import Unrecordable
+from .._comm.scope import here
 from ._count import host_count
 
 Params = Mapping[str, torch.Tensor]
@@ -128,8 +129,9 @@ def _count(count: torch.Tensor) -> Any:
     """The updates done so far, for an update's scalars: an int, read through the mirror
     ([Note: step counts]); while a graph step records (see [Note: recording a step]), the
     count itself as a float64 tensor on its device, so that the scalars are computed by the
-    program from the state, not baked into it."""
-    return count.double() if recording() else host_count(count)
+    program from the state, not baked into it. An optimizer's update is a public call (its
+    arguments carry no step), so the mode is read from its scope here."""
+    return count.double() if here().comm.recorded else host_count(count)
 
 
 def _resolve_learning_rate(learning_rate: ScalarOrSchedule, count: Any, tensor_ok: bool = True) -> Any:

@@ -9,9 +9,13 @@ keeps, per count tensor, ``(its _version, its value)``: set when a count is made
 built-in update advances it, and when it is read once. An entry is valid only while the
 tensor's ``_version`` is unchanged: any other write (``checkpoint.load``'s ``copy_``, a
 user's) bumps it, and the next read reads the tensor once. A recorded program's replay may
-write a count without bumping ``_version`` (a CUDA graph does), so ``GraphStep`` forgets its
-state's entries after each replay. The mirror holds its tensors weakly; a tensor without a
-version counter (an inference tensor) is read every time.
+write a count without bumping ``_version`` (a CUDA graph does), and a read while a step is
+recorded must reach the tensor (which the recording refuses) rather than bake the mirror's
+number into the program, so ``GraphStep`` forgets its state's entries before it records
+(and before its first, eager step, which runs under a recording's rules) and after each
+replay; while recording nothing is remembered (the count is then a tensor of the program,
+not a number). The mirror holds its tensors weakly; a tensor without a version counter
+(an inference tensor) is read every time.
 """
 
 from __future__ import annotations
@@ -20,8 +24,6 @@ from collections.abc import Iterable, Mapping
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
-
-from .._comm.recording import recording
 
 __all__ = ["advance", "forget", "host_count", "incremented", "new_count"]
 
@@ -56,7 +58,7 @@ def new_count(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
 def host_count(count: torch.Tensor) -> int:
     """The value of ``count`` as a Python int: from the mirror while it is valid, else read
     from the tensor once (see [Note: step counts])."""
-    seen = _MIRROR.get(count) if not recording() else None  # (a recording refuses the read)
+    seen = _MIRROR.get(count)  # (none while recording: GraphStep forgot its counts)
     if seen is not None and seen[0] == _version(count):
         return seen[1]
     value = int(count)
@@ -68,7 +70,7 @@ def advance(count: torch.Tensor, done: int | torch.Tensor) -> None:
     """Records that ``count`` now holds ``done + 1``: after a built-in update's ``add_(1)``, or
     for the new count ``old + 1`` a pure update returns. While a step is recorded (``done`` a
     tensor) nothing is recorded: the program's writes bump ``_version`` or are forgotten."""
-    if not isinstance(done, torch.Tensor) and not recording():
+    if not isinstance(done, torch.Tensor):
         _remember(count, done + 1)
 
 

@@ -12,7 +12,8 @@ from ._checks import _count, _check_grads, _check_hyper, _check_learning_rate, _
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from .._comm.events import Purpose
-from .._comm.recording import Unrecordable, recording
+from .._comm.recording import Unrecordable
+from .._comm.scope import here
 from .._parallel.tensor import full_leaf
 from ._whole import full_shape, require_whole, split_of, whole_tensor
 
@@ -133,7 +134,7 @@ def muon(
     def step(grads: Params, state: MuonState, params: Params, lr: float) -> dict[str, torch.Tensor]:
         """The new momentum in place, and each whole matrix's orthogonalised update (not yet scaled)."""
         split = [k for k in grads if split_of(params, k) is not None]
-        if split and recording():  # every rank: the layout is the same on all of them
+        if split and here().comm.recorded:  # every rank: the layout is the same on all of them
             raise Unrecordable(f"muon gathers the pieces of a matrix split over the 'tensor' axis ({split[0]}) on "
                                "the tensor group that holds it, and not on the others, so the ranks' programs would "
                                "differ", "give the split matrices an elementwise optimizer (sf.optim.partition)",

@@ -37,7 +37,7 @@ from .._comm import collectives as C
 from .._comm import guard as G
 from .._comm.events import Purpose
 from .._comm.guard import guarded
-from .._comm.scope import here, within
+from .._comm.scope import here
 
 __all__ = ["on_shards", "psum", "sum_of_squares"]
 
@@ -70,12 +70,12 @@ def on_shards(sharded: Any) -> Iterator[None]:
         raise TypeError(f"on_shards(sharded): expected the ShardedParams from shardfn.shard(), got "
                         f"{type(sharded).__name__}.")
     # an error on one rank reaches the others at their next psum
-    with within(shards=(sharded.mesh, layout.sharded)), guarded(sharded.mesh):
+    with guarded(sharded.mesh, shards=(sharded.mesh, layout.sharded)) as scope:
         yield
     if layout.sharded:  # the ranks made the same psums, or all of them raise here
-        G.agree_exit(sharded.mesh.channel("shard"), "shardfn.on_shards(...)")
+        G.agree_exit(sharded.mesh.channel("shard"), "shardfn.on_shards(...)", scope)
     if sharded.mesh.axis_size("tensor") > 1:  # and so on the tensor axis (psum(..., split=True))
-        G.agree_exit(sharded.mesh.channel("tensor"), "shardfn.on_shards(...)")
+        G.agree_exit(sharded.mesh.channel("tensor"), "shardfn.on_shards(...)", scope)
 
 
 def psum(t: torch.Tensor, *, split: bool | None = None) -> torch.Tensor:
@@ -93,12 +93,9 @@ def psum(t: torch.Tensor, *, split: bool | None = None) -> torch.Tensor:
         >>> with shardfn.on_shards(sharded):  # as inside an optimizer's update: local shards
         ...     norms = {n: psum(p.square().sum()).sqrt() for n, p in sharded.items()}  # whole parameters' norms
     """
-    scope = here()
-    rt, shards = scope.runtime, scope.shards
-    if rt is not None:
-        mesh, sharded = rt.mesh, rt.sharded
-    elif shards is not None:
-        mesh, sharded = shards
+    scope = here()  # a public call: the scope it begins in, read once ([Note: the scope])
+    if scope.shards is not None:  # (a step's, or on_shards')
+        mesh, sharded = scope.shards
     elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(_NO_SCOPE.format(rank=dist.get_rank(), world=dist.get_world_size()))
     else:
@@ -118,7 +115,7 @@ def psum(t: torch.Tensor, *, split: bool | None = None) -> torch.Tensor:
         return t
     out = t.detach().clone()
     for axis in over:
-        C.all_reduce(out, mesh.channel(axis), Purpose.PSUM, op=C.SUM)
+        C.all_reduce(out, mesh.channel(axis), Purpose.PSUM, op=C.SUM, scope=scope)
     return out
 
 
