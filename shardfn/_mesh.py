@@ -265,6 +265,13 @@ class Mesh:
     def backend(self) -> str:
         return str(dist.get_backend(self.group("shard")))
 
+    @property
+    def fake(self) -> bool:
+        """Whether the mesh is over torch's ``fake`` process group: a planning run
+        (``shardfn.explain``), whose tensors hold no values to read and whose collectives
+        move none."""
+        return self.guard.fake
+
     def group(self, axis: str) -> dist.ProcessGroup:
         if axis not in self.axis_names:
             raise ValueError(f"mesh.group({axis!r}): {self!r} has no axis {axis!r}; its axes are {self.axis_names}.")
@@ -404,6 +411,7 @@ def _add_channels(dm: DeviceMesh, guard: _guard.Guard) -> None:
             rows = dm.mesh.movedim(i, -1).reshape(-1, dm.mesh.size(i)).tolist()
             control, _ = dist.new_subgroups_by_enumeration(rows, backend="gloo")
         guard.channels[axis] = guard.channel(group, axis, control)
+        guard.fake = str(dist.get_backend(group)) == "fake"
 
 
 def _device(device: str | None) -> str | None:

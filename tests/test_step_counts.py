@@ -102,8 +102,8 @@ def _replay_without_a_trace(replay):
     """``GraphStep._replay`` writing the state as a CUDA graph does: into the same memory,
     without bumping the tensors' ``_version`` (``.data`` shares the storage, not the counter)."""
 
-    def run(self, program, state, inputs):
-        return replay(self, program, [t.data for t in state], inputs)
+    def run(self, program, state, inputs, *rest):
+        return replay(self, program, [t.data for t in state], inputs, *rest)
 
     return run
 

@@ -8,9 +8,8 @@ collectives a recorded program holds ([Note: recording a step]). Both have the s
 methods, each returning what is waited for, so no collective asks which mode it is in:
 shardfn._comm.collectives agrees on each call and accounts for it, then hands it to the
 scope's communicator; the pipelined guard's play-out starts its collectives through
-:data:`EAGER` too. A planning run (``shardfn.explain``) runs under :data:`FAKE`: eager
-collectives over torch's fake process group, in a scope that says its tensors hold no
-values.
+:data:`EAGER` too. A fake process group (explain) needs no communicator of its own: its
+channels are off and its collectives do nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from torch.distributed import ReduceOp
 
 from .._compat import all_gather_single, reduce_scatter_single
 
-__all__ = ["EAGER", "FAKE", "RECORDED", "Eager", "Fake", "Recorded"]
+__all__ = ["EAGER", "RECORDED", "Eager", "Recorded"]
 
 AVG, SUM, MAX, MIN = ReduceOp.AVG, ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN
 
@@ -35,7 +34,6 @@ class Eager:
     ranks issue the same transfers."""
 
     recorded = False
-    fake = False  # a planning run's, on fake tensors (shardfn.explain): nothing holds values
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, ch: Any) -> Any:
         return all_gather_single(out, inp, group=ch.group, async_op=True)
@@ -67,7 +65,6 @@ class Recorded:
     ones write (an all-gather straight into ``out``: a copy of every gathered unit less)."""
 
     recorded = True
-    fake = False
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, ch: Any) -> Any:
         return _Functional(out, _F.all_gather_into_tensor_out(inp.reshape(-1), ch.size, ch.group.group_name,
@@ -80,15 +77,7 @@ class Recorded:
         return _Functional(t, _F.all_reduce(t, _OPS[op], ch.group.group_name))
 
 
-class Fake(Eager):
-    """A planning run's collectives (``shardfn.explain``: fake tensors over torch's fake
-    process group, which starts nothing): eager ones, in a scope that says no tensor holds
-    values, so the step reads none on the host."""
-
-    fake = True
-
-
-EAGER, RECORDED, FAKE = Eager(), Recorded(), Fake()
+EAGER, RECORDED = Eager(), Recorded()
 
 
 def _reduce_scatter_gloo(out: torch.Tensor, inp: torch.Tensor, group: Any, op: ReduceOp) -> tuple[Any, Any]:

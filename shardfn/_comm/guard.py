@@ -87,7 +87,7 @@ _POLL_S = 0.0005  # between looks at the collectives of exchanges run side by si
 class Guard:
     """The schedule guard of one mesh (``mesh.guard``): see [Note: the guard's state]."""
 
-    __slots__ = ("timeout", "channels", "subgroups", "names", "broken", "incidents", "headers", "header_bytes")
+    __slots__ = ("timeout", "channels", "subgroups", "names", "broken", "incidents", "headers", "header_bytes", "fake")
 
     def __init__(self, timeout: float):
         self.timeout = timeout
@@ -96,6 +96,7 @@ class Guard:
         self.names = {unit_id(n): n for n in _CONTEXTS}  # unit hash -> name, for messages
         self.broken: str | None = None  # the CommError that made the process group unusable
         self.incidents = 0  # this rank's failures so far
+        self.fake = False  # over torch's fake process group: a planning run (Mesh.fake)
         self.headers = 0  # header exchanges so far (tests count them)
         self.header_bytes = 0  # the bytes of the exchanges' results so far: what reached this rank
 

@@ -138,7 +138,7 @@ def _tracing(rt: Any) -> bool:
     planning run's, on fake tensors (a real run checks)."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-    return get_proxy_mode() is not None or torch.compiler.is_compiling() or rt.scope.comm.fake
+    return get_proxy_mode() is not None or torch.compiler.is_compiling() or rt.mesh.fake
 
 
 def gathered_input(x: Any, path: str, rt: Any) -> torch.Tensor:

@@ -39,9 +39,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .._deprecated import as_loss
-from .._comm.communicator import FAKE
 from .._comm.events import Collective, CollectiveLog, record_collectives
-from .._comm.scope import within
 from .._run.functionalize import Apply, Params, functionalize
 from .._memory import track_live_bytes
 from .._mesh import Mesh
@@ -206,7 +204,7 @@ def explain(
     params, _ = functionalize(module)  # the fake tree below carries this model's apply
     loss = as_loss(loss_fn, "explain")[0] if loss_fn is not None else _mean_output
     optimizer = optimizer if optimizer is not None else adamw(1e-3)
-    with _fake_world(mesh, tensor) as fake_mesh, FakeTensorMode(allow_non_fake_inputs=True), within(comm=FAKE):
+    with _fake_world(mesh, tensor) as fake_mesh, FakeTensorMode(allow_non_fake_inputs=True):
         fake = Params({n: _fake_like(p).requires_grad_(p.requires_grad) for n, p in params.items()})
         fake.module = params.module
         sharded = shard(fake, fake_mesh, plan, tensor_parallel=tensor_parallel)

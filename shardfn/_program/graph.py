@@ -276,7 +276,6 @@ class GraphStep:
             if not self.warm:  # (the eager step it runs leaves the verdicts to this call: read them all)
                 check_verdict(sharded, "step")
                 self._key = (None, *self._batch_key(batch), self._model_key(sharded), group_values(optimizers))
-                forget(t for t in leaves if isinstance(t, torch.Tensor) and t.dim() == 0)  # [Note: step counts]
                 with put_back(_bases([t for t in leaves if isinstance(t, torch.Tensor)] + _hidden(optimizers)),
                               optimizers):  # [Note: a recording that raises]
                     out = self._warm_up(sharded, opt_state, batch)
@@ -394,6 +393,8 @@ class GraphStep:
         the recorded step prefetches as eager steps do (a first step has no order to follow)
         and an optimizer that makes its state in its first step (``from_torch``) has made it."""
         metrics = hyperparams(self.step.optimizer, opt_state)
+        # a read while recording reaches the tensor, which the recording refuses ([Note: step counts])
+        forget(t for t in pytree.tree_leaves((sharded, opt_state)) if isinstance(t, torch.Tensor) and t.dim() == 0)
         with self._refusing(sharded), record(), _NoHostReads():
             sharded, opt_state, out = self.step(sharded, opt_state, batch)
         return sharded, opt_state, {**metrics, **out}

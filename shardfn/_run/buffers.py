@@ -33,13 +33,13 @@ __all__ = ["StepBuffers"]
 
 
 class StepBuffers:
-    """The working copies of one tree's buffers during a step. ``scope``: the step's, as its
-    public call began (whether it is recorded, or a planning run without values)."""
+    """The working copies of one tree's buffers during a step. ``recorded``: the step is
+    being recorded; ``fake``: a planning run, whose tensors hold no values (Mesh.fake)."""
 
     def __init__(self, tree: Mapping[str, torch.Tensor], names: Sequence[str], *, donate: bool, track: bool,
-                 scope: Any):
+                 recorded: bool, fake: bool):
         own = {n: tree[n] for n in names}
-        self.scope = scope
+        self.recorded, self.fake = recorded, fake
         self.own, self.donate = dict(own), donate
         self.work: dict[str, torch.Tensor] = own if donate else {n: b.clone() for n, b in own.items()}
         # Floating-point buffers are compared with their value before the step; with
@@ -58,7 +58,7 @@ class StepBuffers:
         with torch.no_grad():
             for n, t in self.own.items():
                 if self.donate:
-                    if not self.scope.comm.fake:
+                    if not self.fake:
                         t.copy_(self.before[n])
                     self.work[n] = t
                 else:
@@ -66,12 +66,11 @@ class StepBuffers:
 
     def flags(self, device: torch.device) -> torch.Tensor:
         """1.0 for each floating-point buffer this rank's forward changed, else 0.0."""
-        comm = self.scope.comm
-        if comm.recorded and self.floating:  # compared on the device: a recorded step reads nothing
+        if self.recorded and self.floating:  # compared on the device: a recorded step reads nothing
             return torch.stack([_changed(self.work[n], self.before[n]) for n in self.floating]).to(device)
         # a planning run (shardfn.explain) has no values: it changed nothing
-        out = [0.0 if comm.fake or _same(self.work[n], self.before[n]) else 1.0 for n in self.floating]
-        return device_values(out, torch.float32, device, comm.recorded)
+        out = [0.0 if self.fake or _same(self.work[n], self.before[n]) else 1.0 for n in self.floating]
+        return device_values(out, torch.float32, device, self.recorded)
 
     def sync(self, changed_anywhere: torch.Tensor, mesh: Any, scope: Any) -> list[str]:
         """Averages the buffers some rank changed over the whole mesh; returns their names.
@@ -80,9 +79,9 @@ class StepBuffers:
         A planning run (shardfn.explain, fake tensors) has no values, so it cannot know
         which buffers change: it averages none.
         """
-        if self.scope.comm.fake or not self.floating:  # (nothing to read from the device)
+        if self.fake or not self.floating:  # (nothing to read from the device)
             return []
-        if self.scope.comm.recorded:
+        if self.recorded:
             return self._sync_all(changed_anywhere, mesh, scope)
         names = [n for n, f in zip(self.floating, changed_anywhere.tolist()) if f > 0]
         if not names or mesh.size == 1:

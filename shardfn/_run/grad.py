@@ -119,7 +119,7 @@ class Grad:
         with guarded(self.mesh, Where.STEP) as scope:  # a rank whose arguments are refused tells the others
             self.check(sharded)
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=True, track=self.options.sync_buffers,
-                              scope=scope)
+                              recorded=scope.comm.recorded, fake=self.mesh.fake)
         with self.run(sharded, batch, buffers, scope) as out:
             pass
         replaced = buffers.replaced(sharded)
@@ -209,7 +209,7 @@ class Grad:
                     metrics: dict[str, Any] = {"loss": reduced["loss"], "grad_norm": norm}
                     if self.options.read_metrics:
                         extra = [reduced["differ"]] if differ is not None else []
-                        metrics["loss"], metrics["grad_norm"], *read = _scalars(scope.comm.fake, reduced["loss"], norm,
+                        metrics["loss"], metrics["grad_norm"], *read = _scalars(self.mesh.fake, reduced["loss"], norm,
                                                                                *extra, *([tokens] if summed else []))
                         if extra and read.pop(0):  # (the same sum on every rank: every rank raises here)
                             raise run.told(other_batches(digests, self.mesh))
@@ -255,7 +255,7 @@ class Grad:
         for i, mb in enumerate(batches):
             rt.start_micro_batch(last=i == k - 1)
             loss, count, aux = objective(self.loss_fn(apply, sharded, mb), self.has_aux, bool(leaves),
-                                           self.options.read_metrics, rt.scope.comm.fake)
+                                           self.options.read_metrics, self.mesh.fake)
             if counts and (count is None) != (counts[0] is None):
                 raise TypeError("loss_fn(apply, params, batch): returned shardfn.Mean for some micro-batches and a plain "
                                 "loss for others; return one kind in a step.")
@@ -334,7 +334,7 @@ class Grad:
             out["loss"] = v[0] / self.mesh.data_size
         else:
             total = v[2]
-            if self.options.read_metrics and not scope.comm.fake and float(total) == 0:
+            if self.options.read_metrics and not self.mesh.fake and float(total) == 0:
                 raise ValueError(_NO_ELEMENTS.format(rank=self.mesh.rank, what=self.options.what))
             rescale = self.mesh.data_size * k / total
             out["loss"], out["rescale"] = v[0] / total, rescale

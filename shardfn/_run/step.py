@@ -85,11 +85,11 @@ class Step:
         scale = float(opt_state.scale) if self.loss_scale is not None else 1.0
         # [Note: reading a verdict when it is ready]: at world 1 this raises; else the opening header tells
         # (a graph step reads its verdicts itself, before it runs or records this step)
-        recorded, fake = scope.comm.recorded, scope.comm.fake  # the mode, where the step begins ([Note: the scope])
+        recorded, fake = scope.comm.recorded, self.mesh.fake  # the mode, where the step begins ([Note: the scope])
         nonfinite = (self.options.on_nonfinite is OnNonfinite.RAISE_NEXT and not recorded
                      and read_ready(sharded, "step"))
         buffers = StepBuffers(sharded, list(sharded.layout.buffers), donate=self.options.donate,
-                               track=self.options.sync_buffers, scope=scope)
+                               track=self.options.sync_buffers, recorded=recorded, fake=fake)
         with self.grad.run(sharded, batch, buffers, scope, scale, nonfinite) as out:
             grads, metrics = out.grads, out.metrics
             if not recorded:  # a graph step's program computes them itself (shardfn._program.graph)

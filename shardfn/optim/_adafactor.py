@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from ._psum import psum
-from ._count import advance, host_count, incremented as _next, new_count
+from ._count import advance, incremented as _next, mirrored, new_count, remember
 from ._checks import _count, _check_hyper, _check_learning_rate, _check_params, _check_state, _resolve_learning_rate, _trainable
 from ._fused import zeros_like_views
 from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
@@ -20,9 +20,13 @@ __all__ = ["AdafactorState", "adafactor"]
 
 def _done(count: torch.Tensor) -> int:
     """The updates done, as a number: Adafactor computes its step sizes on the host. While a
-    graph step records, read from the tensor (the mirror forgot it), which the recording
-    refuses ([Note: step counts])."""
-    return host_count(count)
+    graph step records, the mirror has forgotten the count, and the read here is refused
+    ([Note: step counts])."""
+    value = mirrored(count)
+    if value is None:
+        value = int(count)
+        remember(count, value)
+    return value
 
 
 class AdafactorState(NamedTuple):

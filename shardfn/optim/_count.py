@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["advance", "forget", "host_count", "incremented", "new_count"]
+__all__ = ["advance", "forget", "host_count", "incremented", "mirrored", "new_count", "remember"]
 
 _MIRROR = WeakIdKeyDictionary()  # count tensor -> (its _version when seen, its value)
 
@@ -37,7 +37,8 @@ def _version(count: torch.Tensor) -> int | None:
         return None
 
 
-def _remember(count: torch.Tensor, value: int) -> None:
+def remember(count: torch.Tensor, value: int) -> None:
+    """The mirror's entry: ``count`` holds ``value`` (valid until its ``_version`` moves)."""
     version = _version(count)
     if version is not None:
         _MIRROR[count] = (version, value)
@@ -51,18 +52,24 @@ def new_count(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
     # torch.tensor (not zeros) makes it a constant under FakeTensorMode, so the simulated
     # step of shardfn.explain can read it too
     count = torch.tensor(0, dtype=torch.int64, device=device)
-    _remember(count, 0)
+    remember(count, 0)
     return count
+
+
+def mirrored(count: torch.Tensor) -> int | None:
+    """The value of ``count`` while the mirror's entry is valid, else None (always while a
+    graph step records: it forgot its counts; see [Note: step counts])."""
+    seen = _MIRROR.get(count)
+    return seen[1] if seen is not None and seen[0] == _version(count) else None
 
 
 def host_count(count: torch.Tensor) -> int:
     """The value of ``count`` as a Python int: from the mirror while it is valid, else read
     from the tensor once (see [Note: step counts])."""
-    seen = _MIRROR.get(count)  # (none while recording: GraphStep forgot its counts)
-    if seen is not None and seen[0] == _version(count):
-        return seen[1]
-    value = int(count)
-    _remember(count, value)
+    value = mirrored(count)
+    if value is None:
+        value = int(count)
+        remember(count, value)
     return value
 
 
@@ -71,7 +78,7 @@ def advance(count: torch.Tensor, done: int | torch.Tensor) -> None:
     for the new count ``old + 1`` a pure update returns. While a step is recorded (``done`` a
     tensor) nothing is recorded: the program's writes bump ``_version`` or are forgotten."""
     if not isinstance(done, torch.Tensor):
-        _remember(count, done + 1)
+        remember(count, done + 1)
 
 
 def incremented(count: torch.Tensor, done: int | torch.Tensor) -> torch.Tensor:
