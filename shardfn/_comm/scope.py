@@ -6,10 +6,11 @@ in a guarded region and what kind (``guarded``, ``where``), the step's pipelined
 communicator of its mode (``comm``: eager, or recorded while a graph step is recorded), the
 runtime of the step or the call of ``apply`` in progress, the shards ``on_shards`` names,
 and the observers events go to. One ContextVar holds it, set by the public entry points
-(a step, ``apply``, ``bind``, ``on_shards``, ``record_collectives``) with :func:`within`,
-and read by :func:`here` where they begin; below them it is passed as a value. Code that
-runs in backward never reads it ([Note: backward on device threads] in shardfn._comm.guard):
-its runtime carries the scope it was built in.
+(a step, ``apply``, ``bind``, ``on_shards``, ``record_collectives``) with :func:`within`.
+A public call reads it once where it begins (:func:`here`), or takes it from the guarded
+region it opens (shardfn._comm.guard.guarded yields it); below, it is passed as a value.
+Code that runs in backward never reads it ([Note: backward on device threads] in
+shardfn._comm.guard): its runtime carries the scope it was built in.
 """
 
 from __future__ import annotations
