@@ -122,7 +122,7 @@ class Unit:
     __slots__ = (
         "layout", "unit", "key", "shards", "slots", "mesh", "channel", "rank", "group", "grads", "replica",
         # where it is in its life (see [Note: the life of a unit])
-        "state", "full", "storages", "secondary", "use", "outputs", "entry", "handles", "reading",
+        "state", "full", "storages", "own", "secondary", "use", "outputs", "entry", "handles", "reading",
         "calls", "pinned", "bucket",
     )
 
@@ -143,6 +143,7 @@ class Unit:
         self.state = State.SHARDED
         self.full: list[torch.Tensor] | None = None  # GATHERED: the full parameters
         self.storages: dict[int, Any] = {}  # GATHERED: their storages (storage_key) -> where each leaf lies in it
+        self.own = False  # GATHERED: the full parameters are views of the shards themselves ([Note: nothing to drop])
         self.secondary: torch.Tensor | None = None  # resharded to k ranks: this rank's 1/k (see _issue)
         self.use: Use | None = None  # the use in progress
         self.outputs: tuple[torch.Tensor, ...] | None = None  # that use's full parameters, while it runs
@@ -211,7 +212,7 @@ class Unit:
             self._release()
 
     def _release(self) -> None:
-        self.state, self.full, self.storages = State.SHARDED, None, {}
+        self.state, self.full, self.storages, self.own = State.SHARDED, None, {}, False
         self._note(UnitEvent.FREE)
 
     def start_micro_batch(self) -> None:
@@ -299,7 +300,7 @@ class Unit:
         """SHARDED or IN_FLIGHT -> GATHERED: the full parameters of the unit (no autograd),
         from one all-gather of the flat shards."""
         invariant(self.state is not State.GATHERED, f"unit {self.unit.name!r} gathered twice")
-        lay, world, storages = self.layout, self.layout.world, None
+        lay, world, storages, own = self.layout, self.layout.world, None, False
         leaves = [lay.leaves[n] for n in self.unit.leaves]
         with torch.no_grad():
             if self.replica is not None:  # [Note: replicated parameters]: gathered after the last update
@@ -313,6 +314,7 @@ class Unit:
                 if base is not None:  # a flat unit: one cast of its buffer (if any), the parameters views of it
                     full, storages = kept_views(self.shards, (lay, self.unit), base, leaves, self.unit.param_dtype,
                                                 keep=not self.group.ctx.scope.recording)
+                    own = storages is not None  # (kept views of the shard buffer: no cast, no recording)
                 else:
                     full = [s.detach().view(leaf.shape).to(self.unit.param_dtype)
                             for s, leaf in zip(self.shards, leaves)]
@@ -331,7 +333,7 @@ class Unit:
                     _, index = self.mesh.subgroup(k)
                     self.secondary = out.view(-1).chunk(k)[index].clone()
                 full = unpack_unit(out, leaves, world)  # one copy: FSDP2's copy-out
-        self.state, self.full = State.GATHERED, full
+        self.state, self.full, self.own = State.GATHERED, full, own
         self.storages = storages if storages is not None else leaves_by_storage(full)
         self._note(UnitEvent.GATHER if purpose is Purpose.GATHER else UnitEvent.REGATHER)
         return full
@@ -433,7 +435,16 @@ class _Handle:
 
 def saved_handles(units: list[Unit]) -> Any:
     """Saved-tensor hooks that pack the gathered parameters of ``units`` (one module's, several for several
-    dtypes: [Note: mixed dtypes in a unit]) as :class:`_Handle`; everything else autograd saves passes through."""
+    dtypes: [Note: mixed dtypes in a unit]) as :class:`_Handle`; everything else autograd saves passes through.
+    None where every unit's parameters are the shards themselves ([Note: nothing to drop])."""
+
+    # [Note: nothing to drop]
+    # Where nothing is gathered and nothing cast (a world of one, a flat unit's kept views of
+    # its shard buffer), the full parameters are the shards' own memory: dropping them frees
+    # nothing, so saved tensors stay plain references to it (the same values backward reads)
+    # and backward never gathers the unit again. A cast or a recorded step still packs handles.
+    if all(unit.own for unit in units):
+        return None
 
     def pack(t: torch.Tensor) -> Any:
         if t.is_sparse:
