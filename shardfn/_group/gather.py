@@ -120,7 +120,7 @@ class Unit:
     """A unit's runtime state for one runtime (one step, or one call outside a step)."""
 
     __slots__ = (
-        "layout", "unit", "key", "shards", "slots", "mesh", "channel", "rank", "group", "grads", "replica",
+        "layout", "unit", "leaves", "key", "shards", "slots", "mesh", "channel", "rank", "group", "grads", "replica",
         # where it is in its life (see [Note: the life of a unit])
         "state", "full", "storages", "own", "secondary", "use", "outputs", "entry", "handles", "reading",
         "calls", "pinned", "bucket",
@@ -131,6 +131,7 @@ class Unit:
                  bucket: Any = None, reduce_bucket: Any = None):
         self.layout = layout
         self.unit = unit
+        self.leaves = [layout.leaves[n] for n in unit.leaves]  # their LeafLayouts, in unit order
         self.key = key  # (index of its tree in the runtime, unit index): the prefetch order's entries
         self.shards = shards
         self.slots: list[tuple[nn.Module, str, int]] = slots  # where each full tensor goes
@@ -299,10 +300,10 @@ class Unit:
     def _gather(self, purpose: Purpose) -> list[torch.Tensor]:
         """SHARDED or IN_FLIGHT -> GATHERED: the full parameters of the unit (no autograd),
         from one all-gather of the flat shards."""
-        invariant(self.state is not State.GATHERED, f"unit {self.unit.name!r} gathered twice")
-        lay, world, storages, own = self.layout, self.layout.world, None, False
-        leaves = [lay.leaves[n] for n in self.unit.leaves]
-        with torch.no_grad():
+        if self.state is State.GATHERED:
+            invariant(False, f"unit {self.unit.name!r} gathered twice")
+        lay, world, storages, own, leaves = self.layout, self.layout.world, None, False, self.leaves
+        with torch.no_grad() if torch.is_grad_enabled() else nullcontext():  # (GatherUnit's forward runs without)
             if self.replica is not None:  # [Note: replicated parameters]: gathered after the last update
                 full = self.replica
             elif not lay.gathers and lay.offloaded:  # no all-gather: each leaf copied to the device
@@ -377,7 +378,8 @@ class Unit:
         """Places the current use's parameters into the module; ``handles``: the
         saved-tensor hooks to run the module under (None for none)."""
         outputs = self.outputs
-        invariant(outputs is not None, f"unit {self.unit.name!r} entered without gathered parameters")
+        if outputs is None:
+            invariant(False, f"unit {self.unit.name!r} entered without gathered parameters")
         range_ = marker(lambda: f"shardfn::forward[{self.unit.name}]")
         range_.__enter__()
         self.entry = _Entry([sub._parameters[attr] for sub, attr, _ in self.slots], handles, range_)
@@ -390,7 +392,8 @@ class Unit:
         """Restores the module. The use ends here unless the unit keeps its parameters
         after forward outside remat (then it ends with the sharded call)."""
         entry, self.entry = self.entry, None
-        invariant(entry is not None, f"unit {self.unit.name!r} exited without entering")
+        if entry is None:
+            invariant(False, f"unit {self.unit.name!r} exited without entering")
         if entry.hooks is not None:
             entry.hooks.__exit__(None, None, None)
         for (sub, attr, _), t in zip(self.slots, entry.originals):
