@@ -310,11 +310,11 @@ class Unit:
                 full = [to_device(s.detach().view(leaf.shape), self.device, self.unit.param_dtype,
                                   self.group.ctx.observers, self.unit.name) for s, leaf in zip(self.shards, leaves)]
             elif not lay.gathers:  # NO_SHARD, or a world of one: the shard is the parameter
-                base = kept_buffer(self.shards, self.unit.numel, self.shards[0].dtype,
-                                   self.layout.offsets(self.unit, 0)) if self.unit.flat and self.shards else None
-                if base is not None:  # a flat unit: one cast of its buffer (if any), the parameters views of it
-                    full, storages = kept_views(self.shards, (lay, self.unit), base, leaves, self.unit.param_dtype,
-                                                keep=not self.group.ctx.scope.recording)
+                # a flat unit whose shards are views of one buffer: one cast of it (if any), the parameters views of it
+                found = kept_views(self.shards, (lay, self.unit), self.unit.numel, lay.offsets(self.unit, 0), leaves,
+                                   self.unit.param_dtype, keep=not self.group.ctx.scope.recording) if self.unit.flat else None
+                if found is not None:
+                    full, storages = found
                     own = storages is not None  # (kept views of the shard buffer: no cast, no recording)
                 else:
                     full = [s.detach().view(leaf.shape).to(self.unit.param_dtype)
@@ -481,7 +481,7 @@ class GatherUnit(torch.autograd.Function):
         # Fresh tensor objects on the same storage: autograd attaches this node to them,
         # and a second application (a recompute that reuses the kept parameters) must
         # not rewire the tensors of the first.
-        return tuple(t.detach() for t in full)
+        return tuple([t.detach() for t in full])
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]

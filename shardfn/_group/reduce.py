@@ -70,7 +70,7 @@ class UnitGrads:
     its backward packs, and the shard gradients a reduction gives. Its reductions are
     issued and waited for by its unit group (shardfn._group.group)."""
 
-    __slots__ = ("unit", "nodes", "graphed", "acc", "replicate", "bucket")
+    __slots__ = ("unit", "nodes", "graphed", "acc", "replicate", "bucket", "plain")
 
     def __init__(self, unit: Any, bucket: Any = None):
         self.unit = unit
@@ -81,15 +81,12 @@ class UnitGrads:
         self.graphed = False  # a node was built since the last reduction
         self.acc: Any = None  # the unsharded gradient buffer (a world of one: a list of per-leaf gradients)
         self.bucket = bucket  # the shardfn._group.buckets.ReduceBucket it reduces in ([Note: buckets]), in a step
+        # a world of one without replicas: nothing to reduce (see [Note: copies] 4.)
+        self.plain = unit.layout.reduction is Reduction.NONE
 
     def count_node(self) -> None:
         self.nodes += 1
         self.graphed = True
-
-    @property
-    def plain(self) -> bool:
-        """A world of one without replicas: nothing to reduce (see [Note: copies] 4.)."""
-        return self.unit.layout.reduction is Reduction.NONE
 
     def accumulate(self, grads: tuple[torch.Tensor | None, ...], owned: set[int]) -> None:
         """Adds one use's gradients: packed into the unsharded buffer, or, in a world of one,
@@ -158,7 +155,7 @@ class UnitGrads:
                     key = storage_key(g)
             if acc[j] is None:
                 owned.add(key)
-                acc[j] = g.view(shape)
+                acc[j] = g.view(-1) if len(shape) == 1 else g.view(shape)  # (the same view; -1 is parsed faster)
             else:
                 acc[j].add_(g.view(shape))
         self.acc = acc

@@ -143,6 +143,8 @@ class Runtime:
             return
         if forward:
             self.seen.append(key)
+        if not any(tree.layout.gathers for tree, _ in self._trees):  # (a unit that gathers nothing prefetches nothing)
+            return
         if self._places is None:  # each key's first place in the order, and its last (backward's first)
             first: dict[tuple[int, int], int] = {}
             for i, k in enumerate(self.order):
