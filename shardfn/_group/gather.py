@@ -120,9 +120,9 @@ class Unit:
     """A unit's runtime state for one runtime (one step, or one call outside a step)."""
 
     __slots__ = (
-        "layout", "unit", "key", "shards", "slots", "mesh", "channel", "rank", "group", "grads", "replica",
+        "layout", "unit", "leaves", "key", "shards", "slots", "mesh", "channel", "rank", "group", "grads", "replica",
         # where it is in its life (see [Note: the life of a unit])
-        "state", "full", "storages", "secondary", "use", "outputs", "entry", "handles", "reading",
+        "state", "full", "storages", "own", "secondary", "use", "outputs", "entry", "handles", "reading",
         "calls", "pinned", "bucket",
     )
 
@@ -131,6 +131,7 @@ class Unit:
                  bucket: Any = None, reduce_bucket: Any = None):
         self.layout = layout
         self.unit = unit
+        self.leaves = [layout.leaves[n] for n in unit.leaves]  # their LeafLayouts, in unit order
         self.key = key  # (index of its tree in the runtime, unit index): the prefetch order's entries
         self.shards = shards
         self.slots: list[tuple[nn.Module, str, int]] = slots  # where each full tensor goes
@@ -143,6 +144,7 @@ class Unit:
         self.state = State.SHARDED
         self.full: list[torch.Tensor] | None = None  # GATHERED: the full parameters
         self.storages: dict[int, Any] = {}  # GATHERED: their storages (storage_key) -> where each leaf lies in it
+        self.own = False  # GATHERED: the full parameters are views of the shards themselves ([Note: nothing to drop])
         self.secondary: torch.Tensor | None = None  # resharded to k ranks: this rank's 1/k (see _issue)
         self.use: Use | None = None  # the use in progress
         self.outputs: tuple[torch.Tensor, ...] | None = None  # that use's full parameters, while it runs
@@ -211,7 +213,7 @@ class Unit:
             self._release()
 
     def _release(self) -> None:
-        self.state, self.full, self.storages = State.SHARDED, None, {}
+        self.state, self.full, self.storages, self.own = State.SHARDED, None, {}, False
         self._note(UnitEvent.FREE)
 
     def start_micro_batch(self) -> None:
@@ -298,21 +300,22 @@ class Unit:
     def _gather(self, purpose: Purpose) -> list[torch.Tensor]:
         """SHARDED or IN_FLIGHT -> GATHERED: the full parameters of the unit (no autograd),
         from one all-gather of the flat shards."""
-        invariant(self.state is not State.GATHERED, f"unit {self.unit.name!r} gathered twice")
-        lay, world, storages = self.layout, self.layout.world, None
-        leaves = [lay.leaves[n] for n in self.unit.leaves]
-        with torch.no_grad():
+        if self.state is State.GATHERED:
+            invariant(False, f"unit {self.unit.name!r} gathered twice")
+        lay, world, storages, own, leaves = self.layout, self.layout.world, None, False, self.leaves
+        with torch.no_grad() if torch.is_grad_enabled() else nullcontext():  # (GatherUnit's forward runs without)
             if self.replica is not None:  # [Note: replicated parameters]: gathered after the last update
                 full = self.replica
             elif not lay.gathers and lay.offloaded:  # no all-gather: each leaf copied to the device
                 full = [to_device(s.detach().view(leaf.shape), self.device, self.unit.param_dtype,
                                   self.group.ctx.observers, self.unit.name) for s, leaf in zip(self.shards, leaves)]
             elif not lay.gathers:  # NO_SHARD, or a world of one: the shard is the parameter
-                base = kept_buffer(self.shards, self.unit.numel, self.shards[0].dtype,
-                                   self.layout.offsets(self.unit, 0)) if self.unit.flat and self.shards else None
-                if base is not None:  # a flat unit: one cast of its buffer (if any), the parameters views of it
-                    full, storages = kept_views(self.shards, (lay, self.unit), base, leaves, self.unit.param_dtype,
-                                                keep=not self.group.ctx.recorded)
+                # a flat unit whose shards are views of one buffer: one cast of it (if any), the parameters views of it
+                found = kept_views(self.shards, (lay, self.unit), self.unit.numel, lay.offsets(self.unit, 0), leaves,
+                                   self.unit.param_dtype, keep=not self.group.ctx.recorded) if self.unit.flat else None
+                if found is not None:
+                    full, storages = found
+                    own = storages is not None  # (kept views of the shard buffer: no cast, no recording)
                 else:
                     full = [s.detach().view(leaf.shape).to(self.unit.param_dtype)
                             for s, leaf in zip(self.shards, leaves)]
@@ -331,7 +334,7 @@ class Unit:
                     _, index = self.mesh.subgroup(k)
                     self.secondary = out.view(-1).chunk(k)[index].clone()
                 full = unpack_unit(out, leaves, world)  # one copy: FSDP2's copy-out
-        self.state, self.full = State.GATHERED, full
+        self.state, self.full, self.own = State.GATHERED, full, own
         self.storages = storages if storages is not None else leaves_by_storage(full)
         self._note(UnitEvent.GATHER if purpose is Purpose.GATHER else UnitEvent.REGATHER)
         return full
@@ -375,7 +378,8 @@ class Unit:
         """Places the current use's parameters into the module; ``handles``: the
         saved-tensor hooks to run the module under (None for none)."""
         outputs = self.outputs
-        invariant(outputs is not None, f"unit {self.unit.name!r} entered without gathered parameters")
+        if outputs is None:
+            invariant(False, f"unit {self.unit.name!r} entered without gathered parameters")
         range_ = marker(lambda: f"shardfn::forward[{self.unit.name}]")
         range_.__enter__()
         self.entry = _Entry([sub._parameters[attr] for sub, attr, _ in self.slots], handles, range_)
@@ -388,7 +392,8 @@ class Unit:
         """Restores the module. The use ends here unless the unit keeps its parameters
         after forward outside remat (then it ends with the sharded call)."""
         entry, self.entry = self.entry, None
-        invariant(entry is not None, f"unit {self.unit.name!r} exited without entering")
+        if entry is None:
+            invariant(False, f"unit {self.unit.name!r} exited without entering")
         if entry.hooks is not None:
             entry.hooks.__exit__(None, None, None)
         for (sub, attr, _), t in zip(self.slots, entry.originals):
@@ -433,7 +438,16 @@ class _Handle:
 
 def saved_handles(units: list[Unit]) -> Any:
     """Saved-tensor hooks that pack the gathered parameters of ``units`` (one module's, several for several
-    dtypes: [Note: mixed dtypes in a unit]) as :class:`_Handle`; everything else autograd saves passes through."""
+    dtypes: [Note: mixed dtypes in a unit]) as :class:`_Handle`; everything else autograd saves passes through.
+    None where every unit's parameters are the shards themselves ([Note: nothing to drop])."""
+
+    # [Note: nothing to drop]
+    # Where nothing is gathered and nothing cast (a world of one, a flat unit's kept views of
+    # its shard buffer), the full parameters are the shards' own memory: dropping them frees
+    # nothing, so saved tensors stay plain references to it (the same values backward reads)
+    # and backward never gathers the unit again. A cast or a recorded step still packs handles.
+    if all(unit.own for unit in units):
+        return None
 
     def pack(t: torch.Tensor) -> Any:
         if t.is_sparse:
@@ -467,7 +481,7 @@ class GatherUnit(torch.autograd.Function):
         # Fresh tensor objects on the same storage: autograd attaches this node to them,
         # and a second application (a recompute that reuses the kept parameters) must
         # not rewire the tensors of the first.
-        return tuple(t.detach() for t in full)
+        return tuple([t.detach() for t in full])
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]

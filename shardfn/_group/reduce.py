@@ -70,7 +70,7 @@ class UnitGrads:
     its backward packs, and the shard gradients a reduction gives. Its reductions are
     issued and waited for by its unit group (shardfn._group.group)."""
 
-    __slots__ = ("unit", "nodes", "graphed", "acc", "replicate", "bucket")
+    __slots__ = ("unit", "nodes", "graphed", "acc", "replicate", "bucket", "plain")
 
     def __init__(self, unit: Any, bucket: Any = None):
         self.unit = unit
@@ -81,22 +81,18 @@ class UnitGrads:
         self.graphed = False  # a node was built since the last reduction
         self.acc: Any = None  # the unsharded gradient buffer (a world of one: a list of per-leaf gradients)
         self.bucket = bucket  # the shardfn._group.buckets.ReduceBucket it reduces in ([Note: buckets]), in a step
+        # a world of one without replicas: nothing to reduce (see [Note: copies] 4.)
+        self.plain = unit.layout.reduction is Reduction.NONE
 
     def count_node(self) -> None:
         self.nodes += 1
         self.graphed = True
 
-    @property
-    def plain(self) -> bool:
-        """A world of one without replicas: nothing to reduce (see [Note: copies] 4.)."""
-        return self.unit.layout.reduction is Reduction.NONE
-
     def accumulate(self, grads: tuple[torch.Tensor | None, ...], owned: set[int]) -> None:
         """Adds one use's gradients: packed into the unsharded buffer, or, in a world of one,
         kept as the shards' own (``owned``: the storages of gradients handed out so far)."""
         unit = self.unit
-        lay, u = unit.layout, unit.unit
-        leaves = [lay.leaves[n] for n in u.leaves]
+        lay, u, leaves = unit.layout, unit.unit, unit.leaves
         device = unit.device  # the compute device (the shards may be in host memory: offload)
         if self.plain:
             self._own(grads, leaves, device, owned)
@@ -141,21 +137,25 @@ class UnitGrads:
                 for leaf in leaves]
             return
         acc = self.acc or [None] * len(leaves)
+        layout, rank, reduce_dtype, cast = self.unit.layout, self.unit.rank, u.reduce_dtype, u.reduce_dtype != u.dtype
         for j, (g, leaf) in enumerate(zip(grads, leaves)):
             if leaf.grad_offset < 0:
                 continue
-            shape = self.unit.layout.shard_shape(leaf.path, self.unit.rank)
+            shape = layout.shard_shape(leaf.path, rank)
             if g is None:
                 g = torch.zeros(shape, dtype=u.dtype, device=device)
+                key = storage_key(g)
             else:
                 g = g.detach() if g.requires_grad else g
-                if g.dtype != u.reduce_dtype or u.reduce_dtype != u.dtype:  # (else both casts return g)
-                    g = g.to(u.reduce_dtype).to(u.dtype)
-                if acc[j] is None and (not g.is_contiguous() or storage_key(g) in owned):
+                if cast or g.dtype != reduce_dtype:  # (else both casts return g)
+                    g = g.to(reduce_dtype).to(u.dtype)
+                key = storage_key(g) if acc[j] is None else None
+                if acc[j] is None and (key in owned or not g.is_contiguous()):
                     g = g.clone(memory_format=torch.contiguous_format)
+                    key = storage_key(g)
             if acc[j] is None:
-                owned.add(storage_key(g))
-                acc[j] = g.view(shape)
+                owned.add(key)
+                acc[j] = g.view(-1) if len(shape) == 1 else g.view(shape)  # (the same view; -1 is parsed faster)
             else:
                 acc[j].add_(g.view(shape))
         self.acc = acc
@@ -172,8 +172,7 @@ class UnitGrads:
     def shard_grads_list(self, out: Any) -> list[torch.Tensor | None]:
         """The shard gradient of every leaf of the unit (``None`` for frozen ones), from a
         reduction that :meth:`to_master` finished."""
-        lay, u = self.unit.layout, self.unit.unit
-        leaves = [lay.leaves[n] for n in u.leaves]
+        u, leaves = self.unit.unit, self.unit.leaves
         if isinstance(out, list):
             return out
         if u.flat:  # [Note: placements]: the gradient shard buffer is laid out as the shard buffer

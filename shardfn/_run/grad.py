@@ -135,7 +135,7 @@ class Grad:
                 f"{self.options.what}(sharded, ...): expected the ShardedParams from shardfn.shard(), got "
                 f"{type(sharded).__name__}."
             )
-        if sharded.mesh != self.mesh:
+        if sharded.mesh is not self.mesh and sharded.mesh != self.mesh:
             raise ValueError(
                 f"{self.options.what}(sharded, ...): the shards live on {sharded.mesh!r} but this {self.options.what} was built for "
                 f"{self.mesh!r}. Shard with the same mesh you pass to jit_step / jit_grad."

@@ -92,10 +92,36 @@ def check_outputs(out: Any, old: Any, sharded: ShardedParams) -> tuple[Any, Any]
     return updates, new
 
 
-def quick(tree: Any) -> tuple[Any, list[Any]]:
-    """The structure, and each leaf's shape and dtype (a tensor) or type: cheap to compare."""
+def quick(tree: Any) -> Any:
+    """The structure, and each leaf's shape and dtype (a tensor) or type: cheap to compare.
+
+    Two are equal only where pytree flattens both alike and their leaves agree: a tree of
+    dicts, lists, tuples and namedtuples is written as one list of its nodes (type, keys or
+    length) and leaves in pytree's order, walked here without pytree's dispatch per node
+    (a step checks its optimizer state with it every time); a tree with other pytree
+    nodes, as pytree's spec and leaves (a tuple: never equal to such a list)."""
+    out: list[Any] = []
+    if _walk(tree, out):
+        return out
     leaves, spec = pytree.tree_flatten(tree)
     return spec, [(x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves]
+
+
+def _walk(x: Any, out: list[Any]) -> bool:
+    """Appends what :func:`quick` says of ``x``; False at a pytree node other than those four."""
+    t = type(x)
+    if t is dict or t is list or t is tuple or (isinstance(x, tuple) and pytree.is_namedtuple_class(t)):
+        out.append((t, tuple(x) if t is dict else len(x)))  # (pytree's context: a dict's keys, in order)
+        for child in x.values() if t is dict else x:
+            if isinstance(child, torch.Tensor) and type(child) not in pytree.SUPPORTED_NODES:
+                out.append((child.shape, child.dtype))  # (a leaf: a tuple, never a node's (type, ...))
+            elif not _walk(child, out):
+                return False
+        return True
+    if t in pytree.SUPPORTED_NODES:
+        return False
+    out.append((x.shape, x.dtype) if isinstance(x, torch.Tensor) else t)
+    return True
 
 
 def _devices(tree: Any) -> list[torch.device | None]:

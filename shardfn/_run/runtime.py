@@ -78,6 +78,7 @@ class Runtime:
         self.after_forward = after_forward or (AfterForward.KEEP if self.options.keep_gathered else AfterForward.PLAN)
         self.order = list(order or [])  # (tree index, unit index) in the previous step's forward order
         self.seen: list[tuple[int, int]] = []  # ... and in this one
+        self._places: tuple[dict, dict] | None = None  # where each key is in ``order`` (prefetch_after)
         self.last_micro_batch = True
         self.owner = owner  # the step's own sharded tree: its gradients are collected
         self.buffers = buffers  # shardfn._run.buffers.StepBuffers of the owner, in a step
@@ -139,15 +140,22 @@ class Runtime:
         that will be regathered. At most ``d`` units are in flight or waiting beside the
         running one, so FULL_SHARD holds at most ``d + 1`` units (tests/test_memory_plans.py
         asserts it); 0 gathers each unit only when it runs."""
-        if not self.options.prefetch:
+        d = self.options.prefetch
+        if not d:
             return
         if forward:
             self.seen.append(key)
-        order = self.order if forward else self.order[::-1]
-        if key not in order:
+        if not any(tree.layout.gathers for tree, _ in self._trees):  # (a unit that gathers nothing prefetches nothing)
             return
-        i = order.index(key)
-        for nxt in order[i + 1 : i + 1 + self.options.prefetch]:
+        if self._places is None:  # each key's first place in the order, and its last (backward's first)
+            first: dict[tuple[int, int], int] = {}
+            for i, k in enumerate(self.order):
+                first.setdefault(k, i)
+            self._places = (first, {k: i for i, k in enumerate(self.order)})
+        i = self._places[0 if forward else 1].get(key)
+        if i is None:
+            return
+        for nxt in self.order[i + 1 : i + 1 + d] if forward else self.order[max(0, i - d) : i][::-1]:
             unit = self._unit_at(nxt)
             if unit is not None and unit.prefetchable(forward):
                 unit.prefetch(forward)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -255,31 +256,41 @@ class _Kept:
 
 def _kept(shards: Sequence[torch.Tensor]) -> _Kept:
     kept = _KEPT.get(shards[0])
-    if kept is None or len(kept.shards) != len(shards) or any(r() is not s for r, s in zip(kept.shards, shards)):
+    if kept is None or len(kept.shards) != len(shards) or not all(
+            map(operator.is_, map(weakref.ref.__call__, kept.shards), shards)):
         kept = _KEPT[shards[0]] = _Kept(shards)
     return kept
 
 
-def kept_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
-                offsets: Sequence[int]) -> torch.Tensor | None:
-    """:func:`shard_buffer`, found once for the same shards ([Note: kept views])."""
-    if not shards:
-        return None
-    kept, key = _kept(shards), (numel, dtype, tuple(offsets))
+def _buffer(kept: _Kept, shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
+            offsets: Sequence[int]) -> torch.Tensor | None:
+    key = (numel, dtype, tuple(offsets))
     if kept.buffer_for != key:
         kept.buffer, kept.buffer_for = shard_buffer(shards, numel, dtype, offsets), key
     return kept.buffer
 
 
-def kept_views(shards: Sequence[torch.Tensor], key: tuple, base: torch.Tensor, leaves: Sequence[LeafLayout],
-               dtype: torch.dtype, keep: bool) -> tuple[list[torch.Tensor], dict | None]:
-    """A flat unit's parameters in ``dtype`` from ``base``, its shards' buffer, and where each
-    lies (:func:`leaves_by_storage`, None if not kept): views of ``base`` in its own dtype,
+def kept_buffer(shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
+                offsets: Sequence[int]) -> torch.Tensor | None:
+    """:func:`shard_buffer`, found once for the same shards ([Note: kept views])."""
+    return _buffer(_kept(shards), shards, numel, dtype, offsets) if shards else None
+
+
+def kept_views(shards: Sequence[torch.Tensor], key: tuple, numel: int, offsets: Sequence[int],
+               leaves: Sequence[LeafLayout], dtype: torch.dtype, keep: bool) -> tuple[list[torch.Tensor], dict | None] | None:
+    """A flat unit's parameters in ``dtype`` from its shards' buffer (:func:`kept_buffer` in
+    their own dtype; None if they are not views of one), and where each lies
+    (:func:`leaves_by_storage`, None if not kept): views of the buffer in its own dtype,
     made once for the same shards and ``key`` (the objects their layout is made of, compared
     by identity) while ``keep``; a cast, every time ([Note: kept views])."""
+    if not shards:
+        return None
+    kept = _kept(shards)
+    base = _buffer(kept, shards, numel, shards[0].dtype, offsets)
+    if base is None:
+        return None
     if base.dtype != dtype or not keep:
         return unpack_unit(base.detach().to(dtype).view(1, -1), leaves, 1), None
-    kept = _kept(shards)
     was = kept.views_for
     if was is None or len(was) != len(key) or any(a is not b for a, b in zip(was, key)):
         full = unpack_unit(base.detach().view(1, -1), leaves, 1)

@@ -14,7 +14,8 @@ computed once per model, from the module tree, by :func:`tree_info`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -49,6 +50,23 @@ class TensorTree(Mapping):
 
     def __len__(self) -> int:
         return len(self._data)
+
+    # The dict's own views and look-ups, not Mapping's, which call __getitem__ once per
+    # key: a step's checks and its optimizer read every leaf of these trees.
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._data.get(key, default)
+
+    def keys(self) -> KeysView[str]:
+        return self._data.keys()
+
+    def values(self) -> ValuesView[torch.Tensor]:
+        return self._data.values()
+
+    def items(self) -> ItemsView[str, torch.Tensor]:
+        return self._data.items()
 
 
 @dataclasses.dataclass(frozen=True)
