@@ -65,7 +65,7 @@ from .scope import Scope, Where, within
 
 __all__ = [
     "Channel", "CommError", "DivergenceError", "Failure", "Guard", "PeerError", "Scope", "Where", "agree",
-    "agree_exit", "agree_words", "exchange", "fail", "guarded", "wait", "words",
+    "agree_exit", "agree_words", "exchange", "exchange_details", "fail", "guarded", "wait", "words",
 ]
 
 DEFAULT_STEP_TIMEOUT = 60.0
@@ -212,6 +212,13 @@ def exchange(ch: Channel, mine: list[int], what: str, scope: Scope) -> list[list
     """
     with untraced(scope.comm.recorded):
         return _exchange(ch, mine, what, scope.run)
+
+
+def exchange_details(ch: Channel, detail: int, what: str, scope: Scope) -> list[int]:
+    """Every rank's ``detail`` (a digest, a seed, a fingerprint) on ``ch``, in rank order,
+    from one step header; the caller decides what a difference means."""
+    mine = words(Collective.BARRIER, Purpose.STEP, "", 0, detail, None, scope.where)
+    return [h[DETAIL] for h in exchange(ch, [*mine, OK, 0], what, scope)]
 
 
 def _exchange_all(channels: list[Channel], mine: list[int], what: str, recorded: bool) -> list[list[list[int]]]:

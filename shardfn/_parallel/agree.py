@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from .._comm import collectives as C
 from .._comm import guard as G
 from .._errors import DivergenceError
-from .._comm.events import Collective, Purpose
+from .._comm.events import Purpose
 
 __all__ = ["agree_on_batch", "agree_on_optional", "batch_digests", "other_batches"]
 
@@ -105,9 +105,7 @@ def agree_on_batch(batch: Any, mesh: Any, scope: G.Scope) -> None:
 def _agree(ch: Any, mesh: Any, digest: int, what: str, message: str, scope: G.Scope) -> None:
     """One header on the tensor axis with this rank's ``digest``; ranks whose digests differ
     all raise DivergenceError with ``message``, before anything changes."""
-    mine = G.words(Collective.BARRIER, Purpose.STEP, "", 0, digest, None, scope.where)
-    headers = G.exchange(ch, [*mine, G.OK, 0], what, scope)
-    digests = [h[G.DETAIL] for h in headers]
+    digests = G.exchange_details(ch, digest, what, scope)
     if len(set(digests)) > 1:
         raise G.told(DivergenceError(message.format(rank=mesh.rank, ranks=list(ch.ranks), digests=digests)), ch)
 

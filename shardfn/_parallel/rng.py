@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from .._comm import guard as G
-from .._comm.events import Collective, Purpose
 
 __all__ = ["TensorRandom"]
 
@@ -76,9 +75,7 @@ class TensorRandom:
         ch = mesh.channel("tensor")
         seed = torch.initial_seed() & (2**62 - 1)
         if not ch.off:
-            mine = G.words(Collective.BARRIER, Purpose.STEP, "", 0, seed, None, scope.where)
-            headers = G.exchange(ch, [*mine, G.OK, 0], "the tensor axis's random stream", scope)
-            seed = headers[0][G.DETAIL]
+            seed = G.exchange_details(ch, seed, "the tensor axis's random stream", scope)[0]
         self.seed = seed
         cpu = torch.Generator().manual_seed(seed).get_state()
         device = None

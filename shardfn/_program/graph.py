@@ -42,7 +42,7 @@ from .._comm import guard as G
 from .._comm.failures import describe
 from .._run.batch import count_tokens
 from .._errors import CommError, DivergenceError
-from .._comm.events import Collective, CollectiveCall, CollectiveLog, Purpose, emit, observe
+from .._comm.events import CollectiveCall, CollectiveLog, emit, observe
 from .._comm.scope import here
 from .._run.functionalize import apply_of
 from .host import refuse_host_tensors
@@ -469,9 +469,7 @@ class GraphStep:
             if ch.off:
                 continue
             what = "the recorded program of jit_step(graph=True)"
-            mine = G.words(Collective.BARRIER, Purpose.STEP, "", 0, prog.fingerprint, None, scope.where)
-            headers = G.exchange(ch, [*mine, G.OK, 0], what, scope)
-            prints = [h[G.DETAIL] for h in headers]
+            prints = G.exchange_details(ch, prog.fingerprint, what, scope)
             if len(set(prints)) > 1:
                 raise G.told(DivergenceError(_DIFFERENT.format(rank=self.mesh.rank, ranks=list(ch.ranks), prints=prints,
                                                                what=what)), ch)
