@@ -25,14 +25,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ._comm.compiling import watch_compiles
 from ._comm.scope import here
 
-__all__ = ["backend_of", "compilable", "compile_stats"]
+__all__ = ["Compiling", "backend_of", "compilable", "compile_stats"]
+
+
+class Compiling(NamedTuple):
+    """How the step in progress runs what :func:`compilable` wraps: fixed when its runtime
+    is built, carried by its unit groups' context and, for an optimizer's kernel (which the
+    step calls through the public ``update``), by the scope the step runs in."""
+
+    backend: str | None = None  # jit_step(compile=...)'s torch.compile backend; None: eager
+    recorded: bool = False  # a graph step being recorded ([Note: recording a step])
+    split: bool = False  # the step's tree has split layers: a forward runs eagerly once first (its checks)
+
+
+EAGER = Compiling()
 
 
 def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None) -> Callable[..., Any]:
@@ -46,21 +59,20 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
     the graph). Pass by keyword what is constant."""
     compiled: dict[str, Callable[..., Any]] = {}
 
-    def under(rt: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn`` as the step ``rt`` runs it (a runtime, or its units' context; None: none): a
-        remat recompute, which runs in backward, names its unit's context ([Note: backward on
-        device threads] in shardfn._comm.guard)."""
+    def under(how: Compiling, *args: Any, **kwargs: Any) -> Any:
+        """``fn`` as a step runs it (``how``, handed down: a remat recompute runs in backward,
+        where no scope is read, [Note: backward on device threads] in shardfn._comm.guard)."""
         # while recorded, the scalars as values of the program ([Note: recording a step])
-        if traced is not None and rt is not None and rt.scope.comm.recorded:
+        if traced is not None and how.recorded:
             device = _device_of(args)  # made there: no host constant in a device program
             return traced(*(torch.full((), a, dtype=torch.float64, device=device) if isinstance(a, float) else a
                             for a in args), **kwargs)
-        backend = rt.options.compile if rt is not None else None
+        backend = how.backend
         if not backend:
             return fn(*args, **kwargs)
         if backend not in compiled:
             compiled[backend] = torch.compile(traced or fn, backend=backend)
-            if traced is None and getattr(getattr(rt.owner, "layout", None), "tensor", ()):
+            if traced is None and how.split:
                 # once eagerly: the checks of split outputs and of a sequence region ([Note: a split
                 # layer's output], [Note: the sequence region]), which a compiled forward cannot make
                 return fn(*args, **kwargs)
@@ -70,7 +82,7 @@ def compilable(fn: Callable[..., Any], traced: Callable[..., Any] | None = None)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return under(here().runtime, *args, **kwargs)
+        return under(here().compiling or EAGER, *args, **kwargs)
 
     wrapped.under = under  # type: ignore[attr-defined]
     return wrapped

@@ -247,18 +247,38 @@ def _calls(tree: ast.Module, names: set[str]) -> list[ast.Call]:
 
 def runtime_reads(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
     """Places that find the step's runtime instead of being handed it: the ambient lookup
-    ``current()``, a ``.runtime`` back-pointer read, and what is kept on ``apply`` for its
-    calls (``apply.calls``, ``apply.tensor_calls``, ``apply.active``, ``apply.prepared``)."""
+    ``current()``, a ``.runtime`` back-pointer read, and a stack of calls in progress kept on
+    ``apply`` (``apply.calls``, ``apply.tensor_calls``, ``apply.active``). Not counted: a
+    public entry point's read of the scope it begins in, ``here().runtime`` (the boundary,
+    where the issue lets a ContextVar stay; its ``here()`` counts among the mode reads), and
+    what ``apply`` makes once per layout (``apply.prepared``: hooks, slots and ties, the
+    model's and not a step's)."""
     out = []
     for path, tree in modules.items():
         for n in _calls(tree, {"current"}):
             out.append((path, n.lineno, ast.unparse(n)))
         for n in ast.walk(tree):
             if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and (
-                    n.attr == "runtime" or (isinstance(n.value, ast.Name) and n.value.id == "apply"
-                                            and n.attr in ("calls", "tensor_calls", "active", "prepared"))):
+                    (n.attr == "runtime" and not (isinstance(n.value, ast.Call) and getattr(n.value.func, "id", "") == "here"))
+                    or (isinstance(n.value, ast.Name) and n.value.id == "apply"
+                        and n.attr in ("calls", "tensor_calls", "active"))):
                 out.append((path, n.lineno, ast.unparse(n)))
     return sorted(out)
+
+
+def boundary_reads(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
+    """Where a public entry point takes the step it runs in from the scope it begins in
+    (``here().runtime``), with the function that does: the one lookup of the runtime that
+    :func:`runtime_reads` leaves out."""
+    out = []
+    for path, tree in modules.items():
+        for f in ast.walk(tree):
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for n in ast.walk(f):
+                    if isinstance(n, ast.Attribute) and n.attr == "runtime" and isinstance(n.value, ast.Call) \
+                            and getattr(n.value.func, "id", "") == "here":
+                        out.append((path, n.lineno, f.name))
+    return sorted(set(out))
 
 
 def mode_reads(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
@@ -353,6 +373,9 @@ def core_counts() -> None:
             per[path] = per.get(path, 0) + 1
         print(f"{title}: {len(found)}")
         print("    " + ", ".join(f"{p} {k}" for p, k in sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))))
+        if title.startswith("reads of the runtime"):
+            print("    at a public entry instead (here().runtime): "
+                  + ", ".join(f"{p}:{line} {f}" for p, line, f in boundary_reads(modules)))
     calls = [r for r in mode_reads(modules) if r[2].split(".")[-1] in MODE_CALLS]
     print(f"    of which calls of {', '.join(sorted(MODE_CALLS))}: {len(calls)}")
     swapped = swapped_globals(ROOT.parent / "tests", modules)

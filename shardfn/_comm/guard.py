@@ -423,15 +423,17 @@ def fail(mesh: Any, exc: BaseException, scope: Scope) -> Told | None:
 
 
 @contextmanager
-def guarded(mesh: Any, where: int | None = None, **changes: Any) -> Iterator[Scope]:
+def guarded(mesh: Any, where: int | None = None, alone: str | None = None, **changes: Any) -> Iterator[Scope]:
     """A region whose errors every peer learns (see :func:`fail`); ``where`` marks its
     collectives' headers, ``changes`` the rest of its scope (shardfn._comm.scope.within).
     Yields the region's scope, which its code hands down. Nested regions leave it to the
-    outermost."""
+    outermost; a region that must be outermost raises ``alone`` (a RuntimeError) inside another."""
     if where is not None:
         changes["where"] = where
     with within(guarded=True, **changes) as (outer, scope):
         try:
+            if alone is not None and outer.guarded:
+                raise RuntimeError(alone)
             yield scope
         except Exception as e:
             if not outer.guarded and mesh is not None and mesh.size > 1:

@@ -43,6 +43,7 @@ class Scope(NamedTuple):
     runtime: Any = None  # the runtime of the step (or call of apply) in progress: shardfn._run.runtime
     shards: Any = None  # (mesh, whether the shard axis holds different shards), set by on_shards
     observers: tuple[Any, ...] = ()  # what events are handed to (shardfn._comm.events)
+    compiling: Any = None  # how the step in progress compiles (shardfn._compile.Compiling); None: eager
 
 
 _SCOPE: contextvars.ContextVar[Scope] = contextvars.ContextVar("shardfn_scope", default=Scope())

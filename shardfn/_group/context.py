@@ -43,3 +43,4 @@ class Context(NamedTuple):
     after_forward: AfterForward
     owned: set[int]  # storages of gradients handed out in a world of one (UnitGrads.own)
     prefetch_after: Callable[[tuple[int, int], bool], None]  # the runtime's prefetch across its trees
+    compiling: Any  # how its unit modules' forwards run (shardfn._compile.Compiling)

@@ -1,8 +1,9 @@
 """What a split layer's forward reads of the sharded call it runs in: one typed value a call;
 and how a layout says in words what it splits.
 
-A sharded call on a layout with split layers (shardfn._parallel.tensor, shardfn._parallel.sequence) pushes a
-:class:`TensorCall` on its ``apply``; each split module's forward reads the innermost. It
+A sharded call on a layout with split layers (shardfn._parallel.tensor, shardfn._parallel.sequence) hands
+a :class:`TensorCall` to the site of each hooked module for the call ([Note: a site per
+hooked module] in shardfn._run.call); each split module's forward reads its own. It
 carries the layout's styles, the runtime whose scope and observers its collectives take
 ([Note: backward on device threads] in shardfn._comm.guard), how the call runs (:class:`Pass`),
 the shared colwise inputs of the call ([Note: one all-reduce per shared input]) and the

@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 
 from .._comm import guard as G
-from .call import Active, active, units_for
+from .call import _prepare, bound, units_for
+from .functionalize import Apply
 from .._comm.events import Purpose
 from .._comm.guard import Where, guarded
 from .runtime import AfterForward, Runtime
@@ -79,16 +80,15 @@ def bind(apply: Any, sharded: ShardedParams, *, keep_gathered: bool = False) -> 
     if not isinstance(sharded, ShardedParams):
         raise TypeError(f"bind(apply, sharded): expected the ShardedParams from shardfn.shard(), got "
                         f"{type(sharded).__name__}.")
-    if not hasattr(apply, "active") or not isinstance(getattr(apply, "module", None), nn.Module):
+    if not isinstance(apply, Apply):
         raise TypeError(f"bind(apply, sharded): expected the apply of shardfn.functionalize(), got "
                         f"{type(apply).__name__}.")
     # The block is one guarded region from here: an error on one rank (gathering the root
     # unit, or in the block) reaches the others at their next collective; ranks that made
     # different calls learn it at the latest at the end of the block (see the agreement below).
-    with guarded(sharded.mesh, Where.BIND) as scope:
-        if scope.runtime is not None or apply.active:
-            raise RuntimeError("bind(apply, sharded) inside a step or a sharded call: bind is for inference outside "
-                               "a step; inside loss_fn call apply(params, ...).")
+    alone = ("bind(apply, sharded) inside a step or a sharded call: bind is for inference outside a step; inside "
+             "loss_fn call apply(params, ...).")
+    with guarded(sharded.mesh, Where.BIND, alone=alone) as scope:
         returned = yield from _bound(apply, sharded, keep_gathered, scope)
     if returned:  # every rank ends the block here, or the ranks' calls differed: all of them raise
         G.agree_exit(sharded.mesh.channel("shard"), "shardfn.bind(...)", scope)
@@ -99,7 +99,7 @@ def _bound(apply: Any, sharded: ShardedParams, keep_gathered: bool, scope: Any) 
     layout = sharded.layout
     rt = Runtime(sharded.mesh, scope, after_forward=AfterForward.KEEP if keep_gathered else AfterForward.FREE,
                  where=Where.BIND)
-    units = units_for(apply, sharded, rt)
+    units = units_for(apply, sharded, rt, _prepare(apply, layout))
     with torch.no_grad():
         state = {n: sharded[n] for n in layout.buffers}
         for root in units.get("", []):
@@ -112,10 +112,10 @@ def _bound(apply: Any, sharded: ShardedParams, keep_gathered: bool, scope: Any) 
         d[attr] = t
     # split layers run split in the block (shardfn._parallel.tensor); a sequence region runs whole: the
     # same sums, on sequences of any length (a generated token at a time)
-    call = Active(units, TensorCall.of(layout, rt, Pass.WHOLE))
+    call = TensorCall.of(layout, rt, Pass.WHOLE)
     returned = False
     try:
-        with active(apply, call), torch.no_grad(), sharded.mesh.random.drawing(sharded.mesh, rt.scope):
+        with bound(apply.sites, units, call), torch.no_grad(), sharded.mesh.random.drawing(sharded.mesh, rt.scope):
             yield apply.module
         returned = True
     finally:

@@ -26,6 +26,7 @@ docs/how-it-works.md, "A sharded call".
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -51,45 +52,51 @@ from .._parallel.tensor import heads_of, tp_forward
 from .._parallel.call import TensorCall
 from .._state.tree import check_names
 
-__all__ = ["Active", "active", "sharded_call", "units_for"]
+__all__ = ["Prepared", "Site", "bound", "sharded_call", "units_for"]
 
 
 # -- module hooks -----------------------------------------------------------------------
 
 
-class Active(NamedTuple):
-    """A sharded call of ``apply`` in progress, as its module hooks read it: the units by
-    module path, and what its split layers read (None: a recompute outside the call)."""
+class Site:
+    """One hooked module of a model, as its hooks see the sharded call in progress: the
+    call hands every site its units (one per dtype group; none if the module is not a unit
+    of the call's layout) and what its split layers read (None: no call, or a recompute
+    outside one) when it begins, and takes them back when it ends. The hooks read their
+    own site: nothing is looked up ([Note: a site per hooked module])."""
 
-    units: dict[str, list[Unit]]
-    tensor: TensorCall | None
+    __slots__ = ("units", "tensor")
+
+    def __init__(self) -> None:
+        self.units: list[Unit] | tuple[()] = ()
+        self.tensor: TensorCall | None = None
+
+
+# [Note: a site per hooked module]
+# A model's hooks are registered once per module, and the model function can be called on
+# several trees (layouts) and in several steps; so each hook holds its module's Site, and a
+# call binds every site of its apply for its block, restoring what it found after (a call
+# made inside another's forward leaves the outer one's intact). Between calls every site is
+# empty and every hook inert.
 
 
 @contextlib.contextmanager
-def active(apply: Any, call: Active) -> Iterator[None]:
-    """``call`` is the sharded call of ``apply`` in progress for the block (the innermost of
-    ``apply.active``: hooks installed once per module find it there)."""
-    apply.active.append(call)
+def bound(sites: dict[str, Site], units: dict[str, list[Unit]], tensor: TensorCall | None) -> Iterator[None]:
+    """Every site in ``sites`` holds this call's ``units`` (by module path) and ``tensor`` for the block."""
+    saved = [(site, site.units, site.tensor) for site in sites.values()]
+    for path, site in sites.items():
+        site.units = units.get(path, ())
+        site.tensor = tensor
     try:
         yield
     finally:
-        apply.active.pop()
+        for site, u, t in saved:
+            site.units, site.tensor = u, t
 
 
-def _now(apply: Any) -> Active | None:
-    return apply.active[-1] if apply.active else None
-
-
-def _active_units(apply: Any, path: str) -> list[Unit]:
-    """The units of the module at ``path`` in the sharded call of ``apply`` in progress
-    (one per dtype group; none outside a call)."""
-    now = _now(apply)
-    return now.units.get(path, []) if now is not None else []
-
-
-def _pre_hook(apply: Any, path: str):
+def _pre_hook(site: Site):
     def hook(module: nn.Module, args: Any) -> None:
-        units = _active_units(apply, path)
+        units = site.units
         if not units or units[0].unit.remat is not None:  # a remat unit gathers inside its checkpoint
             return
         for unit in units:
@@ -104,9 +111,9 @@ def _pre_hook(apply: Any, path: str):
     return hook
 
 
-def _post_hook(apply: Any, path: str):
+def _post_hook(site: Site):
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        for unit in reversed(_active_units(apply, path)):
+        for unit in reversed(site.units):
             if unit.entered and unit.unit.remat is None:
                 unit.exit()
 
@@ -132,7 +139,8 @@ def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
 def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> Any:
     layout: Layout = sharded.layout
     store = rt.in_step and sharded is rt.owner
-    units, ties = units_for(apply, sharded, rt), apply.prepared[id(layout)][2]
+    prepared = _prepare(apply, layout)
+    units = units_for(apply, sharded, rt, prepared)
     roots = units.get("", [])
     # Buffers: the step's working copies for the step's own tree, else the tree's own.
     buffers = rt.buffers.work if store and rt.buffers is not None else {n: sharded[n] for n in layout.buffers}
@@ -144,8 +152,8 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
         args, kwargs = cast_floating((args, kwargs), precision.param)
     call = TensorCall.of(layout, rt)  # what its split layers read (shardfn._parallel.tensor, shardfn._parallel.sequence)
     try:
-        state.update({alias: state[n] for n, aliases in ties if n in state for alias in aliases})
-        with active(apply, Active(units, call)):
+        state.update({alias: state[n] for n, aliases in prepared.ties if n in state for alias in aliases})
+        with bound(apply.sites, units, call):
             out = functional_call(apply.module, state, args, kwargs, tie_weights=False, strict=False)
         if call.sequence:
             check_closed(call)
@@ -165,25 +173,33 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
             u.end_use()  # forward is over: only saved handles (and what the unit keeps) remain
 
 
-def _tensor_call(apply: Any) -> Any:
-    """What re-enters the sharded call in progress (its split layers' layout and runtime)
-    around a rematerialised unit's recompute, which runs in backward, after the call."""
-    now = _now(apply)
-    tensor = now.tensor if now is not None else None  # (not its inputs: they are activations)
+def _again(sites: dict[str, Site], site: Site) -> Any:
+    """What re-enters the sharded call in progress at ``site`` (its split layers' layout and
+    runtime) around a rematerialised unit's recompute, which runs in backward, after the call."""
+    tensor = site.tensor  # (not its inputs: they are activations)
 
     def again() -> Any:
         # the forward checked the region; the recompute runs inside it, in backward, where
         # no unit is found by its hooks (the remat unit's own are its recompute's)
-        return active(apply, Active({}, None if tensor is None else tensor.again()))
+        return bound(sites, {}, None if tensor is None else tensor.again())
 
     return again
 
 
-def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:
+class Prepared(NamedTuple):
+    """What a model function keeps for one layout, made on its first sharded call: static,
+    the model's and not a step's ([Note: a site per hooked module] for what a call binds)."""
+
+    layout: Layout
+    slots: dict[int, list[tuple[nn.Module, str, int]]]  # unit index -> where its full tensors go
+    ties: list[tuple[str, tuple[str, ...]]]  # (name, its other names) of each tensor held under several
+
+
+def units_for(apply: Any, sharded: Any, rt: Runtime, prepared: Prepared) -> dict[str, list[Unit]]:
     """The units of ``sharded`` in runtime ``rt`` (built on first use), by module path:
     one per dtype group of the module's parameters (see [Note: mixed dtypes in a unit])."""
     layout: Layout = sharded.layout
-    slots = _prepare(apply, layout)
+    slots = prepared.slots
 
     def build(group: UnitGroup) -> None:
         buckets = buckets_of(layout, reduce=group.store)
@@ -203,15 +219,22 @@ def units_for(apply: Any, sharded: Any, rt: Runtime) -> dict[str, list[Unit]]:
     return by_path
 
 
-def _prepare(apply: Any, layout: Layout) -> dict[int, list[tuple[nn.Module, str, int]]]:
+def _site(apply: Any, path: str) -> Site:
+    site = apply.sites.get(path)
+    if site is None:
+        site = apply.sites[path] = Site()
+    return site
+
+
+def _prepare(apply: Any, layout: Layout) -> Prepared:
     """Checks ``layout`` against the model once, registers unit hooks, returns the slots.
 
     A slot ``(submodule, attribute, leaf index)`` is one place a unit's full tensor goes;
     a weight tied within one unit has several.
     """
     cached = apply.prepared.get(id(layout))
-    if cached is not None and cached[0] is layout:
-        return cached[1]
+    if cached is not None and cached.layout is layout:
+        return cached
     check_names([*layout.leaves, *layout.buffers], apply.names, what="apply(sharded, ...)")
     slots: dict[int, list[tuple[nn.Module, str, int]]] = {}
     for u in layout.units:
@@ -226,20 +249,21 @@ def _prepare(apply: Any, layout: Layout) -> dict[int, list[tuple[nn.Module, str,
                 "Pass params sharded from this model's functionalize()."
             ) from None
         if u.path not in apply.hooked:
-            m.register_forward_pre_hook(_pre_hook(apply, u.path))
-            m.register_forward_hook(_post_hook(apply, u.path), always_call=True)
+            site = _site(apply, u.path)
+            m.register_forward_pre_hook(_pre_hook(site))
+            m.register_forward_hook(_post_hook(site), always_call=True)
             # Inert unless the unit is rematerialised in the active call's layout; compiled
             # only in a step built with compile=True.
-            m.forward = remat_forward(lambda path=u.path: _active_units(apply, path), m, compilable(m.forward),
-                                      lambda: _tensor_call(apply))
+            m.forward = remat_forward(lambda site=site: site.units, m, compilable(m.forward),
+                                      functools.partial(_again, apply.sites, site))
             apply.hooked.add(u.path)
         for i, leaf in enumerate(u.leaves):
             for alias in layout.aliases.get(leaf, (leaf,)):
                 sub_path, _, attr = alias.rpartition(".")
                 slots[u.index].append((apply.module.get_submodule(sub_path), attr, i))
     _prepare_tensor(apply, layout)
-    apply.prepared[id(layout)] = (layout, slots, _ties(apply.module))
-    return slots
+    prepared = apply.prepared[id(layout)] = Prepared(layout, slots, _ties(apply.module))
+    return prepared
 
 
 def _ties(module: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
@@ -255,27 +279,26 @@ def _ties(module: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
 def _prepare_tensor(apply: Any, layout: Layout) -> None:
     """Split layers' forwards ([Note: hand-written tensor collectives]) and the sequence
     region's ([Note: the sequence region]); each inert in other layouts' calls."""
-    def active() -> Any:
-        now = _now(apply)
-        return now.tensor if now is not None else None
 
     def hook(key: str, path: str, make: Any) -> None:
         if key + path not in apply.hooked:
             m = apply.module.get_submodule(path)
-            m.forward = make(m)
+            site = _site(apply, path)
+            m.forward = make(m, lambda: site.tensor)
             apply.hooked.add(key + path)
 
     styles = dict(layout.tensor)
     for path, style in styles.items():
         if style in SEQUENCE_STYLES:
-            hook("sequence:", path, lambda m, p=path: sequence_forward(active, p, m))
+            hook("sequence:", path, lambda m, now, p=path: sequence_forward(now, p, m))
         else:
-            hook("tensor:", path, lambda m, p=path: tp_forward(active, p, m, heads_of(apply.module, p) is not None))
+            hook("tensor:", path, lambda m, now, p=path: tp_forward(now, p, m, heads_of(apply.module, p) is not None))
     if not sequence_parallel(layout):
         return
     for path in blocks_of(styles):
-        hook("block:", path, lambda m, p=path: container_forward(active, p, m))
+        hook("block:", path, lambda m, now, p=path: container_forward(now, p, m))
     for path, m in apply.module.named_modules():
         if path not in styles and "region:" + path not in apply.hooked and any(True for _ in m.parameters(recurse=False)):
-            m.register_forward_pre_hook(region_check_hook(active, path))
+            site = _site(apply, path)
+            m.register_forward_pre_hook(region_check_hook(lambda site=site: site.tensor, path))
             apply.hooked.add("region:" + path)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from .call import sharded_call
+from .call import Prepared, Site, sharded_call
 from .._state.sharded import ShardedParams
 from .._state.tree import Params, check_names, tree_info
 
@@ -40,9 +40,9 @@ class Apply:
     def __init__(self, module: nn.Module, names: tuple[str, ...]):
         self.module = module  # parameters and buffers on the meta device: it holds no state
         self.names = names  # every name of the state tree
-        self.hooked: set[str] = set()  # unit module paths carrying shardfn's hooks
-        self.prepared: dict[int, Any] = {}  # id(layout) -> (layout, slots), see shardfn._run.call
-        self.active: list[Any] = []  # the sharded calls in progress, innermost last (shardfn._run.call.Active)
+        self.hooked: set[str] = set()  # module paths carrying shardfn's hooks (by kind)
+        self.sites: dict[str, Site] = {}  # module path -> what its hooks read (shardfn._run.call.Site)
+        self.prepared: dict[int, Prepared] = {}  # id(layout) -> what is made once for it (shardfn._run.call)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Apply":
         return self  # a function: a copied module tree still names the model function of its trees

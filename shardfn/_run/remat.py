@@ -50,20 +50,23 @@ __all__ = ["remat_forward"]
 
 def remat_forward(active_units: Callable[[], list[Any]], module: torch.nn.Module,
                   forward: Callable[..., Any], call: Callable[[], Callable[[], Any]]) -> Callable[..., Any]:
-    """Wraps a unit module's ``forward``: inert unless ``active_units()`` (the module's units
-    in the sharded call in progress, one per dtype group) are rematerialised. ``call()``,
+    """Wraps a unit module's ``forward`` (a :func:`shardfn._compile.compilable` one): inert
+    unless ``active_units()`` (the module's units in the sharded call in progress, one per
+    dtype group) are rematerialised. ``call()``,
     asked in forward, gives what re-enters that sharded call around the recompute (its split
     layers, shardfn._parallel.tensor: a recompute outside it would run them whole, other ops)."""
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         units = active_units()
-        if not units or units[0].unit.remat is None:
+        if not units:  # outside a sharded call of a layout with this unit
             return forward(*args, **kwargs)
         unit = units[0]
+        # The forward as the call's runtime runs it (compiled or not), in the recompute too,
+        # which runs in backward ([Note: backward on device threads] in shardfn._comm.guard).
+        if unit.unit.remat is None:
+            return forward.under(unit.group.ctx.compiling, *args, **kwargs)
+        run = functools.partial(forward.under, unit.group.ctx.compiling)
         selective = unit.unit.remat is RematMode.SELECTIVE
-        # The forward as its runtime runs it (compiled or not), in the recompute too, which
-        # runs in backward ([Note: backward on device threads] in shardfn._comm.guard).
-        run = functools.partial(forward.under, unit.group.ctx) if hasattr(forward, "under") else forward
         # The unit's buffers as this forward finds them (functional_call has put the tree's in);
         # without grad there is no backward, so no recompute to keep them for.
         kept = [(sub, name, t.detach().clone()) for sub in module.modules() for name, t in sub._buffers.items()

@@ -43,6 +43,7 @@ from .._comm import collectives as C
 from .._comm import guard as _guard
 from .._comm.events import CollectiveLog, observe
 from .._comm.scope import Scope, within
+from .._compile import Compiling
 from .._group.context import AfterForward, Context
 from .._group.group import UnitGroup
 from .._state.offload import wait_for_device
@@ -94,7 +95,8 @@ class Runtime:
         # What its unit groups are handed: one value, carried into backward ([Note: the unit group])
         self.ctx = Context(mesh, self.scope, self.scope.comm.recorded, self.observers, self.options, owner, self.reduce_op,
                            self.options.accumulate is Accumulate.REDUCE_EACH, self.after_forward, set(),
-                           self.prefetch_after)
+                           self.prefetch_after, Compiling(self.options.compile, self.scope.comm.recorded,
+                                                          bool(owner is not None and owner.layout.tensor)))
 
     @property
     def sharded(self) -> bool:
@@ -198,7 +200,8 @@ class Runtime:
 def active(rt: Runtime) -> Iterator[Runtime]:
     """Makes ``rt`` the step in progress for the block; an error in it reaches every rank
     (see [Note: the schedule guard])."""
-    with within(runtime=rt, run=rt.scope.run, shards=(rt.mesh, rt.sharded)), _guard.guarded(rt.mesh, rt.scope.where), \
+    with within(runtime=rt, run=rt.scope.run, shards=(rt.mesh, rt.sharded), compiling=rt.ctx.compiling), \
+            _guard.guarded(rt.mesh, rt.scope.where), \
             observe(rt.log):
         yield rt
 
