@@ -279,7 +279,8 @@ class Mesh:
 
     def channel(self, axis: str) -> _guard.Channel:
         """The group of ``axis`` as shardfn's collectives take it (with its schedule guard)."""
-        self.group(axis)  # a clear error for an unknown axis
+        if axis not in self.axis_names:
+            self.group(axis)  # a clear error for an unknown axis
         return self.guard.channels[axis]
 
     def subgroup(self, size: int) -> tuple[_guard.Channel, int]:

@@ -155,7 +155,7 @@ class UnitGrads:
                     key = storage_key(g)
             if acc[j] is None:
                 owned.add(key)
-                acc[j] = g.view(-1) if len(shape) == 1 else g.view(shape)  # (the same view; -1 is parsed faster)
+                acc[j] = g if g.shape == shape else g.view(shape)  # (a leaf's own shape: a 1-D or an unflattened one)
             else:
                 acc[j].add_(g.view(shape))
         self.acc = acc

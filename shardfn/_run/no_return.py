@@ -113,7 +113,8 @@ def _walk(x: Any, out: list[Any]) -> bool:
     if t is dict or t is list or t is tuple or (isinstance(x, tuple) and pytree.is_namedtuple_class(t)):
         out.append((t, tuple(x) if t is dict else len(x)))  # (pytree's context: a dict's keys, in order)
         for child in x.values() if t is dict else x:
-            if isinstance(child, torch.Tensor) and type(child) not in pytree.SUPPORTED_NODES:
+            if type(child) is torch.Tensor or (isinstance(child, torch.Tensor)
+                                               and type(child) not in pytree.SUPPORTED_NODES):
                 out.append((child.shape, child.dtype))  # (a leaf: a tuple, never a node's (type, ...))
             elif not _walk(child, out):
                 return False
