@@ -68,7 +68,8 @@ def _train(plan, compile, steps=4):
 
 @pytest.mark.parametrize("plan", ["full", "grad_op"])
 def test_compiled_step_compiles_once_and_keeps_the_collectives(clusters, plan):
-    before = clusters[2].run(sf.compile_stats)[0]["graphs"]
+    before_stats = clusters[2].run(sf.compile_stats)[0]
+    before = before_stats["graphs"]
     losses, params, counts, stats, regions = clusters[2].run(_train, PLANS[plan], True)[0]
     eager_losses, eager_params, eager_counts, _, eager_regions = clusters[2].run(_train, PLANS[plan], False)[0]
     # Each step runs the 2 blocks' forwards and the update compiled (the blocks share one
@@ -76,7 +77,8 @@ def test_compiled_step_compiles_once_and_keeps_the_collectives(clusters, plan):
     assert (regions, eager_regions) == (3, 0)
     assert stats[0]["graphs"] >= max(before, 2)
     assert [s["graphs"] for s in stats] == [stats[0]["graphs"]] * len(stats)
-    assert stats[-1]["graph_breaks"] == {}
+    # (the counters are the process's: breaks an earlier test's compile made are left out)
+    assert stats[-1]["graph_breaks"] == before_stats["graph_breaks"]
     # The gathers and reductions around the compiled regions are the eager step's.
     assert counts == eager_counts
     # Compiled against eager: float reassociation only (docs/compile.md).
