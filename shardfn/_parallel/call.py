@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SEQUENCE_STYLES", "Pass", "TensorCall", "blocks_of", "params_text", "styles_text"]
+__all__ = ["REPLICATED", "SEQUENCE_STYLES", "Pass", "TensorCall", "blocks_of", "params_text", "styles_text"]
 
 SEQUENCE_STYLES = ("sequence", "sequence_start", "sequence_end")
+REPLICATED = "replicated_with_grad_allreduce"  # whole on every rank, gradients summed (shardfn._parallel.tensor)
 
 
 def blocks_of(styles: Mapping[str, str]) -> set[str]:

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .._comm import collectives as C
 from .._comm.events import Purpose
-from .call import SEQUENCE_STYLES, Pass, TensorCall, blocks_of
+from .call import REPLICATED, SEQUENCE_STYLES, Pass, TensorCall, blocks_of
 from .ops import full_leaf, function
 
 __all__ = ["SEQUENCE_STYLES", "blocks_of", "check_closed", "container_forward", "from_torch_style", "gathered_input",
@@ -253,11 +253,16 @@ def reduce_scatter_output(now: Any, y: torch.Tensor, path: str) -> torch.Tensor:
 
 
 def partial_leaves(layout: Any) -> list[str]:
-    """The leaves whose gradients sequence parallelism leaves partial, each tensor rank's from
-    its own part of the sequence: a ``"sequence"`` module's own parameters, a rowwise layer's
-    bias. :func:`sum_partial_grads` sums them once a step."""
+    """The leaves whose gradients a tensor rank holds a part of: under sequence parallelism,
+    from its own part of the sequence (a ``"sequence"`` module's own parameters, a rowwise
+    layer's bias); a ``"replicated_with_grad_allreduce"`` module's own parameters, from its
+    own heads (shardfn._parallel.tensor [Note: a module that reads split heads]).
+    :func:`sum_partial_grads` sums them once a step."""
     styles = dict(layout.tensor)
-    owners = {p for p, s in styles.items() if s == "sequence"}
+    owners = {p for p, s in styles.items() if s == REPLICATED}
+    if not sequence_parallel(layout):
+        return [n for n in layout.leaves if n.rpartition(".")[0] in owners]
+    owners |= {p for p, s in styles.items() if s == "sequence"}
     partial = [n for n in layout.leaves if n.rpartition(".")[0] in owners]
     return partial + [f"{p}.bias" for p, s in styles.items() if s == "rowwise" and f"{p}.bias" in layout.leaves]
 
@@ -275,8 +280,8 @@ def sum_partial_grads(grads: dict[str, torch.Tensor], layout: Any, rt: Any) -> N
     slots = flat.split(sizes)
     for n, slot in zip(names, slots):
         slot[:grads[n].numel()].copy_(grads[n].reshape(-1))
-    C.all_reduce(flat, rt.mesh.channel("tensor"), Purpose.TENSOR, "sequence", op=C.SUM, to=rt.observers,
-                 scope=rt.scope)
+    C.all_reduce(flat, rt.mesh.channel("tensor"), Purpose.TENSOR, "sequence" if sequence_parallel(layout) else REPLICATED,
+                 op=C.SUM, to=rt.observers, scope=rt.scope)
     for n, slot in zip(names, slots):
         grads[n].copy_(slot[:grads[n].numel()].view_as(grads[n]))
 

@@ -32,17 +32,19 @@ from .._comm import guard as G
 from .features import per_feature, plain
 from .sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
     reduce_scatter_output)
+from .call import REPLICATED  # [Note: a module that reads split heads]
 from .ops import CopyToTensor, GatherOutput, ReduceFromTensor, full_leaf
 
-__all__ = ["STYLES", "auto_plan", "full_leaf", "heads_of", "local_state", "resolve_tensor_parallel",
+__all__ = ["AUTO_STYLES", "REPLICATED", "STYLES", "auto_plan", "full_leaf", "heads_of", "local_state", "resolve_tensor_parallel",
            "split_sum_of_squares", "tp_forward"]
 
-STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", *SEQUENCE_STYLES)
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", REPLICATED, *SEQUENCE_STYLES)
 
 _NOT_YET = (
     "shard(tensor_parallel=...): {what} is not supported yet. Tensor parallelism takes 'auto' or a mapping from "
     "module-path patterns to a style: 'colwise', 'rowwise' or 'colwise_gather_output' (nn.Linear layers), "
-    "'embedding_rowwise' (an nn.Embedding), 'sequence', 'sequence_start' or 'sequence_end' (sequence parallelism), "
+    "'embedding_rowwise' (an nn.Embedding), 'replicated_with_grad_allreduce' (a per-head norm inside a split "
+    "attention), 'sequence', 'sequence_start' or 'sequence_end' (sequence parallelism), "
     "or one of torch's ParallelStyle objects of those kinds. Pass such a mapping; see docs/tensor-parallel.md."
 )
 _ATTENTION = (
@@ -75,6 +77,7 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
         spec = auto_plan(module)
     styles: dict[str, str] = {}
     attentions: set[str] = set()
+    replicated: dict[str, str | None] = {}  # REPLICATED module path -> the attention it sits in
     needs: dict[str, tuple[str, bool | None]] = {}  # torch objects: what their layouts need of the plan
     from_torch: set[str] = set()
     for pattern, style in spec.items():
@@ -102,6 +105,12 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                 styles[path] = style
                 continue
             attention = heads_of(module, path)
+            if style == REPLICATED:
+                if path in styles and styles[path] != style:
+                    raise ValueError(f"shard(tensor_parallel=...): {path!r} is matched as {styles[path]!r} and as "
+                                     f"{style!r}; give each module one style.")
+                styles[path], replicated[path] = style, attention
+                continue
             if attention is not None and style == "colwise_gather_output":
                 raise ValueError(f"shard(tensor_parallel=...): {path!r} is inside the attention module {attention!r} "
                                  "and styled 'colwise_gather_output': its heads would be whole while the others' are "
@@ -118,13 +127,22 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                 raise ValueError(f"shard(tensor_parallel=...): {path!r} is matched as {styles[path]!r} and as "
                                  f"{style!r}; give each layer one style.")
             styles[path] = style
+    for path, attention in sorted(replicated.items()):
+        if attention not in attentions or not any(True for _ in module.get_submodule(path).parameters(recurse=False)):
+            raise ValueError(f"shard(tensor_parallel=...): {path!r} is styled {REPLICATED!r}, which sums its "
+                             "parameters' gradients over the tensor ranks; that is exact only for a module with "
+                             "parameters of its own that reads the split heads of an attention whose layers are split "
+                             "(a per-head query or key norm), and "
+                             + (f"{path!r} has none of its own." if attention in attentions else
+                                f"{path!r} is not inside such an attention.")
+                             + " Leave it out of the plan.")
     for attention in sorted(attentions):
         _check_attention(module, attention, styles, tensor)
     _check_sequence(styles, needs, from_torch)
     splits = []
     tied = _tied_groups(module)
     for path, style in sorted(styles.items()):
-        if style in SEQUENCE_STYLES:
+        if style in SEQUENCE_STYLES or style == REPLICATED:  # (whole on every rank)
             continue
         rows = style != "rowwise"  # colwise, colwise_gather_output: output features; an embedding: its rows
         for name, dim in (("weight", 0 if rows else 1), ("bias", 0 if rows else None)):
@@ -207,6 +225,10 @@ def _check_sequence(styles: dict[str, str], needs: Mapping[str, tuple[str, bool 
                          "root has none. Leave it out, or wrap it in a module of its own.")
 
 
+# the styles of a transformers base_model_tp_plan that "auto" takes, with transformers' meaning
+AUTO_STYLES = ("colwise", "rowwise", REPLICATED)
+
+
 def auto_plan(module: nn.Module) -> dict[str, str]:
     """``tensor_parallel="auto"``: the transformers model's ``config.base_model_tp_plan``,
     its patterns made paths of ``module`` (they are relative to the base model)."""
@@ -219,11 +241,11 @@ def auto_plan(module: nn.Module) -> dict[str, str]:
     prefix = getattr(module, "base_model_prefix", "")
     base = prefix + "." if prefix and isinstance(getattr(module, prefix, None), nn.Module) else ""
     for pattern, style in plan.items():
-        if style not in ("colwise", "rowwise"):
+        if style not in AUTO_STYLES:
             raise ValueError(f"shard(tensor_parallel='auto'): the model's base_model_tp_plan splits {pattern!r} as "
-                             f"{style!r}, a transformers style shardfn does not have (it has 'colwise' and "
-                             "'rowwise'). Pass a mapping instead: the plan with that layer left out or given one of "
-                             "those styles.")
+                             f"{style!r}, a transformers style shardfn does not have (it has "
+                             f"{', '.join(map(repr, AUTO_STYLES))}). Pass a mapping instead: the plan with that layer "
+                             "left out or given one of those styles.")
     out = {base + pattern: style for pattern, style in plan.items()}
     # The model class's own plan (its head: {"lm_head": "colwise_gather_output"}), where shardfn
     # has the style and the head's weight is its own (a tied head stays whole, as it is exact).
@@ -295,6 +317,25 @@ def _check_attention(module: nn.Module, path: str, styles: Mapping[str, str], te
                          "not in others, and grouped attention would pair them wrongly without an error. Give "
                          "its layers styles so as to split all of them (query, key, value 'colwise', output "
                          "'rowwise'), or none.")
+    # [Note: a module that reads split heads]
+    # Inside an attention split by heads, every activation after q/k/v holds this rank's heads
+    # only. A module with parameters there (Qwen3's and Gemma 3's per-head q_norm and k_norm)
+    # runs exactly on them, but its parameters' gradients come from this rank's heads alone:
+    # partial sums. Styled REPLICATED, it stays whole on every rank and its gradients are
+    # summed over the tensor axis once a step (shardfn._parallel.sequence.sum_partial_grads);
+    # left unstyled, training would be silently wrong, so it is refused here.
+    held = {f"{path}.{p}".rstrip(".") for p, m in att.named_modules()
+            if any(True for _ in m.parameters(recurse=False)) and not isinstance(m, nn.Linear)}
+    unstyled = sorted(p for p in held if styles.get(p) != REPLICATED)
+    if unstyled:
+        one = len(unstyled) == 1
+        raise ValueError(f"shard(tensor_parallel=...): the attention module {path!r} is split by heads, and "
+                         f"{', '.join(map(repr, unstyled))} inside it {'has' if one else 'have'} parameters of "
+                         f"{'its' if one else 'their'} own that read this rank's heads only: their gradients would be "
+                         "this rank's part, and training silently wrong. A module that acts on each head alone (a "
+                         f"per-head query or key norm) can be styled {REPLICATED!r}: whole on every rank, its "
+                         "gradients summed over the tensor ranks. Otherwise leave the attention's layers out of the "
+                         "plan.")
     drop = max(float(getattr(att, "attention_dropout", 0) or 0), float(getattr(cfg, "attention_dropout", 0) or 0))
     if drop > 0:  # [Note: randomness on the tensor axis]
         raise ValueError(f"shard(tensor_parallel=...): the attention module {path!r} drops attention weights "

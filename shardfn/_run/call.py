@@ -49,7 +49,7 @@ from .runtime import Runtime
 from .._parallel.sequence import (SEQUENCE_STYLES, blocks_of, check_closed, container_forward, region_check_hook,
     sequence_forward, sequence_parallel)
 from .._parallel.tensor import heads_of, tp_forward
-from .._parallel.call import TensorCall
+from .._parallel.call import REPLICATED, TensorCall
 from .._state.tree import check_names
 
 __all__ = ["Prepared", "Site", "bound", "sharded_call", "units_for"]
@@ -291,7 +291,7 @@ def _prepare_tensor(apply: Any, layout: Layout) -> None:
     for path, style in styles.items():
         if style in SEQUENCE_STYLES:
             hook("sequence:", path, lambda m, now, p=path: sequence_forward(now, p, m))
-        else:
+        elif style != REPLICATED:  # (runs as it is: only its gradients are summed, after backward)
             hook("tensor:", path, lambda m, now, p=path: tp_forward(now, p, m, heads_of(apply.module, p) is not None))
     if not sequence_parallel(layout):
         return

@@ -57,7 +57,7 @@ from .._comm.recording import device_values
 from .._comm.scope import Scope
 from .runtime import Runtime, active
 from .._state.sharded import ShardedParams
-from .._parallel.sequence import sequence_parallel, sum_partial_grads
+from .._parallel.sequence import sum_partial_grads
 from .._parallel.tensor import split_sum_of_squares
 from .._parallel.agree import batch_digests, other_batches
 from .._state.verdict import agreed_error
@@ -277,7 +277,7 @@ class Grad:
             if used:
                 raise ValueError(_USED_DIRECTLY.format(names=", ".join(used[:4])))
         out = {n: grads[n] if n in grads else torch.zeros_like(sharded[n]) for n in trainable}
-        if sequence_parallel(sharded.layout):  # [Note: the sequence region]: its partial gradients, once a step
+        if sharded.layout.tensor:  # partial gradients ([Note: the sequence region], [Note: a module that reads split heads])
             sum_partial_grads(out, sharded.layout, rt)
         if scale != 1.0:
             out = {n: g.div_(scale) for n, g in out.items()}
