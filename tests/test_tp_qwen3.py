@@ -3,8 +3,11 @@ k_norm): refused unless styled ``"replicated_with_grad_allreduce"``, and with th
 ``tensor_parallel="auto"`` reads from Qwen3's own plan, equal to one process
 (shardfn._parallel.tensor [Note: a module that reads split heads])."""
 
+import pathlib
+import re
+import sys
+
 import torch
-import torch.nn.functional as F
 
 import shardfn as sf
 import test_tensor_parallel
@@ -128,3 +131,18 @@ def test_a_module_reading_split_heads_is_refused_unless_styled(clusters):
     assert "silently wrong" in unstyled and f"{REPLICATED!r}" in unstyled, unstyled
     assert "'model.norm' is not inside such an attention" in outside, outside
     assert "'model.layers.0.self_attn.q_norm' is not inside such an attention" in unsplit, unsplit
+
+
+def test_the_coverage_in_the_docs_is_the_tools():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "tools"))
+    import tp_coverage
+
+    version, found = tp_coverage.coverage()
+    assert found["qwen3"] == () and found["llama"] == ()  # (Qwen3's per-head norms: REPLICATED)
+    assert "moe_tp_experts" in found["mixtral"], found["mixtral"]
+    text = " ".join((root / "docs" / "tensor-parallel.md").read_text().split())
+    said = re.search(r"with transformers (\S+), \"auto\" takes the plans of (\d+) of the (\d+) model types", text)
+    assert said is not None
+    taken = sum(1 for missing in found.values() if not missing)
+    assert said.groups() == (version, str(taken), str(len(found))), (said.groups(), version, taken, len(found))
