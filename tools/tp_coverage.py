@@ -10,7 +10,7 @@ by name when a model is sharded. This reads the config classes only: whether a m
 attention splits exactly by heads, and the head counts against the tensor size, are checked
 on the model itself, when it is sharded (docs/tensor-parallel.md). The count is the installed
 transformers' (constraints.txt pins it); docs/tensor-parallel.md states it, and
-tests/test_tp_qwen3.py checks that the two agree.
+tests/test_tp_styles.py checks that the two agree.
 """
 
 from __future__ import annotations

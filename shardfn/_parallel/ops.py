@@ -12,7 +12,7 @@ import torch
 from .._comm import collectives as C
 from .._comm.events import Purpose
 
-__all__ = ["CopyToTensor", "GatherOutput", "ReduceFromTensor", "full_leaf", "function"]
+__all__ = ["CopyToTensor", "GatherOutput", "ReduceFromTensor", "SplitInput", "full_leaf", "function"]
 
 
 def full_leaf(local: torch.Tensor, dim: int, mesh: Any, purpose: Purpose, name: str, to: Any = None,
@@ -63,3 +63,8 @@ GatherOutput = function(
     lambda y, rt, path: full_leaf(y, -1, rt.mesh, Purpose.TENSOR, path, rt.observers, rt.scope), _features,
     "A ``\"colwise_gather_output\"`` layer's output (a head's): every tensor rank's features all-gathered into the "
     "whole output; every rank computes the same gradient of it after, so backward keeps the rank's features.")
+SplitInput = function(
+    "SplitInput", lambda x, rt, path: _features(x, rt, path),
+    lambda grad, rt, path: full_leaf(grad, -1, rt.mesh, Purpose.TENSOR, path, rt.observers, rt.scope),
+    "A ``\"rowwise_split_input\"`` layer's whole input: the rank's features of it; its gradient, whose other "
+    "features the other ranks computed, all-gathered into the whole input's.")

@@ -33,16 +33,21 @@ from .features import per_feature, plain
 from .sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
     reduce_scatter_output)
 from .call import REPLICATED  # [Note: a module that reads split heads]
-from .ops import CopyToTensor, GatherOutput, ReduceFromTensor, full_leaf
+from .ops import CopyToTensor, GatherOutput, ReduceFromTensor, SplitInput, full_leaf
 
 __all__ = ["AUTO_STYLES", "REPLICATED", "STYLES", "auto_plan", "full_leaf", "heads_of", "local_state", "resolve_tensor_parallel",
            "split_sum_of_squares", "tp_forward"]
 
-STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", REPLICATED, *SEQUENCE_STYLES)
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", REPLICATED,
+          *SEQUENCE_STYLES)
+# an attention's layers styled so that every rank runs all of its heads: its output (q, k, v)
+# gathered whole, and the layer after it (o) splitting its whole input itself
+WHOLE_HEADS = ("colwise_gather_output", "rowwise_split_input")
 
 _NOT_YET = (
     "shard(tensor_parallel=...): {what} is not supported yet. Tensor parallelism takes 'auto' or a mapping from "
-    "module-path patterns to a style: 'colwise', 'rowwise' or 'colwise_gather_output' (nn.Linear layers), "
+    "module-path patterns to a style: 'colwise', 'rowwise', 'colwise_gather_output' or 'rowwise_split_input' "
+    "(nn.Linear layers), "
     "'embedding_rowwise' (an nn.Embedding), 'replicated_with_grad_allreduce' (a per-head norm inside a split "
     "attention), 'sequence', 'sequence_start' or 'sequence_end' (sequence parallelism), "
     "or one of torch's ParallelStyle objects of those kinds. Pass such a mapping; see docs/tensor-parallel.md."
@@ -78,6 +83,7 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
     styles: dict[str, str] = {}
     attentions: set[str] = set()
     replicated: dict[str, str | None] = {}  # REPLICATED module path -> the attention it sits in
+    whole: dict[str, str] = {}  # an attention -> a layer of it styled to leave its heads whole (WHOLE_HEADS)
     needs: dict[str, tuple[str, bool | None]] = {}  # torch objects: what their layouts need of the plan
     from_torch: set[str] = set()
     for pattern, style in spec.items():
@@ -98,24 +104,19 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
             m = module.get_submodule(path)
             if not isinstance(given, str):
                 from_torch.add(path)
+            if path in styles and styles[path] != style:
+                raise ValueError(f"shard(tensor_parallel=...): {path!r} is matched as {styles[path]!r} and as "
+                                 f"{style!r}; give each module one style.")
             if style in SEQUENCE_STYLES:
-                if path in styles and styles[path] != style:
-                    raise ValueError(f"shard(tensor_parallel=...): {path!r} is matched as {styles[path]!r} and as "
-                                     f"{style!r}; give each module one style.")
                 styles[path] = style
                 continue
             attention = heads_of(module, path)
             if style == REPLICATED:
-                if path in styles and styles[path] != style:
-                    raise ValueError(f"shard(tensor_parallel=...): {path!r} is matched as {styles[path]!r} and as "
-                                     f"{style!r}; give each module one style.")
                 styles[path], replicated[path] = style, attention
                 continue
-            if attention is not None and style == "colwise_gather_output":
-                raise ValueError(f"shard(tensor_parallel=...): {path!r} is inside the attention module {attention!r} "
-                                 "and styled 'colwise_gather_output': its heads would be whole while the others' are "
-                                 "split. Give the attention's layers 'colwise' and 'rowwise'.")
-            if attention is not None:
+            if attention is not None and style in WHOLE_HEADS:
+                whole.setdefault(attention, path)
+            elif attention is not None:
                 attentions.add(attention)
             if style == "embedding_rowwise":
                 _check_embedding(m, path, pattern)
@@ -123,10 +124,13 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                 raise ValueError(f"shard(tensor_parallel=...): {path!r} (matched by {pattern!r}) is a "
                                  f"{type(m).__name__}; only nn.Linear layers can be split {style}, and nn.Embedding "
                                  "layers 'embedding_rowwise'. Narrow the pattern.")
-            if path in styles and styles[path] != style:
-                raise ValueError(f"shard(tensor_parallel=...): {path!r} is matched as {styles[path]!r} and as "
-                                 f"{style!r}; give each layer one style.")
             styles[path] = style
+    for attention, layer in sorted(whole.items()):
+        if attention in attentions:
+            raise ValueError(f"shard(tensor_parallel=...): {layer!r} is inside the attention module {attention!r} and "
+                             f"styled {styles[layer]!r}, which leaves its heads whole, while other layers of it split "
+                             "them. Give the attention's layers 'colwise' and 'rowwise' (heads split), or "
+                             "'colwise_gather_output' and 'rowwise_split_input' (heads whole on every rank).")
     for path, attention in sorted(replicated.items()):
         if attention not in attentions or not any(True for _ in module.get_submodule(path).parameters(recurse=False)):
             raise ValueError(f"shard(tensor_parallel=...): {path!r} is styled {REPLICATED!r}, which sums its "
@@ -144,7 +148,7 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
     for path, style in sorted(styles.items()):
         if style in SEQUENCE_STYLES or style == REPLICATED:  # (whole on every rank)
             continue
-        rows = style != "rowwise"  # colwise, colwise_gather_output: output features; an embedding: its rows
+        rows = not style.startswith("rowwise")  # colwise, colwise_gather_output: output features; an embedding: its rows
         for name, dim in (("weight", 0 if rows else 1), ("bias", 0 if rows else None)):
             leaf = f"{path}.{name}"
             if dim is None or getattr(module.get_submodule(path), name, None) is None:
@@ -226,7 +230,7 @@ def _check_sequence(styles: dict[str, str], needs: Mapping[str, tuple[str, bool 
 
 
 # the styles of a transformers base_model_tp_plan that "auto" takes, with transformers' meaning
-AUTO_STYLES = ("colwise", "rowwise", REPLICATED)
+AUTO_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", REPLICATED)
 
 
 def auto_plan(module: nn.Module) -> dict[str, str]:
@@ -403,8 +407,8 @@ def tp_forward(active: Any, path: str, module: nn.Module, by_heads: bool) -> Any
     def forward(x: torch.Tensor) -> torch.Tensor:
         now = active()
         style = now.styles.get(path) if now is not None else None
-        if style not in ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"):  # (sequence: _sequence's)
-            return inner(x)
+        if style not in ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise"):
+            return inner(x)  # (sequence styles: shardfn._parallel.sequence's; REPLICATED runs as it is)
         rt = now.rt
         sequence = now.sequence  # (a bound block runs the region whole)
         if style == "embedding_rowwise":
@@ -423,6 +427,11 @@ def tp_forward(active: Any, path: str, module: nn.Module, by_heads: bool) -> Any
                 return y
             program = "graph" if rt.ctx.recorded else "compile" if getattr(rt.options, "compile", None) else ""
             return per_feature(y, path, rt, program)
+        if style == "rowwise_split_input":  # a whole input: this rank's features of it, the gradient gathered
+            if sequence:
+                outside_region(now, path, style)
+            y = ReduceFromTensor.apply(F.linear(SplitInput.apply(x, rt, path), module.weight), rt, path)
+            return y if module.bias is None else y + module.bias
         x = plain(x)
         if sequence:
             y = reduce_scatter_output(now, F.linear(x, module.weight), path)

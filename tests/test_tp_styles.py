@@ -1,0 +1,214 @@
+"""The transformers styles beyond Llama's plan, each from a model's own plan
+(``tensor_parallel="auto"``) and equal to one process:
+
+* ``"replicated_with_grad_allreduce"``: a module with parameters inside an attention split by
+  heads (Qwen3's per-head q_norm and k_norm), refused unless so styled
+  (shardfn._parallel.tensor [Note: a module that reads split heads]);
+* ``"colwise_gather_output"`` q/k/v with a ``"rowwise_split_input"`` o: an attention whose
+  heads stay whole on every rank (OLMo 2, whose norms span all the heads)."""
+
+import pathlib
+import re
+import sys
+
+import pytest
+import torch
+
+import shardfn as sf
+import test_tensor_parallel
+from bounds import SGD_MOMENTUM
+from shardfn.testing._equivalence import split_batch
+from test_tp_auto import ATOL, RTOL, batches, loss_fn
+
+HIDDEN, LAYERS, VOCAB, SEQ, HEAD_DIM = 32, 2, 64, 8, 8
+ROWS = 4
+REPLICATED = "replicated_with_grad_allreduce"
+# Qwen3's attention and MLP split by hand, its per-head norms left out of the plan
+BY_HAND = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+           "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
+
+
+def olmo2():
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    cfg = Olmo2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                      tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    return Olmo2ForCausalLM(cfg)
+
+
+def qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=16,
+                      tie_word_embeddings=False)
+    return Qwen3ForCausalLM(cfg)
+
+
+MODELS = {"qwen3": qwen3, "olmo2": olmo2}
+
+
+def _train(name, strategy, tensor, micro=1, graph=False):
+    mesh = sf.Mesh.from_group(tensor=tensor)
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(MODELS[name]())
+    sharded = sf.shard(params, mesh, strategy, tensor_parallel="auto")
+    opt = SGD_MOMENTUM()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro, graph=graph)
+    losses, norms, logs = [], [], []
+    for batch in batches():
+        with sf.record_collectives() as log:
+            sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+        logs.append(sorted((c.unit, c.kind.value, c.nbytes) for c in log.select("tensor")))
+    return losses, norms, logs, sf.gather(sharded), dict(sharded.layout.tensor)
+
+
+def _expected(name, data_size, micro):
+    """The tensor axis's collectives in a step: (name, kind, bytes), sorted."""
+    rows = ROWS // data_size // micro
+    nbytes, logits = rows * SEQ * HIDDEN * 4, rows * SEQ * VOCAB * 4  # fp32 hidden states, logits of a micro-batch
+    # per layer and micro-batch, the MLP's as Llama's (tests/test_tp_auto.py): down's output in
+    # forward, the input gate and up share in backward; the head's logits gathered in forward,
+    # its input's gradient all-reduced in backward
+    each = [(f"model.layers.{i}.mlp.{layer}", "all_reduce", nbytes) for i in range(LAYERS)
+            for layer in ("gate_proj", "down_proj")] + [("lm_head", "all_gather", logits), ("lm_head", "all_reduce", nbytes)]
+    if name == "qwen3":  # heads split: o's output, and the input q/k/v share in backward; once a
+        # step the norms' partial gradients in one all-reduce (2 norms x 2 layers x head_dim fp32)
+        each += [(f"model.layers.{i}.self_attn.{layer}", "all_reduce", nbytes) for i in range(LAYERS)
+                 for layer in ("q_proj", "o_proj")]
+        once = [(REPLICATED, "all_reduce", 2 * LAYERS * HEAD_DIM * 4)]
+    else:  # heads whole: q, k and v gathered (k and v: 2 of the 4 heads' width), the input they
+        # share all-reduced in backward; o's output all-reduced, its input's gradient gathered
+        kv = nbytes // 2
+        each += [(f"model.layers.{i}.self_attn.{layer}", kind, n) for i in range(LAYERS)
+                 for layer, kind, n in (("q_proj", "all_gather", nbytes), ("k_proj", "all_gather", kv),
+                                        ("v_proj", "all_gather", kv), ("q_proj", "all_reduce", nbytes),
+                                        ("o_proj", "all_reduce", nbytes), ("o_proj", "all_gather", nbytes))]
+        once = []
+    return sorted(each * micro + once)
+
+
+def _check(name, results, data_size, micro=1):
+    ref_losses, ref_state, ref_norm = test_tensor_parallel._reference(MODELS[name], loss_fn, batches)
+    expect = _expected(name, data_size, micro)
+    for losses, norms, logs, full, styles in results:
+        if name == "qwen3":
+            assert styles["model.layers.1.self_attn.q_norm"] == REPLICATED, styles
+            assert styles["model.layers.0.self_attn.k_norm"] == REPLICATED, styles
+        else:
+            assert styles["model.layers.1.self_attn.o_proj"] == "rowwise_split_input", styles
+            assert styles["model.layers.0.self_attn.k_proj"] == "colwise_gather_output", styles
+        assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+        assert abs(norms[0] - ref_norm) <= ATOL + RTOL * ref_norm, (norms[0], ref_norm)
+        assert set(full) == {n for n, _ in MODELS[name]().named_parameters()}  # (the rotary buffers are not gathered)
+        for n in full:
+            ref = ref_state[n]
+            diff = (full[n] - ref).abs() - RTOL * ref.abs()
+            assert float(diff.max()) <= ATOL, (n, float(diff.max()))
+        for log in logs:  # (a graph step's: the recorded collectives, counted as the eager step's)
+            assert log == expect, log
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_auto_tensor_two_equals_one_process(clusters, name):
+    _check(name, clusters[2].run(_train, name, "FULL_SHARD", 2), 1)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_auto_shard_two_by_tensor_two_with_micro_batches_equals_one_process(clusters, name):
+    _check(name, clusters[4].run(_train, name, "FULL_SHARD", 2, 2), 2, 2)
+    _check(name, clusters[4].run(_train, name, "SHARD_GRAD_OP", 2), 2)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_auto_graph_step_equals_one_process(clusters, name):
+    _check(name, clusters[2].run(_train, name, "FULL_SHARD", 2, 1, True), 1)
+
+
+def _generate(name):
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        want = model.generate(prompt, **kw)
+    params, apply = sf.functionalize(model)
+    sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel="auto")
+    with sf.bind(apply, sharded) as bound, torch.no_grad():
+        got = bound.generate(prompt, **kw)
+    return want, got
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generate_on_the_shards_equals_the_full_model(clusters, name):
+    for want, got in clusters[2].run(_generate, name):
+        assert torch.equal(got, want), (got, want)
+
+
+def _unsplit_gradient():
+    """The norms' gradients: one process's, and a tensor-2 step's with their style. With
+    partial gradients each rank's would be about half (two of the four heads)."""
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    params, apply = sf.functionalize(qwen3())
+    batch = batches()[0]
+    names = [n for n in params if n.endswith("_norm.weight") and ".self_attn." in n]
+    whole = dict(zip(names, torch.autograd.grad(loss_fn(apply, params, batch), [params[n] for n in names])))
+    sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel="auto")
+    _, grads, _ = sf.jit_grad(loss_fn, mesh)(sharded, batch)
+    return {n: float((grads[n] - whole[n]).abs().max()) for n in names}, max(float(g.abs().max()) for g in whole.values())
+
+
+def test_the_norms_gradients_are_summed_over_the_tensor_ranks(clusters):
+    for diffs, scale in clusters[2].run(_unsplit_gradient):
+        assert scale > 1e-3  # (a gradient that could be seen to be halved)
+        assert max(diffs.values()) <= ATOL + RTOL * scale, diffs
+
+
+def _refusals():
+    mesh = sf.Mesh.from_group(tensor=2)
+    out = []
+    for spec in (BY_HAND,  # the norms read split heads, unstyled
+                 {**BY_HAND, "model.layers.*.self_attn.*_norm": REPLICATED, "model.norm": REPLICATED},  # outside one
+                 {"model.layers.*.self_attn.q_norm": REPLICATED},  # an attention not split
+                 {**BY_HAND, "model.layers.*.self_attn.k_proj": "colwise_gather_output"}):  # heads whole and split
+        torch.manual_seed(0)
+        try:
+            sf.shard(sf.functionalize(qwen3())[0], mesh, "FULL_SHARD", tensor_parallel=spec)
+        except ValueError as e:
+            out.append(str(e))
+        else:
+            out.append("accepted")
+    return out
+
+
+def test_a_module_reading_split_heads_is_refused_unless_styled(clusters):
+    first, second = clusters[2].run(_refusals)
+    assert first == second  # every rank raises the same error
+    unstyled, outside, unsplit, mixed = first
+    assert "'model.layers.0.self_attn.k_norm', 'model.layers.0.self_attn.q_norm' inside it have" in unstyled, unstyled
+    assert "silently wrong" in unstyled and f"{REPLICATED!r}" in unstyled, unstyled
+    assert "'model.norm' is not inside such an attention" in outside, outside
+    assert "'model.layers.0.self_attn.q_norm' is not inside such an attention" in unsplit, unsplit
+    assert "'model.layers.0.self_attn.k_proj' is inside the attention module 'model.layers.0.self_attn'" in mixed, mixed
+    assert "leaves its heads whole, while other layers of it split them" in mixed, mixed
+
+
+def test_the_coverage_in_the_docs_is_the_tools():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "tools"))
+    import tp_coverage
+
+    version, found = tp_coverage.coverage()
+    assert found["qwen3"] == found["llama"] == found["olmo2"] == ()
+    assert "moe_tp_experts" in found["mixtral"], found["mixtral"]
+    text = " ".join((root / "docs" / "tensor-parallel.md").read_text().split())
+    said = re.search(r"with transformers (\S+), \"auto\" takes the plans of (\d+) of the (\d+) model types", text)
+    assert said is not None
+    taken = sum(1 for missing in found.values() if not missing)
+    assert said.groups() == (version, str(taken), str(len(found))), (said.groups(), version, taken, len(found))
