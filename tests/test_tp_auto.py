@@ -39,14 +39,16 @@ def batches():
              "y": torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)} for _ in range(STEPS)]
 
 
-def _train(strategy, tensor, micro=1, spec="auto", loss=loss_fn, replicate=None, pad=None):
+def _train(strategy, tensor, micro=1, spec="auto", loss=loss_fn, replicate=None, pad=None, make=None, graph=False):
+    """Three steps of ``make()`` (default: the tiny Llama): losses, norms, the tensor axis's
+    collectives of each step, the gathered parameters and the layout's styles."""
     mesh = sf.Mesh.from_group(tensor=tensor, replicate=replicate)
     torch.manual_seed(0)
-    params, _ = sf.functionalize(llama(pad=pad))
+    params, _ = sf.functionalize(make() if make is not None else llama(pad=pad))
     sharded = sf.shard(params, mesh, strategy, tensor_parallel=spec)
     opt = SGD_MOMENTUM()
     state = opt.init(sharded)
-    step = sf.jit_step(loss, mesh, optimizer=opt, micro_batches=micro)
+    step = sf.jit_step(loss, mesh, optimizer=opt, micro_batches=micro, graph=graph)
     losses, norms, logs = [], [], []
     for batch in batches():
         with sf.record_collectives() as log:
@@ -184,10 +186,11 @@ def test_check_equivalence_with_a_tensor_parallel_plan(clusters):
     assert not any("rank 0's shard of blocks.0.mlp.0.weight" in f for f in bad), bad
 
 
-def _generate(tensor):
+def _generate(tensor, make=llama):
+    """Greedy tokens of the full model ``make()`` and of its shards under ``bind`` ("auto")."""
     mesh = sf.Mesh.from_group(tensor=tensor)
     torch.manual_seed(0)
-    model = llama().eval()
+    model = make().eval()
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
     with torch.no_grad():

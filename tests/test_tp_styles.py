@@ -16,8 +16,7 @@ import torch
 
 import shardfn as sf
 import test_tensor_parallel
-from bounds import SGD_MOMENTUM
-from shardfn.testing._equivalence import split_batch
+import test_tp_auto
 from test_tp_auto import ATOL, RTOL, batches, loss_fn
 
 HIDDEN, LAYERS, VOCAB, SEQ, HEAD_DIM = 32, 2, 64, 8, 8
@@ -50,21 +49,7 @@ MODELS = {"qwen3": qwen3, "olmo2": olmo2}
 
 
 def _train(name, strategy, tensor, micro=1, graph=False):
-    mesh = sf.Mesh.from_group(tensor=tensor)
-    torch.manual_seed(0)
-    params, _ = sf.functionalize(MODELS[name]())
-    sharded = sf.shard(params, mesh, strategy, tensor_parallel="auto")
-    opt = SGD_MOMENTUM()
-    state = opt.init(sharded)
-    step = sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro, graph=graph)
-    losses, norms, logs = [], [], []
-    for batch in batches():
-        with sf.record_collectives() as log:
-            sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
-        logs.append(sorted((c.unit, c.kind.value, c.nbytes) for c in log.select("tensor")))
-    return losses, norms, logs, sf.gather(sharded), dict(sharded.layout.tensor)
+    return test_tp_auto._train(strategy, tensor, micro, make=MODELS[name], graph=graph)
 
 
 def _expected(name, data_size, micro):
@@ -110,7 +95,7 @@ def _check(name, results, data_size, micro=1):
             diff = (full[n] - ref).abs() - RTOL * ref.abs()
             assert float(diff.max()) <= ATOL, (n, float(diff.max()))
         for log in logs:  # (a graph step's: the recorded collectives, counted as the eager step's)
-            assert log == expect, log
+            assert sorted(log) == expect, sorted(log)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -130,18 +115,7 @@ def test_auto_graph_step_equals_one_process(clusters, name):
 
 
 def _generate(name):
-    mesh = sf.Mesh.from_group(tensor=2)
-    torch.manual_seed(0)
-    model = MODELS[name]().eval()
-    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
-    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
-    with torch.no_grad():
-        want = model.generate(prompt, **kw)
-    params, apply = sf.functionalize(model)
-    sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel="auto")
-    with sf.bind(apply, sharded) as bound, torch.no_grad():
-        got = bound.generate(prompt, **kw)
-    return want, got
+    return test_tp_auto._generate(2, MODELS[name])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
