@@ -48,6 +48,7 @@ from ._state.precision import Precision as Precision
 from ._run.options import Aux as Aux
 from ._run.options import OnNonfinite as OnNonfinite
 from .optim._psum import on_shards as on_shards
+from ._parallel.loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from ._state.reshard import reshard as reshard
 from ._run.options import Accumulate as Accumulate
 from ._state.sharded import ShardedParams as ShardedParams
@@ -111,6 +112,7 @@ __all__ = [
     "shard",
     "track_live_bytes",
     "track_residency",
+    "vocab_parallel_cross_entropy",
     "whole",
 ]
 

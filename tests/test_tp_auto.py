@@ -39,7 +39,8 @@ def batches():
              "y": torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)} for _ in range(STEPS)]
 
 
-def _train(strategy, tensor, micro=1, spec="auto", loss=loss_fn, replicate=None, pad=None, make=None, graph=False):
+def _train(strategy, tensor, micro=1, spec="auto", loss=loss_fn, replicate=None, pad=None, make=None, graph=False,
+           make_batches=None):
     """Three steps of ``make()`` (default: the tiny Llama): losses, norms, the tensor axis's
     collectives of each step, the gathered parameters and the layout's styles."""
     mesh = sf.Mesh.from_group(tensor=tensor, replicate=replicate)
@@ -50,7 +51,7 @@ def _train(strategy, tensor, micro=1, spec="auto", loss=loss_fn, replicate=None,
     state = opt.init(sharded)
     step = sf.jit_step(loss, mesh, optimizer=opt, micro_batches=micro, graph=graph)
     losses, norms, logs = [], [], []
-    for batch in batches():
+    for batch in (make_batches or batches)():
         with sf.record_collectives() as log:
             sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
         losses.append(float(metrics["loss"]))
@@ -80,16 +81,23 @@ def _check(results, data_size, micro=1, embedding=None):
         assert styles["model.layers.1.self_attn.k_proj"] == "colwise", styles
         assert len(styles) == 7 * LAYERS + 1 + (embedding is not None), styles
         assert styles["lm_head"] == "colwise_gather_output", styles
-        assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
-        assert abs(norms[0] - ref_norm) <= ATOL + RTOL * ref_norm, (norms[0], ref_norm)
-        assert set(full) == {n for n, _ in llama().named_parameters()}  # (the rotary buffers are not gathered)
-        for name in full:
-            ref = ref_state[name]
-            assert full[name].shape == ref.shape, name
-            diff = (full[name] - ref).abs() - RTOL * ref.abs()
-            assert float(diff.max()) <= ATOL, (name, float(diff.max()))
+        assert_trained_alike(losses, norms, full, (ref_losses, ref_state, ref_norm), llama)
         for log in logs:
             assert sorted(log) == expect, sorted(log)
+
+
+def assert_trained_alike(losses, norms, full, reference, make):
+    """A run's losses, first gradient norm and gathered parameters against one process's
+    (``reference``: ``test_tensor_parallel._reference``'s), within bounds.py's tolerances."""
+    ref_losses, ref_state, ref_norm = reference
+    assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    assert abs(norms[0] - ref_norm) <= ATOL + RTOL * ref_norm, (norms[0], ref_norm)
+    assert set(full) == {n for n, _ in make().named_parameters()}  # (the rotary buffers are not gathered)
+    for name in full:
+        ref = ref_state[name]
+        assert full[name].shape == ref.shape, name
+        diff = (full[name] - ref).abs() - RTOL * ref.abs()
+        assert float(diff.max()) <= ATOL, (name, float(diff.max()))
 
 
 def test_auto_llama_tensor_two_equals_one_process(clusters):
