@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shardfn as sf
 import test_tensor_parallel
@@ -108,6 +109,25 @@ def test_auto_graph_step_equals_one_process(clusters, name):
     _check(name, clusters[2].run(_train, name, "FULL_SHARD", 2, 1, True), 1)
 
 
+def no_cache_loss(apply, params, batch):
+    # (no key/value cache in training: a recompute would find the forward's keys in it, as
+    # with transformers' own gradient checkpointing, which turns the cache off)
+    logits = apply(params, batch["x"], use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_auto_with_remat_equals_one_process(clusters, mode):
+    # each layer a unit, recomputed in backward with its tensor collectives (their counts
+    # then differ from the eager step's: only the training is compared)
+    plan = sf.Plan("FULL_SHARD", units=[f"model.layers.{i}" for i in range(LAYERS)], remat=sf.Remat(mode=mode))
+    for name in MODELS:
+        reference = test_tensor_parallel._reference(MODELS[name], no_cache_loss, batches)
+        for losses, norms, _, full, _ in clusters[2].run(test_tp_auto._train, plan, 2, loss=no_cache_loss,
+                                                         make=MODELS[name]):
+            test_tp_auto.assert_trained_alike(losses, norms, full, reference, MODELS[name])
+
+
 def _generate(name):
     return test_tp_auto._generate(2, MODELS[name])
 
@@ -180,3 +200,36 @@ def test_the_coverage_in_the_docs_is_the_tools():
     assert said is not None
     taken = sum(1 for missing in found.values() if not missing)
     assert said.groups() == (version, str(taken), str(len(found))), (said.groups(), version, taken, len(found))
+
+
+def _export(name, directory):
+    """One step of the model with "auto" at tensor 2, then save_pretrained; the gathered
+    parameters (every rank: the same)."""
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(MODELS[name]())
+    sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel="auto")
+    step = sf.jit_step(loss_fn, mesh, optimizer=sf.optim.sgd(0.5))
+    sharded, _, _ = step(sharded, step.init(sharded), batches()[0])
+    sf.save_pretrained(sharded, directory)
+    return sf.gather(sharded)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_save_pretrained_loads_in_transformers_with_the_same_logits(clusters, tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    trained = clusters[2].run(_export, name, str(tmp_path))[0]
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    torch.manual_seed(0)
+    untrained = MODELS[name]().eval()
+    missing, unexpected = model.load_state_dict(trained, strict=False)
+    assert unexpected == [] and all(k.endswith("rotary_emb.inv_freq") for k in missing), (missing, unexpected)
+    x = batches()[1]["x"]
+    with torch.no_grad():
+        want, got, before = model(x).logits, loaded(x).logits, untrained(x).logits
+    assert type(loaded) is type(model)
+    assert torch.equal(got, want)
+    assert not torch.equal(want, before)  # (the step moved the weights)
