@@ -110,7 +110,7 @@ def _peaks(vocab=BIG_VOCAB):
 
     mesh = sf.Mesh.from_group(tensor=2)
     g = torch.Generator().manual_seed(4)
-    batch = {"x": torch.randint(0, vocab, (ROWS, SEQ), generator=g), "y": torch.randint(0, vocab, (ROWS, SEQ), generator=g)}
+    batch = {k: torch.randint(0, vocab, (ROWS, SEQ), generator=g) for k in ("x", "y")}
     out = []
     for head, loss in (("colwise_gather_output", whole_loss), ("colwise", split_loss)):
         torch.manual_seed(0)

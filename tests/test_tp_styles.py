@@ -61,7 +61,8 @@ def _expected(name, data_size, micro):
     # forward, the input gate and up share in backward; the head's logits gathered in forward,
     # its input's gradient all-reduced in backward
     each = [(f"model.layers.{i}.mlp.{layer}", "all_reduce", nbytes) for i in range(LAYERS)
-            for layer in ("gate_proj", "down_proj")] + [("lm_head", "all_gather", logits), ("lm_head", "all_reduce", nbytes)]
+            for layer in ("gate_proj", "down_proj")]
+    each += [("lm_head", "all_gather", logits), ("lm_head", "all_reduce", nbytes)]
     if name == "qwen3":  # heads split: o's output, and the input q/k/v share in backward; once a
         # step the norms' partial gradients in one all-reduce (2 norms x 2 layers x head_dim fp32)
         each += [(f"model.layers.{i}.self_attn.{layer}", "all_reduce", nbytes) for i in range(LAYERS)
@@ -149,7 +150,8 @@ def _unsplit_gradient():
     whole = dict(zip(names, torch.autograd.grad(loss_fn(apply, params, batch), [params[n] for n in names])))
     sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel="auto")
     _, grads, _ = sf.jit_grad(loss_fn, mesh)(sharded, batch)
-    return {n: float((grads[n] - whole[n]).abs().max()) for n in names}, max(float(g.abs().max()) for g in whole.values())
+    diffs = {n: float((grads[n] - whole[n]).abs().max()) for n in names}
+    return diffs, max(float(g.abs().max()) for g in whole.values())
 
 
 def test_the_norms_gradients_are_summed_over_the_tensor_ranks(clusters):

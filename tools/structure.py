@@ -259,7 +259,8 @@ def runtime_reads(modules: dict[str, ast.Module]) -> list[tuple[str, int, str]]:
             out.append((path, n.lineno, ast.unparse(n)))
         for n in ast.walk(tree):
             if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and (
-                    (n.attr == "runtime" and not (isinstance(n.value, ast.Call) and getattr(n.value.func, "id", "") == "here"))
+                    (n.attr == "runtime" and not (isinstance(n.value, ast.Call)
+                                                  and getattr(n.value.func, "id", "") == "here"))
                     or (isinstance(n.value, ast.Name) and n.value.id == "apply"
                         and n.attr in ("calls", "tensor_calls", "active"))):
                 out.append((path, n.lineno, ast.unparse(n)))

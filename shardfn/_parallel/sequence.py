@@ -280,8 +280,8 @@ def sum_partial_grads(grads: dict[str, torch.Tensor], layout: Any, rt: Any) -> N
     slots = flat.split(sizes)
     for n, slot in zip(names, slots):
         slot[:grads[n].numel()].copy_(grads[n].reshape(-1))
-    C.all_reduce(flat, rt.mesh.channel("tensor"), Purpose.TENSOR, "sequence" if sequence_parallel(layout) else REPLICATED,
-                 op=C.SUM, to=rt.observers, scope=rt.scope)
+    name = "sequence" if sequence_parallel(layout) else REPLICATED
+    C.all_reduce(flat, rt.mesh.channel("tensor"), Purpose.TENSOR, name, op=C.SUM, to=rt.observers, scope=rt.scope)
     for n, slot in zip(names, slots):
         grads[n].copy_(slot[:grads[n].numel()].view_as(grads[n]))
 

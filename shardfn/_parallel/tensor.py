@@ -35,8 +35,8 @@ from .sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_in
 from .call import REPLICATED  # [Note: a module that reads split heads]
 from .ops import CopyToTensor, GatherOutput, ReduceFromTensor, SplitInput, full_leaf
 
-__all__ = ["AUTO_STYLES", "REPLICATED", "STYLES", "auto_plan", "full_leaf", "heads_of", "local_state", "resolve_tensor_parallel",
-           "split_sum_of_squares", "tp_forward"]
+__all__ = ["AUTO_STYLES", "REPLICATED", "STYLES", "auto_plan", "full_leaf", "heads_of", "local_state",
+           "resolve_tensor_parallel", "split_sum_of_squares", "tp_forward"]
 
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", REPLICATED,
           *SEQUENCE_STYLES)
@@ -47,9 +47,8 @@ WHOLE_HEADS = ("colwise_gather_output", "rowwise_split_input")
 _NOT_YET = (
     "shard(tensor_parallel=...): {what} is not supported yet. Tensor parallelism takes 'auto' or a mapping from "
     "module-path patterns to a style: 'colwise', 'rowwise', 'colwise_gather_output' or 'rowwise_split_input' "
-    "(nn.Linear layers), "
-    "'embedding_rowwise' (an nn.Embedding), 'replicated_with_grad_allreduce' (a per-head norm inside a split "
-    "attention), 'sequence', 'sequence_start' or 'sequence_end' (sequence parallelism), "
+    "(nn.Linear layers), 'embedding_rowwise' (an nn.Embedding), 'replicated_with_grad_allreduce' (a per-head norm "
+    "inside a split attention), 'sequence', 'sequence_start' or 'sequence_end' (sequence parallelism), "
     "or one of torch's ParallelStyle objects of those kinds. Pass such a mapping; see docs/tensor-parallel.md."
 )
 _ATTENTION = (
@@ -148,7 +147,7 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
     for path, style in sorted(styles.items()):
         if style in SEQUENCE_STYLES or style == REPLICATED:  # (whole on every rank)
             continue
-        rows = not style.startswith("rowwise")  # colwise, colwise_gather_output: output features; an embedding: its rows
+        rows = not style.startswith("rowwise")  # colwise ones: output features; an embedding: its rows
         for name, dim in (("weight", 0 if rows else 1), ("bias", 0 if rows else None)):
             leaf = f"{path}.{name}"
             if dim is None or getattr(module.get_submodule(path), name, None) is None:
@@ -328,7 +327,7 @@ def _check_attention(module: nn.Module, path: str, styles: Mapping[str, str], te
     # partial sums. Styled REPLICATED, it stays whole on every rank and its gradients are
     # summed over the tensor axis once a step (shardfn._parallel.sequence.sum_partial_grads);
     # left unstyled, training would be silently wrong, so it is refused here.
-    held = {f"{path}.{p}".rstrip(".") for p, m in att.named_modules()
+    held = {".".join(filter(None, (path, p))) for p, m in att.named_modules()
             if any(True for _ in m.parameters(recurse=False)) and not isinstance(m, nn.Linear)}
     unstyled = sorted(p for p in held if styles.get(p) != REPLICATED)
     if unstyled:

@@ -277,7 +277,8 @@ class Grad:
             if used:
                 raise ValueError(_USED_DIRECTLY.format(names=", ".join(used[:4])))
         out = {n: grads[n] if n in grads else torch.zeros_like(sharded[n]) for n in trainable}
-        if sharded.layout.tensor:  # partial gradients ([Note: the sequence region], [Note: a module that reads split heads])
+        # partial gradients: [Note: the sequence region], [Note: a module that reads split heads]
+        if sharded.layout.tensor:
             sum_partial_grads(out, sharded.layout, rt)
         if scale != 1.0:
             out = {n: g.div_(scale) for n, g in out.items()}
