@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 import shardfn as sf
 import test_tensor_parallel
+from bounds import SGD_MOMENTUM
 import test_tp_auto
+from shardfn.testing._equivalence import split_batch
 from test_tp_auto import ATOL, RTOL, batches, loss_fn
 
 HIDDEN, LAYERS, VOCAB, SEQ, HEAD_DIM = 32, 2, 64, 8, 8
@@ -235,3 +237,38 @@ def test_save_pretrained_loads_in_transformers_with_the_same_logits(clusters, tm
     assert type(loaded) is type(model)
     assert torch.equal(got, want)
     assert not torch.equal(want, before)  # (the step moved the weights)
+
+
+def _saved_and_loaded(name, path, tensor_save, tensor_load):
+    """Two SGD-momentum steps in the layout of ``tensor_save`` (a tensor axis of 2 with "auto",
+    or None: FULL_SHARD over the ranks), saved; loaded into the other layout from another
+    seed. Both as gathered parameters and momentum."""
+
+    def build(tensor, seed):
+        mesh = sf.Mesh.from_group(tensor=tensor)
+        torch.manual_seed(seed)
+        sharded = sf.shard(sf.functionalize(MODELS[name]())[0], mesh, "FULL_SHARD",
+                           tensor_parallel="auto" if tensor else None)
+        return mesh, sharded, SGD_MOMENTUM().init(sharded)
+
+    def full(sharded, state):
+        return sf.gather(sharded), sf.gather(sharded.replace(state.momentum_buffer))
+
+    mesh, sharded, state = build(tensor_save, 0)
+    step = sf.jit_step(loss_fn, mesh, optimizer=SGD_MOMENTUM())
+    for batch in batches()[:2]:
+        sharded, state, _ = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
+    sf.checkpoint.save(path, sharded, state)
+    _, other, other_state = build(tensor_load, 1)
+    other, other_state, _ = sf.checkpoint.load(path, other, other_state)
+    return full(sharded, state), full(other, other_state)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_checkpoints_move_between_the_styles_layout_and_plain_fsdp(clusters, tmp_path, name):
+    for i, (save, load) in enumerate(((2, None), (None, 2))):
+        for saved, loaded in clusters[2].run(_saved_and_loaded, name, str(tmp_path / str(i)), save, load):
+            for before, after in zip(saved, loaded):  # parameters, then momentum
+                assert before.keys() == after.keys()
+                for n in before:
+                    assert torch.equal(before[n], after[n]), n
