@@ -162,7 +162,7 @@ def reshard_out_and_back():
     same = [n for n in sharded if not torch.equal(back[n], sharded[n])]
     same += [n for n in state.momentum_buffer if not torch.equal(back_state.momentum_buffer[n], state.momentum_buffer[n])]
     kept, kept_state = sf.reshard(sharded, state, "SHARD_GRAD_OP")  # the same mesh: the same layers split
-    same += [n for n, _, _ in sharded.layout.splits if kept.layout.splits != sharded.layout.splits]
+    same += [n for n, *_ in sharded.layout.splits if kept.layout.splits != sharded.layout.splits]
     _same(_full(kept, kept_state), before)
     return before, out, same, _next_steps(plain_mesh, "FULL_SHARD", None, before, plain, plain_state)
 

@@ -169,7 +169,7 @@ def _psums():
     mesh = sf.Mesh.from_group(tensor=2)
     torch.manual_seed(0)
     sharded = sf.shard(sf.functionalize(model())[0], mesh, "FULL_SHARD", tensor_parallel=PLAN)
-    split = {leaf for leaf, _, _ in sharded.layout.splits}
+    split = {leaf for leaf, *_ in sharded.layout.splits}
     out = {}
     with sf.on_shards(sharded):
         try:

@@ -213,7 +213,7 @@ def _dropout_run(tensor, how="eager"):
     for batch in _drop_batches():
         sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
         losses.append(float(metrics["loss"]))
-    split = {leaf for leaf, _, _ in sharded.layout.splits}
+    split = {leaf for leaf, *_ in sharded.layout.splits}
     replicated = {n: t.detach().clone() for n, t in sharded.items() if n not in split}
     return losses, replicated, sf.gather(sharded)
 

@@ -27,7 +27,6 @@ from .._memory import parse_size
 from .safetensors import INDEX, Writer
 from .._state.sharded import ShardedParams, full_units
 from .._state.split_pieces import global_shape
-from .._parallel.tensor import full_leaf
 from .._state.verdict import check_verdict, unusable_on_failure
 
 __all__ = ["save_pretrained", "write_config"]
@@ -91,7 +90,7 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
 
         plan = [(keys[n][0], tuple(global_shape(layout, n) if n in layout.leaves else shape_of(layout, n)),
                  cast(_dtype(layout, n))) for n in (*leaves, *buffers)]
-        splits = {n: dim for n, dim, _ in layout.splits}
+        splits = {s.leaf: s for s in layout.splits}
         writer = None
         if rank0:
             os.makedirs(directory, exist_ok=True)
@@ -105,7 +104,7 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
                                       unpack=rank0 or bool(splits)):
                 for n, t in full.items():
                     if n in splits:
-                        t = full_leaf(t, splits[n], mesh, Purpose.STATE_DICT, n)
+                        t = splits[n].whole(t, mesh, Purpose.STATE_DICT, n)
                     if rank0:
                         writer.write(keys[n][0], t.to(cast(t.dtype)))
                 del full

@@ -109,15 +109,14 @@ def read_weights(source: Source, layout: Layout, mesh: Any, params: Mapping[str,
 def _rows_of(source: Source, key: str, layout: Layout, name: str, mesh: Any) -> Callable[[int, int], torch.Tensor]:
     """``rows(lo, hi)``: rows of leaf ``name`` as this rank's layout holds it, read from
     ``key`` of the file: for a split leaf, of this tensor rank's block (shardfn._parallel.tensor)."""
-    split = next(((dim, shape) for leaf, dim, shape in layout.splits if leaf == name), None)
+    split = next((s for s in layout.splits if s.leaf == name), None)
     if split is None:
         return lambda lo, hi: source.rows(key, lo, hi)
-    dim, shape = split
-    n = shape[dim] // mesh.axis_size("tensor")
-    start = mesh.axis_rank("tensor") * n
-    if dim == 0:
-        return lambda lo, hi: source.rows(key, start + lo, start + hi)
-    return lambda lo, hi: source.rows(key, lo, hi).narrow(dim, start, n)
+    tensor, rank = mesh.axis_size("tensor"), mesh.axis_rank("tensor")
+    if split.dim == 0:  # the piece's rows: a run of the file's rows per packed part ([Note: packed splits])
+        block = split.shape[0] // tensor
+        return lambda lo, hi: torch.cat([source.rows(key, at, at + k) for _, at, k in split.runs(lo, hi, rank, block)])
+    return lambda lo, hi: split.piece(source.rows(key, lo, hi), tensor, rank)
 
 
 def _read_shard(rows_of: Callable[[int, int], torch.Tensor], layout: Layout, name: str, rank: int,

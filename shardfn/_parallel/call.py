@@ -50,7 +50,7 @@ class TensorCall:
     styles: dict[str, str]  # module path -> style (the layout's)
     blocks: frozenset[str]  # the modules that hold colwise layers (shardfn._parallel.sequence.blocks_of)
     region: bool  # the layout has sequence styles
-    # shared colwise inputs ([Note: one all-reduce per shared input] in shardfn._parallel.tensor)
+    # shared colwise inputs ([Note: one all-reduce per shared input] in shardfn._parallel.ops)
     copies: dict[int, tuple] = field(default_factory=dict)
     opened: str | None = None  # the 'sequence_start' module whose region is open, if one is
     draws: tuple[bytes, ...] | None = None  # the generators' states when the region opened
@@ -92,10 +92,10 @@ def styles_text(styles: Sequence[tuple[str, str]]) -> str:
     return ", ".join(out)
 
 
-def params_text(num_params: int, leaves: Mapping[str, Any], splits: Sequence[tuple[str, int, tuple]]) -> str:
+def params_text(num_params: int, leaves: Mapping[str, Any], splits: Sequence[Any]) -> str:
     """A layout's parameters in words (``leaves``: its LeafLayouts, each a piece where split),
     and with a tensor axis the part each tensor rank holds."""
     if not splits:
         return f"{num_params:,} params"
-    whole = num_params + sum(math.prod(shape) - math.prod(leaves[leaf].shape) for leaf, _, shape in splits)
+    whole = num_params + sum(math.prod(s.shape) - math.prod(leaves[s.leaf].shape) for s in splits)
     return f"{whole:,} params ({num_params:,} on each tensor rank: {len(splits)} leaves split over the 'tensor' axis)"

@@ -33,13 +33,14 @@ from .features import per_feature, plain
 from .sequence import (SEQUENCE_STYLES, blocks_of, from_torch_style, gathered_input, outside_region,
     reduce_scatter_output)
 from .call import REPLICATED  # [Note: a module that reads split heads]
-from .ops import CopyToTensor, GatherOutput, ReduceFromTensor, SplitInput, full_leaf
+from .experts import MOE, PARAM_STYLES, experts_splits, parameter_paths
+from .ops import GatherOutput, ReduceFromTensor, Split, SplitInput, full_leaf, shared_copy
 
 __all__ = ["AUTO_STYLES", "REPLICATED", "STYLES", "auto_plan", "full_leaf", "heads_of", "local_state",
            "resolve_tensor_parallel", "split_sum_of_squares", "tp_forward"]
 
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", REPLICATED,
-          *SEQUENCE_STYLES)
+          MOE, "packed_colwise", "packed_rowwise", *SEQUENCE_STYLES)
 # an attention's layers styled so that every rank runs all of its heads: its output (q, k, v)
 # gathered whole, and the layer after it (o) splitting its whole input itself
 WHOLE_HEADS = ("colwise_gather_output", "rowwise_split_input")
@@ -48,7 +49,9 @@ _NOT_YET = (
     "shard(tensor_parallel=...): {what} is not supported yet. Tensor parallelism takes 'auto' or a mapping from "
     "module-path patterns to a style: 'colwise', 'rowwise', 'colwise_gather_output' or 'rowwise_split_input' "
     "(nn.Linear layers), 'embedding_rowwise' (an nn.Embedding), 'replicated_with_grad_allreduce' (a per-head norm "
-    "inside a split attention), 'sequence', 'sequence_start' or 'sequence_end' (sequence parallelism), "
+    "inside a split attention), 'moe_tp_experts' (a transformers experts module) with 'packed_colwise', "
+    "'packed_rowwise', 'colwise' or 'rowwise' naming its parameters, 'sequence', 'sequence_start' or 'sequence_end' "
+    "(sequence parallelism), "
     "or one of torch's ParallelStyle objects of those kinds. Pass such a mapping; see docs/tensor-parallel.md."
 )
 _ATTENTION = (
@@ -61,7 +64,7 @@ _ATTENTION = (
 
 
 def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[str, torch.Tensor],
-                            tensor: int) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, int, tuple], ...]]:
+                            tensor: int) -> tuple[tuple[tuple[str, str], ...], tuple[Split, ...]]:
     """``(module path, style)`` of each layer ``spec`` splits and ``(leaf, dim, global shape)``
     of each leaf it splits over ``tensor`` ranks; every mistake raises naming the fix."""
     if spec is None:
@@ -85,6 +88,7 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
     whole: dict[str, str] = {}  # an attention -> a layer of it styled to leave its heads whole (WHOLE_HEADS)
     needs: dict[str, tuple[str, bool | None]] = {}  # torch objects: what their layouts need of the plan
     from_torch: set[str] = set()
+    params: dict[str, str] = {}  # a parameter of an experts module -> its style
     for pattern, style in spec.items():
         given = style
         if not isinstance(style, str):
@@ -95,6 +99,13 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
         if style not in STYLES:
             raise ValueError(_NOT_YET.format(what=f"the style {style!r} (for {pattern!r})"))
         paths = [p for p, _ in module.named_modules() if p and fnmatch.fnmatchcase(p, pattern)]
+        named = parameter_paths(module, pattern) if not paths and style in PARAM_STYLES else []
+        for name in named:  # a parameter ([Note: experts split by features])
+            if params.setdefault(name, style) != style:
+                raise ValueError(f"shard(tensor_parallel=...): {name!r} is matched as {params[name]!r} and as "
+                                 f"{style!r}; give each parameter one style.")
+        if named:
+            continue
         if not paths:
             raise ValueError(f"shard(tensor_parallel=...): the pattern {pattern!r} matches no module of "
                              f"{type(module).__name__}; patterns are module paths with fnmatch wildcards, "
@@ -113,6 +124,13 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
             if style == REPLICATED:
                 styles[path], replicated[path] = style, attention
                 continue
+            if style == MOE:
+                styles[path] = style
+                continue
+            if style in PARAM_STYLES and style.startswith("packed"):
+                raise ValueError(f"shard(tensor_parallel=...): {path!r} (matched by {pattern!r}) is a module, styled "
+                                 f"{style!r}; shardfn splits packed weights of an experts module's parameters only. "
+                                 "Narrow the pattern to a parameter, or leave it out of the plan.")
             if attention is not None and style in WHOLE_HEADS:
                 whole.setdefault(attention, path)
             elif attention is not None:
@@ -142,10 +160,10 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
     for attention in sorted(attentions):
         _check_attention(module, attention, styles, tensor)
     _check_sequence(styles, needs, from_torch)
-    splits = []
     tied = _tied_groups(module)
+    splits = experts_splits(module, state, styles, params, tensor, tied)
     for path, style in sorted(styles.items()):
-        if style in SEQUENCE_STYLES or style == REPLICATED:  # (whole on every rank)
+        if style in SEQUENCE_STYLES or style in (REPLICATED, MOE):  # (whole on every rank; experts: their parameters)
             continue
         rows = not style.startswith("rowwise")  # colwise ones: output features; an embedding: its rows
         for name, dim in (("weight", 0 if rows else 1), ("bias", 0 if rows else None)):
@@ -165,8 +183,8 @@ def resolve_tensor_parallel(spec: Any, module: nn.Module | None, state: Mapping[
                                  f"on dim {dim} ({shape[dim]}), which the tensor axis's {tensor} ranks do not "
                                  f"divide ({shape[dim]} % {tensor} = {shape[dim] % tensor}). Choose a tensor size "
                                  "that divides it, or leave the layer out.")
-            splits.append((leaf, dim, shape))
-    return tuple(sorted(styles.items())), tuple(splits)
+            splits.append(Split(leaf, dim, shape))
+    return tuple(sorted({**styles, **params}.items())), tuple(sorted(splits))
 
 
 def _check_embedding(m: nn.Module, path: str, pattern: str) -> None:
@@ -229,7 +247,8 @@ def _check_sequence(styles: dict[str, str], needs: Mapping[str, tuple[str, bool 
 
 
 # the styles of a transformers base_model_tp_plan that "auto" takes, with transformers' meaning
-AUTO_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", REPLICATED)
+AUTO_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", REPLICATED, MOE,
+               "packed_colwise", "packed_rowwise")
 
 
 def auto_plan(module: nn.Module) -> dict[str, str]:
@@ -249,7 +268,10 @@ def auto_plan(module: nn.Module) -> dict[str, str]:
                              f"{style!r}, a transformers style shardfn does not have (it has "
                              f"{', '.join(map(repr, AUTO_STYLES))}). Pass a mapping instead: the plan with that layer "
                              "left out or given one of those styles.")
-    out = {base + pattern: style for pattern, style in plan.items()}
+    # (a plan names the layers of every variant of the family: a mixture of experts' dense MLPs, where this
+    # model may have none; a pattern that matches nothing in it is dropped, as transformers drops it)
+    names = [n for n, _ in module.named_modules()] + [n for n, _ in module.named_parameters()]
+    out = {base + p: style for p, style in plan.items() if any(fnmatch.fnmatchcase(n, base + p) for n in names)}
     # The model class's own plan (its head: {"lm_head": "colwise_gather_output"}), where shardfn
     # has the style and the head's weight is its own (a tied head stays whole, as it is exact).
     tied = _tied_parameters(module)
@@ -355,14 +377,13 @@ def _check_attention(module: nn.Module, path: str, styles: Mapping[str, str], te
                              "attention's layers out of the plan.")
 
 
-def local_state(state: Mapping[str, torch.Tensor], splits: tuple[tuple[str, int, tuple], ...], tensor: int,
+def local_state(state: Mapping[str, torch.Tensor], splits: tuple[Split, ...], tensor: int,
                 rank: int) -> dict[str, torch.Tensor]:
     """``state`` with each split leaf replaced by tensor rank ``rank``'s piece of it."""
     out = dict(state)
-    for leaf, dim, shape in splits:
-        if leaf in state:  # (a unit's values hold its own leaves only)
-            n = shape[dim] // tensor
-            out[leaf] = state[leaf].narrow(dim, rank * n, n)
+    for split in splits:
+        if split.leaf in state:  # (a unit's values hold its own leaves only)
+            out[split.leaf] = split.piece(state[split.leaf], tensor, rank)
     return out
 
 
@@ -370,30 +391,10 @@ def split_sum_of_squares(grads: Mapping[str, torch.Tensor], layout: Any, mesh: A
     """This rank's share of the gradients' sum of squares when summed over the whole mesh:
     split leaves on every tensor rank (each holds its own piece), the others on tensor rank 0
     only (every tensor rank holds the same values)."""
-    split = {leaf for leaf, _, _ in layout.splits}
+    split = {s.leaf for s in layout.splits}
     mine = sum_of_squares({n: g for n, g in grads.items() if n in split})
     rest = sum_of_squares({n: g for n, g in grads.items() if n not in split})
     return mine + rest if mesh.axis_rank("tensor") == 0 else mine + 0 * rest
-
-
-def _shared_copy(copies: dict[int, tuple], x: torch.Tensor, rt: Any, path: str) -> torch.Tensor:
-    """``x`` as a colwise layer's input: one :class:`CopyToTensor` per input tensor and call.
-
-    [Note: one all-reduce per shared input]
-    Colwise layers that read the same tensor (q, k and v; gate and up) share one copy of it,
-    so autograd sums their partial input gradients on the rank first and the tensor axis
-    all-reduces that sum once (Megatron's ``f``), named by the first layer that read it. The
-    copies live in the sharded call's own dict (``copies``), made afresh for each call, so no
-    copy outlives its forward (a micro-batch, a step); one is reused only while its input is
-    the same tensor at the same version (an input changed in place gets a new copy). An
-    input without a gradient (``bind``'s block runs under no_grad) is used as it is.
-    """
-    if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: nothing to reduce, nothing to keep
-        return x
-    hit = copies.get(id(x))
-    if hit is None or hit[0] is not x or hit[1] != x._version:
-        hit = copies[id(x)] = (x, x._version, CopyToTensor.apply(x, rt, path))
-    return hit[2]
 
 
 def tp_forward(active: Any, path: str, module: nn.Module, by_heads: bool) -> Any:
@@ -417,10 +418,10 @@ def tp_forward(active: Any, path: str, module: nn.Module, by_heads: bool) -> Any
         if style == "colwise_gather_output":  # a head: every rank gets the whole output
             if sequence:
                 outside_region(now, path, style)
-            y = F.linear(_shared_copy(now.copies, x, rt, path), module.weight, module.bias)
+            y = F.linear(shared_copy(now.copies, x, rt, path), module.weight, module.bias)
             return GatherOutput.apply(y, rt, path)
         if style == "colwise":
-            x = gathered_input(x, path, rt) if sequence else _shared_copy(now.copies, x, rt, path)
+            x = gathered_input(x, path, rt) if sequence else shared_copy(now.copies, x, rt, path)
             y = F.linear(x, module.weight, module.bias)
             if by_heads:
                 return y

@@ -335,7 +335,7 @@ def _report(sharded: Any, opt_state: Any, log: CollectiveLog | None, persistent:
                              "reduce": per.get("reduce_scatter", (0, 0))[1] + per.get("all_reduce", (0, 0))[1]}
     gathered_in = {i: layout.bucket_name(b) for b in layout.gather_buckets for i in b}
     # a split leaf's layout is its piece ([Note: tensor parallelism in a plan]); params count it whole
-    whole_shape = {leaf: shape for leaf, _, shape in layout.splits}
+    whole_shape = {s.leaf: s.shape for s in layout.splits}
     units = []
     for u in layout.units:
         leaves = [layout.leaves[n] for n in u.leaves]

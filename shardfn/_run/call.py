@@ -48,6 +48,7 @@ from .._state.replica import replica_of
 from .runtime import Runtime
 from .._parallel.sequence import (SEQUENCE_STYLES, blocks_of, check_closed, container_forward, region_check_hook,
     sequence_forward, sequence_parallel)
+from .._parallel.experts import MOE, experts_forward
 from .._parallel.tensor import heads_of, tp_forward
 from .._parallel.call import REPLICATED, TensorCall
 from .._state.tree import check_names
@@ -288,8 +289,13 @@ def _prepare_tensor(apply: Any, layout: Layout) -> None:
             apply.hooked.add(key + path)
 
     styles = dict(layout.tensor)
+    weights = {n for n, _ in apply.module.named_parameters()}  # (an experts module's styled parameters: no forward)
     for path, style in styles.items():
-        if style in SEQUENCE_STYLES:
+        if path in weights:
+            continue
+        if style == MOE:
+            hook("tensor:", path, lambda m, now, p=path: experts_forward(now, p, m))
+        elif style in SEQUENCE_STYLES:
             hook("sequence:", path, lambda m, now, p=path: sequence_forward(now, p, m))
         elif style != REPLICATED:  # (runs as it is: only its gradients are summed, after backward)
             hook("tensor:", path, lambda m, now, p=path: tp_forward(now, p, m, heads_of(apply.module, p) is not None))

@@ -170,7 +170,7 @@ class Layout:
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # leaf or buffer -> its names
     state_dict_keys: tuple[tuple[str, str], ...] = ()  # (model.state_dict() key, leaf or buffer name)
     tensor: tuple[tuple[str, str], ...] = ()  # (module path, style) of each split layer (shardfn._parallel.tensor)
-    splits: tuple[tuple[str, int, tuple[int, ...]], ...] = ()  # (leaf, dim, global shape); leaves[leaf]: its piece
+    splits: tuple[Any, ...] = ()  # shardfn._parallel.ops.Split of each split leaf; leaves[leaf]: its piece
 
     # [Note: facts of a layout]
     # The strategy is read here and in the plan and its resolution (shardfn._state.resolve), and

@@ -217,7 +217,7 @@ def _tensor_piece(params: Mapping[str, torch.Tensor], layout: Layout, mesh, src_
     """
     if not holder:
         return {}
-    whole = {n: shape for n, _, shape in layout.splits}
+    whole = {s.leaf: s.shape for s in layout.splits}
     shapes = [torch.Size(whole.get(n, layout.leaves[n].shape)) for n in unit.leaves]
     flat = torch.empty(sum(s.numel() for s in shapes), dtype=unit.dtype, device=mesh.device)
     if mesh.rank == src_rank:

@@ -30,7 +30,7 @@ from .agreement import verify_agreement
 from .resolve import layout_for, make_subgroups
 from .sharded import ShardedParams, full_units, unit_views
 from .split_pieces import global_shape
-from .._parallel.tensor import full_leaf, local_state
+from .._parallel.tensor import local_state
 
 __all__ = ["reshard"]
 
@@ -117,14 +117,14 @@ def reshard(
 
 def _move(old: Layout, old_mesh: Mesh, values: dict[str, torch.Tensor], new: Layout, mesh: Mesh) -> dict[str, torch.Tensor]:
     """Leaf name -> its shard under ``new``, from shards under ``old`` (one unit at a time)."""
-    rank, old_splits = new.shard_rank(mesh), {n: dim for n, dim, _ in old.splits}
+    rank, old_splits = new.shard_rank(mesh), {s.leaf: s for s in old.splits}
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for _, full in full_units(old, old_mesh, values, Purpose.RESHARD):
             for n, t in full.items():
                 if n in old_splits:  # the whole leaf from its tensor ranks' pieces (every rank)
-                    t = full_leaf(t, old_splits[n], old_mesh, Purpose.RESHARD, n)
-                t = local_state({n: t}, [s for s in new.splits if s[0] == n], mesh.axis_size("tensor"),
+                    t = old_splits[n].whole(t, old_mesh, Purpose.RESHARD, n)
+                t = local_state({n: t}, [s for s in new.splits if s.leaf == n], mesh.axis_size("tensor"),
                                 mesh.axis_rank("tensor"))[n]
                 out[n] = new.local_shard(n, t, rank, t.device)
                 if new.offloaded:  # [Note: offload]

@@ -18,7 +18,6 @@ from .packing import kept_buffer, shard_buffer, unpack_leaf, with_gaps
 from .._mesh import Mesh
 from .offload import to_device_into
 from .replica import kept_for
-from .._parallel.tensor import full_leaf
 from .tree import TensorTree
 from .verdict import check_alike, check_usable, unusable_on_failure
 
@@ -244,8 +243,8 @@ def gather(sharded: ShardedParams, *, rank0_only: bool = False, device: torch.de
         # a split leaf's pieces are gathered over the tensor axis too, by every rank
         for _, full in full_units(layout, mesh, sharded, Purpose.STATE_DICT, unpack=keep or bool(layout.splits)):
             out.update(full)
-        for name, dim, _ in layout.splits:
-            out[name] = full_leaf(out[name], dim, mesh, Purpose.STATE_DICT, name)
+        for s in layout.splits:
+            out[s.leaf] = s.whole(out[s.leaf], mesh, Purpose.STATE_DICT, s.leaf)
         if not keep:
             out.clear()
         out = {n: t.to(device) if device is not None else t for n, t in out.items()}

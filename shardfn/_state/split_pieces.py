@@ -22,18 +22,15 @@ from .pieces import Pieces
 __all__ = ["global_shape", "split_pieces"]
 
 
-def _split(layout: Any, name: str) -> tuple[int, tuple[int, ...]] | None:
-    """``(dim, global shape)`` of leaf ``name`` if the tree splits it over the tensor axis."""
-    for leaf, dim, shape in layout.splits:
-        if leaf == name:
-            return dim, tuple(shape)
-    return None
+def _split(layout: Any, name: str) -> Any:
+    """Leaf ``name``'s shardfn._parallel.ops.Split if the tree splits it over the tensor axis."""
+    return next((s for s in layout.splits if s.leaf == name), None)
 
 
 def global_shape(layout: Any, name: str) -> tuple[int, ...]:
     """Leaf ``name``'s shape in the model (its tensor rank's block's shape is the layout's)."""
     split = _split(layout, name)
-    return layout.leaves[name].shape if split is None else split[1]
+    return layout.leaves[name].shape if split is None else tuple(split.shape)
 
 
 def split_pieces(layout: Any, name: str, rows: torch.Tensor | None, first_row: int, flat: Pieces | None,
@@ -44,13 +41,15 @@ def split_pieces(layout: Any, name: str, rows: torch.Tensor | None, first_row: i
     split = _split(layout, name)
     if split is None:
         return None
-    dim, shape = split
+    dim = split.dim
     block = layout.leaves[name].shape[dim]
     if flat is not None:
         rects = flat.rects
     else:
         at = torch.Size([first_row] + [0] * (rows.dim() - 1))
         rects = [(at, rows)] if rows.numel() else []
-    shifted = [(torch.Size(o if d != dim else o + tensor_rank * block for d, o in enumerate(offsets)), view)
-               for offsets, view in rects]
-    return Pieces.of(shape, shifted)
+    # a packed leaf's rectangle is cut where its parts meet ([Note: packed splits])
+    shifted = [(torch.Size(o if d != dim else whole for d, o in enumerate(offsets)), view.narrow(dim, mine - offsets[dim], k))
+               for offsets, view in rects
+               for mine, whole, k in split.runs(offsets[dim], offsets[dim] + view.shape[dim], tensor_rank, block)]
+    return Pieces.of(tuple(split.shape), shifted)

@@ -53,11 +53,14 @@ def _places(params: Params, name: str, first: int, count: int, device: torch.dev
     split = split_of(params, name)
     if split is not None:
         t = params.mesh.axis_rank("tensor")
-        dim = split[0] % len(piece)
+        dim = split.dim % len(piece)
         if dim == len(piece) - 2:
-            r = r + t * rows
+            r = split.at(r, t, rows)
         elif dim == len(piece) - 1:
-            c = c + t * cols
+            c = split.at(c, t, cols)
+        elif split.parts > 1:
+            raise ValueError(f"adafactor: {name!r} is a packed weight split on a batch dim; give it another optimizer "
+                             "(shardfn.optim.partition).")
         else:
             b = b + t * math.prod(piece[:-2])
     return b, r, c

@@ -14,7 +14,6 @@ from ._protocol import GradientTransformation, Params, ScalarOrSchedule, Updates
 from .._comm.events import Purpose
 from .._comm.recording import Unrecordable
 from .._comm.scope import here
-from .._parallel.tensor import full_leaf
 from ._whole import full_shape, require_whole, split_of, whole_tensor
 
 __all__ = ["MuonState", "muon"]
@@ -151,9 +150,9 @@ def muon(
             if split is None:
                 out[k] = newton_schulz(update, coefficients, ns_steps, eps, ns_dtype)
                 continue
-            dim, mesh = split[0], params.mesh  # the tensor group's pieces, orthogonalised whole; this rank's piece
-            o = newton_schulz(full_leaf(update, dim, mesh, Purpose.TENSOR, k), coefficients, ns_steps, eps, ns_dtype)
-            out[k] = o.narrow(dim, mesh.axis_rank("tensor") * update.size(dim), update.size(dim))
+            mesh = params.mesh  # the tensor group's pieces, orthogonalised whole; this rank's piece
+            o = newton_schulz(split.whole(update, mesh, Purpose.TENSOR, k), coefficients, ns_steps, eps, ns_dtype)
+            out[k] = split.piece(o, mesh.axis_size("tensor"), mesh.axis_rank("tensor"))
         return out
 
     def update(grads: Params, state: MuonState, params: Params | None = None) -> tuple[Updates, MuonState]:

@@ -33,19 +33,16 @@ _CUT = (
 )
 
 
-def split_of(params: Mapping[str, torch.Tensor], name: str) -> tuple[int, tuple[int, ...]] | None:
-    """``(dim, global shape)`` of parameter ``name`` if it is split over the tensor axis, else None."""
-    for leaf, dim, shape in getattr(getattr(params, "layout", None), "splits", ()):
-        if leaf == name:
-            return dim, tuple(shape)
-    return None
+def split_of(params: Mapping[str, torch.Tensor], name: str) -> Any:
+    """Parameter ``name``'s shardfn._parallel.ops.Split if it is split over the tensor axis, else None."""
+    return next((s for s in getattr(getattr(params, "layout", None), "splits", ()) if s.leaf == name), None)
 
 
 def full_shape(params: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
     """The global shape of parameter ``name``: from the layout of shards (a split leaf's
     whole, not this tensor rank's piece), else the tensor's."""
     split = split_of(params, name)
-    return split[1] if split is not None else _piece_shape(params, name)
+    return tuple(split.shape) if split is not None else _piece_shape(params, name)
 
 
 def _piece_shape(params: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:

@@ -121,7 +121,7 @@ def sharded_training(
     :func:`shardfn.jit_step` (``micro_batches=``, ...). ``tensor=T`` adds a ``"tensor"`` axis
     of T ranks (each tensor group gets the same slice of the batch) and ``tensor_parallel``
     goes to :func:`shardfn.shard`; a split leaf's shard is then a piece of this tensor rank's
-    part of it, its ``(dim, tensor rank, tensor size)`` in ``"splits"``.
+    part of it, its ``(Split, tensor rank, tensor size)`` in ``"splits"`` (shardfn._parallel.ops).
     """
     mesh = Mesh.from_group(replicate=replicate, tensor=tensor)
     torch.manual_seed(seed)
@@ -145,7 +145,7 @@ def sharded_training(
             shards[n] = (sharded[n].detach(), max(0, rank * span + off - leaf.start), -1)
         else:
             shards[n] = (sharded[n].detach(), rank * leaf.chunk if layout.gathers else 0, layout.local_rows(n, rank))
-    splits = {leaf: (dim, mesh.axis_rank("tensor"), mesh.axis_size("tensor")) for leaf, dim, _ in layout.splits}
+    splits = {s.leaf: (s, mesh.axis_rank("tensor"), mesh.axis_size("tensor")) for s in layout.splits}
     return {"losses": losses, "state": full_state(sharded), "shards": shards, "buffers": list(layout.buffers),
             "splits": splits}
 
@@ -233,8 +233,8 @@ def compare(report: EquivalenceReport, cfg: tuple[str, Any], results: Sequence[M
         for name, (local, start, rows) in result["shards"].items():
             ref = ref_state[name] if ref_state[name].dim() else ref_state[name].reshape(1)  # a 0-d parameter: one row
             if name in result.get("splits", {}):  # split over the tensor axis: this tensor rank's part of it
-                dim, t, size = result["splits"][name]
-                ref = ref.narrow(dim, t * (ref.shape[dim] // size), ref.shape[dim] // size).contiguous()
+                split, t, size = result["splits"][name]
+                ref = split.piece(ref, size, t).contiguous()
             if rows < 0:  # a flat shard: a run of the flattened parameter, no padding
                 diff, ratio = _difference(local, ref.reshape(-1)[start : start + local.numel()], report.rtol, report.atol)
                 shards[(rank, name)] = (diff, ratio, True)
