@@ -1,73 +1,20 @@
-"""A mixture of experts from its own plan (``tensor_parallel="auto"``): Qwen3-MoE's packed
-experts split by features over the tensor axis ("moe_tp_experts", "packed_colwise",
-"rowwise" on 3-D weights, shardfn._parallel.experts), equal to one process; the probe that
-refuses a split its forward would not keep exact ([Note: experts proven by a probe])."""
+"""A mixture of experts split by features over the tensor axis ("moe_tp_experts",
+"packed_colwise", "rowwise" on 3-D weights, shardfn._parallel.experts): a packed weight's
+pieces, and the probe that refuses a split its forward would not keep exact ([Note: experts
+proven by a probe]). Qwen3-MoE's equivalence to one process, its graph step, remat,
+generate, save_pretrained and checkpoints: tests/test_tp_styles.py, with the other styles."""
 
 import pytest
 import torch
 
 import shardfn as sf
-import test_tensor_parallel
-import test_tp_auto
 import test_tp_styles
-from bounds import SGD_MOMENTUM
-from shardfn.testing._equivalence import split_batch
-from test_tp_auto import batches, loss_fn
 
-HIDDEN, LAYERS, VOCAB, SEQ, HEAD_DIM, EXPERTS, TOP_K, INTERMEDIATE = 32, 2, 64, 8, 8, 4, 2, 16
-ROWS = 4
 MOE = "moe_tp_experts"
 EXPERTS_BY_HAND = {"model.layers.*.mlp.experts": MOE, "model.layers.*.mlp.experts.down_proj": "rowwise"}
-
-
-def qwen3_moe():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=INTERMEDIATE,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
-                         num_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=16,
-                         tie_word_embeddings=False)
-    return Qwen3MoeForCausalLM(cfg)
-
-
-def _expected(data_size, micro):
-    """The tensor axis's collectives in a step: (name, kind, bytes), sorted."""
-    rows = ROWS // data_size // micro
-    nbytes, logits = rows * SEQ * HIDDEN * 4, rows * SEQ * VOCAB * 4
-    weights = rows * SEQ * TOP_K * 4  # the routing weights, fp32
-    # per layer and micro-batch: the attention's as Qwen3's (tests/test_tp_styles.py); the
-    # experts' output in forward, in backward the gradients of their tokens and routing weights
-    each = [(f"model.layers.{i}.{layer}", "all_reduce", n) for i in range(LAYERS)
-            for layer, n in (("self_attn.q_proj", nbytes), ("self_attn.o_proj", nbytes), ("mlp.experts", nbytes),
-                             ("mlp.experts", nbytes), ("mlp.experts", weights))]
-    each += [("lm_head", "all_gather", logits), ("lm_head", "all_reduce", nbytes)]
-    once = [("replicated_with_grad_allreduce", "all_reduce", 2 * LAYERS * HEAD_DIM * 4)]
-    return sorted(each * micro + once)
-
-
-def _train(strategy, tensor, micro=1, graph=False):
-    return test_tp_auto._train(strategy, tensor, micro, make=qwen3_moe, graph=graph)
-
-
-def _check(results, data_size, micro=1):
-    reference = test_tensor_parallel._reference(qwen3_moe, loss_fn, batches)
-    expect = _expected(data_size, micro)
-    for losses, norms, logs, full, styles in results:
-        assert styles["model.layers.1.mlp.experts"] == MOE, styles
-        assert styles["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise", styles
-        assert styles["model.layers.0.mlp.experts.down_proj"] == "rowwise", styles
-        test_tp_auto.assert_trained_alike(losses, norms, full, reference, qwen3_moe)
-        for log in logs:
-            assert sorted(log) == expect, sorted(log)
-
-
-def test_moe_tensor_two_equals_one_process(clusters):
-    _check(clusters[2].run(_train, "FULL_SHARD", 2), 1)
-
-
-def test_moe_shard_two_by_tensor_two_with_micro_batches_equals_one_process(clusters):
-    _check(clusters[4].run(_train, "FULL_SHARD", 2, 2), 2, 2)
-    _check(clusters[4].run(_train, "SHARD_GRAD_OP", 2), 2)
+EXPERTS, INTERMEDIATE, HIDDEN, LAYERS = (test_tp_styles.EXPERTS, test_tp_styles.INTERMEDIATE, test_tp_styles.HIDDEN,
+                                        test_tp_styles.LAYERS)
+qwen3_moe = test_tp_styles.qwen3_moe
 
 
 def _pieces():
@@ -117,6 +64,22 @@ def test_a_split_the_experts_forward_would_not_keep_is_refused(clusters):
     assert "'model.layers.0.self_attn.q_proj'" in linear and "packed weights" in linear, linear
 
 
+def _graph():
+    try:
+        test_tp_styles._train("qwen3_moe", "FULL_SHARD", 2, 1, True)
+    except ValueError as e:
+        return str(e)
+    return "recorded"
+
+
+def test_a_graph_step_refuses_the_experts_routing_by_name(clusters):
+    # which tokens go to which expert is a shape that depends on values: a recorded program would
+    # replay one step's routing as a constant, so graph=True refuses it on every rank
+    for rank, said in enumerate(clusters[2].run(_graph)):
+        assert said.startswith(f"[rank {rank}] jit_step(graph=True): this step cannot be recorded"), said
+        assert "makes a tensor whose shape depends on values" in said and "graph=False" in said, said
+
+
 @pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
 def test_the_probe_accepts_each_of_transformers_experts_implementations(implementation):
     # every implementation reads the packed weight by chunks: each proves exact split so
@@ -128,3 +91,74 @@ def test_the_probe_accepts_each_of_transformers_experts_implementations(implemen
     styles, splits = resolve_tensor_parallel("auto", model, dict(model.state_dict()), 2)
     packed = [s for s in splits if s.leaf.endswith("gate_up_proj")]
     assert [(s.dim, s.parts) for s in packed] == [(1, 2)] * LAYERS, packed
+
+
+def _read(directory, placement):
+    with torch.device("meta"):
+        model = qwen3_moe()
+    params, _ = sf.functionalize(model)
+    mesh = sf.Mesh.from_group(tensor=2)
+    sharded = sf.shard(params, mesh, "FULL_SHARD", weights=directory, init_fn=model._init_weights,
+                       placement=placement, tensor_parallel="auto")
+    return sf.gather(sharded)
+
+
+@pytest.mark.parametrize("placement", ["flat", "rows"])
+def test_a_pretrained_mixture_of_experts_read_into_its_plan_equals_the_original(clusters, tmp_path, placement):
+    # each rank reads its rows of each part of a packed weight from the file (shard 2 x tensor 2)
+    from safetensors.torch import save_file
+
+    torch.manual_seed(5)
+    model = qwen3_moe()
+    # the fused 3-D weights, as sf.save_pretrained writes them (transformers' own save_pretrained
+    # writes one expert at a time, which shard(weights=) refuses by name: below)
+    model.config.save_pretrained(str(tmp_path))
+    state = {n: t.contiguous() for n, t in model.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    for full in clusters[4].run(_read, str(tmp_path), placement):
+        assert set(full) == set(state)
+        for name, t in state.items():
+            assert torch.equal(full[name], t), name
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_splits_pieces_runs_and_places_agree(dim, parts):
+    # [Note: packed splits]: piece() cuts what at() and runs() say, for every tensor rank
+    from shardfn._parallel.ops import Split
+
+    whole = torch.arange(8 * 12).reshape(8, 12)
+    split, tensor = Split("w", dim, tuple(whole.shape), parts), 2
+    pieces = [split.piece(whole, tensor, t) for t in range(tensor)]
+    block = whole.shape[dim] // tensor
+    seen = []
+    for t, piece in enumerate(pieces):
+        assert piece.shape[dim] == block
+        index = torch.arange(block)
+        assert torch.equal(piece, whole.index_select(dim, split.at(index, t, block)))
+        for lo, hi in ((0, block), (1, block - 1), (block // 2, block)):
+            runs = split.runs(lo, hi, t, block)
+            assert sum(k for _, _, k in runs) == hi - lo
+            for mine, at, k in runs:
+                assert torch.equal(piece.narrow(dim, mine, k), whole.narrow(dim, at, k))
+        seen += split.at(index, t, block).tolist()
+    assert sorted(seen) == list(range(whole.shape[dim]))  # the pieces tile the whole once
+    if parts == 2:  # each rank holds a block of the first half and the same block of the second
+        assert split.at(0, 1, block) == block // 2 and split.at(block // 2, 0, block) == whole.shape[dim] // 2
+
+
+def _read_per_expert(directory):
+    try:
+        _read(directory, "flat")
+    except ValueError as e:
+        return str(e)
+    return "read"
+
+
+def test_weights_saved_one_expert_at_a_time_are_refused_with_the_way_in(clusters, tmp_path):
+    torch.manual_seed(5)
+    qwen3_moe().save_pretrained(str(tmp_path))  # transformers writes experts.0.gate_proj.weight, ...
+    for said in clusters[2].run(_read_per_expert, str(tmp_path)):
+        assert "missing from the file (4):" in said and "model.layers.0.mlp.experts.gate_up_proj" in said, said
+        assert "model.layers.0.mlp.experts.0.gate_proj.weight" in said, said
+        assert "The file holds experts one at a time" in said and "from_pretrained" in said, said

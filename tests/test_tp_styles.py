@@ -5,7 +5,9 @@
   heads (Qwen3's per-head q_norm and k_norm), refused unless so styled
   (shardfn._parallel.tensor [Note: a module that reads split heads]);
 * ``"colwise_gather_output"`` q/k/v with a ``"rowwise_split_input"`` o: an attention whose
-  heads stay whole on every rank (OLMo 2, whose norms span all the heads)."""
+  heads stay whole on every rank (OLMo 2, whose norms span all the heads);
+* ``"moe_tp_experts"`` with ``"packed_colwise"`` and ``"rowwise"`` naming its 3-D weights:
+  a mixture of experts split by features (Qwen3-MoE; its own tests: tests/test_tp_moe.py)."""
 
 import pathlib
 import re
@@ -48,7 +50,20 @@ def qwen3():
     return Qwen3ForCausalLM(cfg)
 
 
-MODELS = {"qwen3": qwen3, "olmo2": olmo2}
+EXPERTS, TOP_K, INTERMEDIATE = 4, 2, 16
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=INTERMEDIATE,
+                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                         num_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=16,
+                         tie_word_embeddings=False)
+    return Qwen3MoeForCausalLM(cfg)
+
+
+MODELS = {"qwen3": qwen3, "olmo2": olmo2, "qwen3_moe": qwen3_moe}
 
 
 def _train(name, strategy, tensor, micro=1, graph=False):
@@ -61,11 +76,16 @@ def _expected(name, data_size, micro):
     nbytes, logits = rows * SEQ * HIDDEN * 4, rows * SEQ * VOCAB * 4  # fp32 hidden states, logits of a micro-batch
     # per layer and micro-batch, the MLP's as Llama's (tests/test_tp_auto.py): down's output in
     # forward, the input gate and up share in backward; the head's logits gathered in forward,
-    # its input's gradient all-reduced in backward
-    each = [(f"model.layers.{i}.mlp.{layer}", "all_reduce", nbytes) for i in range(LAYERS)
-            for layer in ("gate_proj", "down_proj")]
+    # its input's gradient all-reduced in backward. The experts': their output in forward, in
+    # backward the gradients of their tokens and of the routing weights (fp32, TOP_K a token)
+    if name == "qwen3_moe":
+        each = [(f"model.layers.{i}.mlp.experts", "all_reduce", n) for i in range(LAYERS)
+                for n in (nbytes, nbytes, rows * SEQ * TOP_K * 4)]
+    else:
+        each = [(f"model.layers.{i}.mlp.{layer}", "all_reduce", nbytes) for i in range(LAYERS)
+                for layer in ("gate_proj", "down_proj")]
     each += [("lm_head", "all_gather", logits), ("lm_head", "all_reduce", nbytes)]
-    if name == "qwen3":  # heads split: o's output, and the input q/k/v share in backward; once a
+    if name != "olmo2":  # heads split: o's output, and the input q/k/v share in backward; once a
         # step the norms' partial gradients in one all-reduce (2 norms x 2 layers x head_dim fp32)
         each += [(f"model.layers.{i}.self_attn.{layer}", "all_reduce", nbytes) for i in range(LAYERS)
                  for layer in ("q_proj", "o_proj")]
@@ -85,10 +105,14 @@ def _check(name, results, data_size, micro=1):
     ref_losses, ref_state, ref_norm = test_tensor_parallel._reference(MODELS[name], loss_fn, batches)
     expect = _expected(name, data_size, micro)
     for losses, norms, logs, full, styles in results:
-        if name == "qwen3":
+        if name != "olmo2":
             assert styles["model.layers.1.self_attn.q_norm"] == REPLICATED, styles
             assert styles["model.layers.0.self_attn.k_norm"] == REPLICATED, styles
-        else:
+        if name == "qwen3_moe":
+            assert styles["model.layers.1.mlp.experts"] == "moe_tp_experts", styles
+            assert styles["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise", styles
+            assert styles["model.layers.0.mlp.experts.down_proj"] == "rowwise", styles
+        elif name == "olmo2":
             assert styles["model.layers.1.self_attn.o_proj"] == "rowwise_split_input", styles
             assert styles["model.layers.0.self_attn.k_proj"] == "colwise_gather_output", styles
         test_tp_auto.assert_trained_alike(losses, norms, full, (ref_losses, ref_state, ref_norm), MODELS[name])
@@ -107,7 +131,7 @@ def test_auto_shard_two_by_tensor_two_with_micro_batches_equals_one_process(clus
     _check(name, clusters[4].run(_train, name, "SHARD_GRAD_OP", 2), 2)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", ["qwen3", "olmo2"])  # (the experts' routing cannot be recorded: test_tp_moe.py)
 def test_auto_graph_step_equals_one_process(clusters, name):
     _check(name, clusters[2].run(_train, name, "FULL_SHARD", 2, 1, True), 1)
 
@@ -197,8 +221,8 @@ def test_the_coverage_in_the_docs_is_the_tools():
     import tp_coverage
 
     version, found = tp_coverage.coverage()
-    assert found["qwen3"] == found["llama"] == found["olmo2"] == ()
-    assert "moe_tp_experts" in found["mixtral"], found["mixtral"]
+    assert found["qwen3"] == found["llama"] == found["olmo2"] == found["qwen3_moe"] == found["mixtral"] == ()
+    assert found["deepseek_v2"] == ("mla_kv_a_proj",), found["deepseek_v2"]
     text = " ".join((root / "docs" / "tensor-parallel.md").read_text().split())
     said = re.search(r"with transformers (\S+), \"auto\" takes the plans of (\d+) of the (\d+) model types", text)
     assert said is not None

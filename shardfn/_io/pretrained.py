@@ -69,10 +69,18 @@ def match(source: Source, layout: Layout, mesh: Any) -> dict[str, str]:
         parts = [f"{title} ({len(items)}):\n" + "\n".join(f"    {x}" for x in items)
                  for title, items in (("missing from the file", missing), ("in the file but not in the model",
                                       unexpected), ("shapes differ", bad_shape)) if items]
+        # transformers writes a mixture of experts' fused 3-D weights one expert at a time
+        per_expert = any(re.search(r"\.experts\.\d+\.", k) for k in unexpected) and any(
+            re.search(r"\.experts\.[a-z_]+$", n) for n in missing)
         raise ValueError(
             f"shard(weights={source.path!r}) on {mesh!r}: the weights do not fit the model:\n  "
             + "\n  ".join(parts) + "\nBuild the model from the same config the weights were saved with "
             "(config.json next to them), and pass the params functionalize(model) returns for it."
+            + ("\nThe file holds experts one at a time (transformers' own save_pretrained writes them so), and "
+               "the model fuses them into 3-D weights, which shard(weights=) reads only as they are: load the "
+               "model with transformers' from_pretrained and pass the params functionalize(model) returns, "
+               "without weights= (or save it once with sf.save_pretrained, which writes the fused weights)."
+               if per_expert else "")
         )
     return found
 

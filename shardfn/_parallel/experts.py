@@ -129,12 +129,11 @@ def _prove(m: nn.Module, path: str, splits: Mapping[str, Split], tensor: int) ->
 def _probe(m: nn.Module, shapes: Mapping[str, tuple[int, ...]], splits: Mapping[str, Split],
            tensor: int) -> str | None:
     """Why experts module ``m`` is not exact split as ``splits`` say, or None."""
-    cfg = getattr(m, "config", None)
-    hidden, k = getattr(cfg, "hidden_size", None), getattr(cfg, "num_experts_per_tok", None)
-    experts = getattr(m, "num_experts", None)
-    if not all(isinstance(v, int) and v > 0 for v in (hidden, k, experts)):
-        return ("it has no num_experts, or its config no hidden_size or num_experts_per_tok, which the probe "
-                "needs to call it as a transformers experts module")
+    hidden, experts = getattr(getattr(m, "config", None), "hidden_size", None), getattr(m, "num_experts", None)
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, experts)):
+        return ("it has no num_experts, or its config no hidden_size, which the probe needs to call it as a "
+                "transformers experts module")
+    k = min(2, experts)  # (experts a token is routed to: any number exercises the same split)
     g = torch.Generator().manual_seed(0)
     # one expert's values repeated over the experts dim (a parameter's first dim if it has one per expert)
     base = {n: torch.randn((1, *s[1:]) if s and s[0] == experts else s, generator=g) for n, s in shapes.items()}

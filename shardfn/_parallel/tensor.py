@@ -247,8 +247,8 @@ def _check_sequence(styles: dict[str, str], needs: Mapping[str, tuple[str, bool 
 
 
 # the styles of a transformers base_model_tp_plan that "auto" takes, with transformers' meaning
-AUTO_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", REPLICATED, MOE,
-               "packed_colwise", "packed_rowwise")
+AUTO_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", REPLICATED,
+               MOE, "packed_colwise", "packed_rowwise")
 
 
 def auto_plan(module: nn.Module) -> dict[str, str]:
