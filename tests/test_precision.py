@@ -13,17 +13,22 @@ FP16 = sf.Precision(param=torch.float16, reduce=torch.float16, output=torch.floa
 LR, STEPS = 0.1, 3
 
 
-def reference(precision, model_fn=gpt_model, make_batches=lambda: gpt_batches(STEPS)):
+def reference(precision, model_fn=gpt_model, make_batches=lambda: gpt_batches(STEPS), logits_of=lambda out: out):
     """Single process, same casts: params cast to `param` (autograd casts gradients back),
-    output cast to `output`, the loss in fp32, plain SGD on the fp32 masters."""
+    output cast to `output`, the loss in fp32, plain SGD on the fp32 masters; buffers (a
+    rotary embedding's) as they are, as shardfn leaves them. ``logits_of``: the logits of the
+    model's output (a transformers model's ``.logits``)."""
     torch.manual_seed(0)
-    params, apply = sf.functionalize(model_fn())
-    masters = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    model = model_fn()
+    params, apply = sf.functionalize(model)
+    trainable = {n for n, _ in model.named_parameters()}
+    buffers = {n: p for n, p in params.items() if n not in trainable}
+    masters = {n: p.detach().clone().requires_grad_() for n, p in params.items() if n in trainable}
     start = {n: p.detach().clone() for n, p in masters.items()}
     losses, moved = [], 0.0
     for b in make_batches():
-        compute = {n: p.to(precision.param) for n, p in masters.items()}
-        logits = apply(compute, b["x"]).to(precision.output)
+        compute = {**{n: p.to(precision.param) for n, p in masters.items()}, **buffers}
+        logits = logits_of(apply(compute, b["x"])).to(precision.output)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["y"].flatten())
         grads = torch.autograd.grad(loss, list(masters.values()))
         with torch.no_grad():

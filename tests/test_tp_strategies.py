@@ -116,7 +116,7 @@ def test_offload_at_shard_two_by_tensor_two_equals_one_process(clusters):
     _check(results, 2)
 
 
-def _bf16_run(precision, model_fn=gpt_model, plan=PLAN, make_batches=lambda: gpt_batches(STEPS)):
+def _bf16_run(precision, model_fn=gpt_model, plan=PLAN, make_batches=lambda: gpt_batches(STEPS), loss=gpt_loss):
     """test_precision's sharded run (plain SGD, 3 steps) with a tensor axis of 2 (at world 4:
     shard 2 x tensor 2), the MLPs split (or ``plan``)."""
     mesh = sf.Mesh.from_group(tensor=2)
@@ -126,15 +126,17 @@ def _bf16_run(precision, model_fn=gpt_model, plan=PLAN, make_batches=lambda: gpt
     sharded = sf.shard(params, mesh, "FULL_SHARD", precision=precision, tensor_parallel=plan)
     opt = sf.optim.sgd(LR)
     state = opt.init(sharded)
-    step = sf.jit_step(gpt_loss, mesh, optimizer=opt)
+    step = sf.jit_step(loss, mesh, optimizer=opt)
     losses, dtypes = [], set()
     for b in make_batches():
         with sf.record_collectives() as log:
             sharded, state, m = step(sharded, state, split_batch(b, mesh.data_rank, mesh.data_size))
         losses.append(float(m["loss"]))
-        dtypes |= {str(c.dtype) for c in log.select("tensor") if c.unit != "sequence"}
-        # (a sequence region's partial gradients are summed as the gradients are kept: reduce's dtype)
-        dtypes |= {f"sequence {c.dtype}" for c in log.select("tensor", "sequence")}
+        once = ("sequence", "replicated_with_grad_allreduce")
+        dtypes |= {str(c.dtype) for c in log.select("tensor") if c.unit not in once}
+        # (a sequence region's and the per-head norms' partial gradients are summed as the
+        # gradients are kept: reduce's dtype)
+        dtypes |= {f"{c.unit} {c.dtype}" for c in log.select("tensor") if c.unit in once}
     full = sf.gather(sharded)
     return losses, {n: full[n] - start[n] for n in full}, {str(t.dtype) for t in sharded.values()}, dtypes
 

@@ -53,14 +53,21 @@ def qwen3():
 EXPERTS, TOP_K, INTERMEDIATE = 4, 2, 16
 
 
-def qwen3_moe():
+def qwen3_moe(top_k=TOP_K):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=INTERMEDIATE,
                          num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
-                         num_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=16,
+                         num_experts=EXPERTS, num_experts_per_tok=top_k, max_position_embeddings=16,
                          tie_word_embeddings=False)
     return Qwen3MoeForCausalLM(cfg)
+
+
+def qwen3_moe_every_expert():
+    """Every token routed to every expert: a routing no rounding can change. (In bf16 a token's
+    second and third experts' scores can round to the other order in one run and not in
+    another; the runs then differ by a whole expert's output, which no rounding bound covers.)"""
+    return qwen3_moe(top_k=EXPERTS)
 
 
 MODELS = {"qwen3": qwen3, "olmo2": olmo2, "qwen3_moe": qwen3_moe}
@@ -296,3 +303,28 @@ def test_checkpoints_move_between_the_styles_layout_and_plain_fsdp(clusters, tmp
                 assert before.keys() == after.keys()
                 for n in before:
                     assert torch.equal(before[n], after[n]), n
+
+
+BF16_MODELS = {"qwen3": qwen3, "olmo2": olmo2, "qwen3_moe": qwen3_moe_every_expert}
+
+
+@pytest.mark.parametrize("name", list(BF16_MODELS))
+def test_bf16_matches_a_reference_with_the_same_casts(clusters, name):
+    # test_tp_strategies' bound: test_precision's (8 eps of bf16 times the largest updates'
+    # sum), derived there for a rank's slice summed in bf16; each split layer adds one rounding
+    # of the same kind, its partial sums rounded to bf16 and added by the tensor all-reduce.
+    from test_precision import BF16, EPS, reference
+    from test_tp_strategies import _bf16_run
+
+    ref_losses, ref_delta, moved = reference(BF16, BF16_MODELS[name], batches, lambda out: out.logits)
+    bound = 8 * EPS[torch.bfloat16]
+    for losses, delta, shard_dtypes, tensor_dtypes in clusters[2].run(_bf16_run, BF16, BF16_MODELS[name], "auto",
+                                                                       batches, loss_fn):
+        assert shard_dtypes == {"torch.float32"}, shard_dtypes
+        # the split layers' collectives move bf16; the norms' gradients are summed in reduce's dtype
+        norms = {f"{REPLICATED} torch.float32"} if name != "olmo2" else set()
+        assert tensor_dtypes == {"torch.bfloat16"} | norms, tensor_dtypes
+        assert losses == pytest.approx(ref_losses, rel=bound)
+        worst = max((delta[n] - d).abs().max().item() for n, d in ref_delta.items())
+        assert worst <= bound * moved, (worst, bound * moved)
+

@@ -21,7 +21,8 @@ experts module, its forward runs once on the CPU with random float32 weights of 
 whole and as each tensor rank runs it, and the output and the gradients of the tokens, the
 routing weights and every split weight are compared. Beyond float32's rounding (1e-4 of the
 largest value; a wrong split differs by the values themselves), or on an error, the plan is
-refused, naming the module. Once per experts class and shapes; every rank runs the same probe.
+refused, naming the module. Once per experts class, implementation and shapes in a process;
+every rank runs the same probe, on the same generated values, so all decide alike.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ MOE = "moe_tp_experts"
 # parameter of two dims or more; how many packed parts the dim holds)
 PARAM_STYLES = {"colwise": (-2, 1), "rowwise": (-1, 1), "packed_colwise": (-2, 2), "packed_rowwise": (-1, 2)}
 _TOLERANCE = 1e-4
-_proven: dict[tuple, str | None] = {}  # (class, shapes, splits, tensor) -> why it is refused, or None
+_proven: dict[tuple, str | None] = {}  # (class, implementation, shapes, splits, tensor) -> why refused, or None
 
 
 def parameter_paths(module: nn.Module, pattern: str) -> list[str]:
@@ -111,7 +112,8 @@ def experts_splits(module: nn.Module, state: Mapping[str, torch.Tensor], styles:
 def _prove(m: nn.Module, path: str, splits: Mapping[str, Split], tensor: int) -> None:
     """Refuses experts module ``m`` unless the probe finds its split exact ([Note: experts proven by a probe])."""
     shapes = tuple((n, tuple(p.shape)) for n, p in m.named_parameters())
-    key = (type(m), shapes, tuple((n, s.dim, s.parts) for n, s in sorted(splits.items())), tensor)
+    implementation = getattr(getattr(m, "config", None), "_experts_implementation", None)  # (which forward runs)
+    key = (type(m), implementation, shapes, tuple((n, s.dim, s.parts) for n, s in sorted(splits.items())), tensor)
     if key not in _proven:
         try:
             _proven[key] = _probe(m, dict(shapes), splits, tensor)
