@@ -143,6 +143,15 @@ def test_auto_graph_step_equals_one_process(clusters, name):
     _check(name, clusters[2].run(_train, name, "FULL_SHARD", 2, 1, True), 1)
 
 
+@pytest.mark.parametrize("name, strategy", [("qwen3_moe", "NO_SHARD"), ("qwen3_moe", "SHARD_OPTIMIZER"),
+                                            ("qwen3_moe", "HYBRID_SHARD"), ("olmo2", "HYBRID_SHARD_ZERO2")])
+def test_the_other_strategies_equal_one_process(clusters, name, strategy):
+    # the data axis is shard (NO_SHARD, SHARD_OPTIMIZER) or replicate (the hybrids) x tensor 2;
+    # the tensor axis's collectives are the same as under FULL_SHARD
+    replicate = 2 if strategy.startswith("HYBRID") else None
+    _check(name, clusters[4].run(test_tp_auto._train, strategy, 2, make=MODELS[name], replicate=replicate), 2)
+
+
 def no_cache_loss(apply, params, batch):
     # (no key/value cache in training: a recompute would find the forward's keys in it, as
     # with transformers' own gradient checkpointing, which turns the cache off)
