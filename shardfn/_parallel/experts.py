@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .ops import ReduceFromTensor, Split, shared_copy
 
@@ -115,8 +116,9 @@ def _prove(m: nn.Module, path: str, splits: Mapping[str, Split], tensor: int) ->
     implementation = getattr(getattr(m, "config", None), "_experts_implementation", None)  # (which forward runs)
     key = (type(m), implementation, shapes, tuple((n, s.dim, s.parts) for n, s in sorted(splits.items())), tensor)
     if key not in _proven:
-        try:
-            _proven[key] = _probe(m, dict(shapes), splits, tensor)
+        try:  # (real values even where the caller plans on fake ones: explain, autoplan, a recorded step)
+            with _disable_current_modes(), torch.device("cpu"):
+                _proven[key] = _probe(m, dict(shapes), splits, tensor)
         except Exception as e:  # the forward cannot run split (or at all on the CPU): refused, never guessed
             _proven[key] = f"its forward raised {type(e).__name__}: {e}"
     why = _proven[key]
