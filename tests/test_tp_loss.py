@@ -65,6 +65,7 @@ def test_the_split_loss_equals_one_process_at_tensor_two(clusters):
 
 def test_the_split_loss_equals_one_process_at_shard_two_by_tensor_two(clusters):
     _check(clusters[4].run(_train, "FULL_SHARD", 2, 2), 2, 2)
+    _check(clusters[4].run(_train, "SHARD_GRAD_OP", 2), 2)
 
 
 def test_the_split_loss_in_a_graph_step_equals_one_process(clusters):

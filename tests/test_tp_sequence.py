@@ -422,3 +422,50 @@ def test_a_block_that_is_a_remat_unit_keeps_its_gathered_input(clusters, mode):
         for name in full:
             diff = (full[name] - ref_state[name]).abs() - auto.RTOL * ref_state[name].abs()
             assert float(diff.max()) <= auto.ATOL, (name, float(diff.max()))
+
+
+QWEN3_PLAN = {**PLAN, L + "self_attn.q_norm": "replicated_with_grad_allreduce",
+              L + "self_attn.k_norm": "replicated_with_grad_allreduce"}
+
+
+def _qwen3_train():
+    import test_tp_styles
+
+    return auto._train("FULL_SHARD", 2, 1, QWEN3_PLAN, loss_fn, make=test_tp_styles.qwen3)
+
+
+def _qwen3_experts():
+    import test_tp_styles
+
+    mesh = sf.Mesh.from_group(tensor=2)
+    plan = {**QWEN3_PLAN, L + "mlp.experts": "moe_tp_experts", L + "mlp.experts.gate_up_proj": "packed_colwise",
+            L + "mlp.experts.down_proj": "rowwise"}
+    plan = {k: v for k, v in plan.items() if not k.endswith(("gate_proj", "up_proj", "down_proj"))}
+    try:
+        sf.shard(sf.functionalize(test_tp_styles.qwen3_moe())[0], mesh, "FULL_SHARD", tensor_parallel=plan)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_per_head_norms_in_a_sequence_parallel_plan_equal_one_process(clusters):
+    # Qwen3's q_norm and k_norm (split heads, "replicated_with_grad_allreduce") beside the
+    # region's norms (a part of the sequence, "sequence"): both kinds of partial gradient are
+    # summed over the tensor ranks once a step, in one all-reduce (named by the region)
+    import test_tensor_parallel
+    import test_tp_styles
+
+    reference = test_tensor_parallel._reference(test_tp_styles.qwen3, loss_fn, auto.batches)
+    for losses, norms, logs, full, styles in clusters[2].run(_qwen3_train):
+        assert styles["model.layers.1.self_attn.q_norm"] == "replicated_with_grad_allreduce", styles
+        assert styles["model.layers.1.input_layernorm"] == "sequence", styles
+        auto.assert_trained_alike(losses, norms, full, reference, test_tp_styles.qwen3)
+        for log in logs:
+            sums = sorted(u for u, k, _ in log if u in ("sequence", "replicated_with_grad_allreduce"))
+            assert sums == ["sequence"], sums
+
+
+def test_experts_in_a_sequence_parallel_plan_are_refused_on_every_rank(clusters):
+    first, second = clusters[2].run(_qwen3_experts)
+    assert first == second
+    assert "'model.layers.0.mlp.experts' is styled 'moe_tp_experts' in a plan with sequence parallelism" in first, first

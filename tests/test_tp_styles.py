@@ -337,3 +337,49 @@ def test_bf16_matches_a_reference_with_the_same_casts(clusters, name):
         worst = max((delta[n] - d).abs().max().item() for n, d in ref_delta.items())
         assert worst <= bound * moved, (worst, bound * moved)
 
+
+
+def olmo2_dropping():
+    """OLMo 2 with attention dropout: its heads whole on every tensor rank, each drawing the mask
+    one process draws ([Note: randomness on the tensor axis])."""
+    model = olmo2()
+    model.config.attention_dropout = 0.3
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    return model
+
+
+def _dropping(steps):
+    mesh = sf.Mesh.from_group(tensor=2)
+    torch.manual_seed(0)
+    params, _ = sf.functionalize(olmo2_dropping())
+    sharded = sf.shard(params, mesh, "FULL_SHARD", tensor_parallel="auto")
+    torch.manual_seed(1000 + mesh.rank)  # a per-rank seed, for other reasons
+    opt = SGD_MOMENTUM()
+    state = opt.init(sharded)
+    step = sf.jit_step(loss_fn, mesh, optimizer=opt)
+    losses = []
+    for batch in batches()[:steps]:
+        sharded, state, metrics = step(sharded, state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, sf.gather(sharded)
+
+
+def test_attention_dropout_with_whole_heads_draws_one_process_masks(clusters):
+    # the reference: one process whose generator starts where the tensor group's stream does
+    # (tensor rank 0's seed); with dropout 0.3 its losses differ from a run without dropout
+    from shardfn.testing._equivalence import reference_training
+
+    def model_then_seed():
+        model = olmo2_dropping()
+        torch.manual_seed(1000)
+        return model
+
+    ref_losses, ref_state = reference_training(model_then_seed, loss_fn, batches(), SGD_MOMENTUM)
+    plain = test_tensor_parallel._reference(olmo2, loss_fn, batches)[0]
+    assert all(abs(a - b) > 1e-3 for a, b in zip(ref_losses, plain)), (ref_losses, plain)  # (the masks matter)
+    for losses, full in clusters[2].run(_dropping, len(ref_losses)):
+        assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+        for name in full:
+            ref = ref_state[name]
+            assert float(((full[name] - ref).abs() - RTOL * ref.abs()).max()) <= ATOL, name
