@@ -19,7 +19,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "shardfn"
 
 # Modules that may read the strategy: the plan, its resolution against a mesh, the layout.
-PLAN_MODULES = {"_state/plan.py", "_state/resolve.py", "_state/layout.py"}
+# (lightning/_keywords.py: where FSDPStrategy's keywords become a plan)
+PLAN_MODULES = {"_state/plan.py", "_state/resolve.py", "_state/layout.py", "lightning/_keywords.py"}
 TREE_FIELDS = {"_data", "_verdict", "_replicas"}
 TREE_MUTATORS = {"_set_buffers", "_donate_replicas", "_values_replaced"}
 

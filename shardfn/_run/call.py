@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
 from .._comm import guard as _guard
 from .._comm.scope import here
@@ -124,20 +125,21 @@ def _post_hook(site: Site):
 # -- the call ------------------------------------------------------------------------------
 
 
-def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict) -> Any:
+def sharded_call(apply: Any, sharded: Any, args: tuple, kwargs: dict, method: str | None = None) -> Any:
     """``apply(sharded, *args, **kwargs)``: see [Note: how a sharded call works]. A public
-    call: the step it runs in, if any, is found in its scope, read here once ([Note: the scope])."""
+    call: the step it runs in, if any, is found in its scope, read here once ([Note: the scope]).
+    ``method``: the module's method to run instead of ``forward`` (``apply.method``)."""
     rt = here().runtime
     if rt is not None:
-        return _call(apply, sharded, rt, args, kwargs)
+        return _call(apply, sharded, rt, args, kwargs, method)
     # Outside a step: a runtime for this call alone; an error in it reaches every rank.
     if sharded.mesh.size > 1:
         sharded.mesh.guard.check_alive("apply(sharded, ...)")
     with _guard.guarded(sharded.mesh, _guard.Where.APPLY) as scope, sharded.mesh.random.drawing(sharded.mesh, scope):
-        return _call(apply, sharded, Runtime(sharded.mesh, scope), args, kwargs)
+        return _call(apply, sharded, Runtime(sharded.mesh, scope), args, kwargs, method)
 
 
-def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> Any:
+def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict, method: str | None = None) -> Any:
     layout: Layout = sharded.layout
     store = rt.in_step and sharded is rt.owner
     prepared = _prepare(apply, layout)
@@ -155,7 +157,11 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict) -> A
     try:
         state.update({alias: state[n] for n, aliases in prepared.ties if n in state for alias in aliases})
         with bound(apply.sites, units, call):
-            out = functional_call(apply.module, state, args, kwargs, tie_weights=False, strict=False)
+            if method is None:
+                out = functional_call(apply.module, state, args, kwargs, tie_weights=False, strict=False)
+            else:  # the same state in place, around another method of the module
+                with _reparametrize_module(apply.module, state, tie_weights=False, strict=False):
+                    out = getattr(apply.module, method)(*args, **kwargs)
         if call.sequence:
             check_closed(call)
         # A module that *replaced* a buffer (rather than updating it in place) left the new

@@ -9,12 +9,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
 from .call import Prepared, Site, sharded_call
 from .._state.sharded import ShardedParams
 from .._state.tree import Params, check_names, tree_info
 
-__all__ = ["Apply", "Params", "apply_of", "functionalize"]
+__all__ = ["Apply", "Params", "apply_of", "functionalize", "take"]
 
 
 class Apply:
@@ -63,8 +64,19 @@ class Apply:
         return self.train(False)
 
     def __call__(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        return self._run(None, params, args, kwargs)
+
+    def method(self, name: str) -> Any:
+        """``apply.method(name)(params, *args, **kwargs)``: the model's method ``name`` (a
+        LightningModule's ``training_step``) run on ``params`` as ``apply`` runs ``forward``:
+        the module's parameters are ``params`` inside it, gathered unit by unit for shards."""
+        if not callable(getattr(self.module, name, None)):
+            raise AttributeError(f"apply.method({name!r}): {type(self.module).__name__} has no method {name!r}")
+        return lambda params, *args, **kwargs: self._run(name, params, args, kwargs)
+
+    def _run(self, method: str | None, params: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
         if isinstance(params, ShardedParams):
-            return sharded_call(self, params, args, kwargs)
+            return sharded_call(self, params, args, kwargs, method)
         if not isinstance(params, Mapping):
             raise TypeError(
                 f"apply(params, ...): params must be a mapping name -> tensor (from functionalize or "
@@ -73,7 +85,10 @@ class Apply:
         check_names(params.keys(), self.names, what="apply(params, ...)")
         # functional_call writes a buffer the module replaced back into the dict it gets.
         state = params if isinstance(params, dict) else dict(params)
-        return functional_call(self.module, state, args, kwargs, tie_weights=True, strict=False)
+        if method is None:
+            return functional_call(self.module, state, args, kwargs, tie_weights=True, strict=False)
+        with _reparametrize_module(self.module, state, tie_weights=True, strict=False):
+            return getattr(self.module, method)(*args, **kwargs)
 
     def __repr__(self) -> str:
         mode = "train" if self.training else "eval"
@@ -116,6 +131,34 @@ def functionalize(model: nn.Module) -> tuple[Params, Apply]:
     apply = Apply(skeleton, info.names)
     # The model function of every tree made from these params (see apply_of).
     skeleton.__dict__["_shardfn_apply"] = apply
+    return params, apply
+
+
+def take(model: nn.Module) -> tuple[Params, Apply]:
+    """:func:`functionalize` without the copy: ``model`` itself becomes ``apply``'s module tree,
+    each parameter and buffer replaced by a meta tensor of its shape (a tie stays one tensor),
+    and the values are ``params``'. For a framework that keeps calling the module it holds
+    (Lightning's Trainer runs ``training_step`` and logs on its own LightningModule): the
+    calls find the state shardfn passes, and the module keeps no second copy of it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"take(model): expected an nn.Module, got {type(model).__name__}")
+    info = tree_info(model)
+    named = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    params = Params({n: named[n].detach().requires_grad_(named[n].requires_grad) for n in info.params})
+    params.update({n: buffers[n] for n in info.buffers})
+    meta: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for k, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[k] = meta.setdefault(id(p), nn.Parameter(torch.empty_like(p, device="meta"),
+                                                                       requires_grad=p.requires_grad))
+        for k, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[k] = meta.setdefault(id(b), torch.empty_like(b, device="meta"))
+    params.module = model
+    apply = Apply(model, info.names)
+    model.__dict__["_shardfn_apply"] = apply
     return params, apply
 
 
