@@ -43,6 +43,14 @@ class LanguageModel(L.LightningModule):
         x, y = batch
         self.log("val_loss", F.nll_loss(self.model(x, y), y.view(-1)), sync_dist=True)
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.nll_loss(self.model(x, y), y.view(-1)), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        x, y = batch
+        return self.model(x, y).argmax(-1)
+
     def configure_optimizers(self):
         if self.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=1e-3, eps=1e-3)
@@ -57,10 +65,10 @@ class Manual(LanguageModel):
         self.automatic_optimization = False
 
 
-def data(rows=16):
+def data(rows=8):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
-    return DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=ROWS)
+    return DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=ROWS)  # (world 2: 2 steps an epoch)
 
 
 class _Seen(L.Callback):
@@ -80,25 +88,38 @@ class _Seen(L.Callback):
                           for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0))
 
 
-def _fit(name, *, model=LanguageModel, max_steps=STEPS, ckpt_path=None, save=None, **kw):
+def _fit(name, *, model=LanguageModel, max_steps=STEPS, ckpt_path=None, save=None, evaluate=False, every=None, **kw):
     """A Trainer's fit at the cluster's world: ``name`` "ddp" (Lightning's DDPStrategy) or a
     TrainerStrategy's keywords in ``kw["shardfn"]``. The losses each rank's training_step saw,
-    the full state after, what a collective log saw, and the strategy's bytes."""
+    the full state after, what a collective log saw, and the strategy's bytes; with ``save``,
+    the checkpoint written after fit (rank 0 reads it back); with ``evaluate``, what
+    validate, test and predict give after fit; with ``every``, a ModelCheckpoint into that
+    directory every 2 steps."""
     from shardfn.lightning import TrainerStrategy
 
     strategy = TrainerStrategy(**kw.pop("shardfn")) if name == "shardfn" else DDPStrategy()
     torch.manual_seed(0)
-    module = model() if isinstance(model, type) else model
-    seen = _Seen()
+    module = model()
+    callbacks = [_Seen()]
+    if every is not None:
+        callbacks.append(L.callbacks.ModelCheckpoint(dirpath=every, every_n_train_steps=2, save_top_k=-1,
+                                                     filename="{step}"))
     trainer = L.Trainer(accelerator="cpu", devices=torch.distributed.get_world_size(), strategy=strategy,
-                        max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[seen], **kw)
+                        max_steps=max_steps, logger=False, enable_checkpointing=every is not None,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kw)
     with sf.record_collectives() as log:
         trainer.fit(module, data(), ckpt_path=ckpt_path)
+    out = {"losses": module.losses, "state": {n: t.detach().clone() for n, t in module.state_dict().items()},
+           "kinds": sorted({c.kind.value for c in log.select()}), "bytes": callbacks[0].bytes}
     if save is not None:
         trainer.save_checkpoint(save)
-    kinds = sorted({c.kind.value for c in log.select()})
-    return module.losses, {n: t.detach().clone() for n, t in module.state_dict().items()}, kinds, seen.bytes
+        torch.distributed.barrier()
+        out["saved"] = torch.load(save, weights_only=False)
+    if evaluate:
+        out["validate"] = trainer.validate(module, data(8), verbose=False)
+        out["test"] = trainer.test(module, data(8), verbose=False)
+        out["predict"] = torch.cat(trainer.predict(module, data(8)))
+    return out
 
 
 _DDP = {}
@@ -113,21 +134,26 @@ def _ddp(clusters, world, **kw):
     return _DDP[key]
 
 
+def _close(got, want):
+    assert got.keys() == want.keys()
+    for n, ref in want.items():
+        assert float(((got[n] - ref).abs() - RTOL * ref.abs()).max()) <= ATOL, n
+
+
 def _alike(ours, ddp):
-    for (losses, state, *_), (ref_losses, ref_state, *_) in zip(ours, ddp):
+    for run, ref in zip(ours, ddp):
+        losses, ref_losses = run["losses"], ref["losses"]
         assert len(losses) == len(ref_losses) > 0
         assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
-        assert state.keys() == ref_state.keys()
-        for n, ref in ref_state.items():
-            assert float(((state[n] - ref).abs() - RTOL * ref.abs()).max()) <= ATOL, n
+        _close(run["state"], ref["state"])
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_the_trainer_equals_lightnings_ddp(clusters, strategy):
     ours = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy=strategy))
     _alike(ours, _ddp(clusters, 2))
-    for _, _, kinds, _ in ours:  # shardfn's own reductions ran: the gradient reduce-scattered, or all-reduced
-        assert ("reduce_scatter" in kinds) == (strategy != "NO_SHARD"), kinds
+    for run in ours:  # shardfn's own reductions ran: the gradient reduce-scattered, or all-reduced
+        assert ("reduce_scatter" in run["kinds"]) == (strategy != "NO_SHARD"), run["kinds"]
 
 
 def test_hybrid_shard_at_four_equals_ddp(clusters):
@@ -142,7 +168,7 @@ def test_accumulation_and_clipping_equal_ddp(clusters):
     _alike(ours, _ddp(clusters, 2, **kw))
     plain = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy="FULL_SHARD"), accumulate_grad_batches=2)
     _alike(plain, _ddp(clusters, 2, accumulate_grad_batches=2))  # (clipping alone hides the gradient's scale)
-    assert plain[0][0][2:] != ours[0][0][2:]  # (the clipping changed the training)
+    assert plain[0]["losses"][2:] != ours[0]["losses"][2:]  # (the clipping changed the training)
 
 
 def test_memory_is_shardfns_own_step(clusters):
@@ -150,6 +176,65 @@ def test_memory_is_shardfns_own_step(clusters):
     # FULL_SHARD at world 2, as shardfn.shard gives its own step
     ours = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy="FULL_SHARD"))
     full = sum(t.numel() * 4 for t in LanguageModel().parameters())
-    for _, _, _, (params, own, momentum) in ours:
+    for (params, own, momentum) in (run["bytes"] for run in ours):
         assert params == own == momentum, (params, own, momentum)
         assert full / 2 <= params <= full / 2 + 4 * 64, (params, full)  # (flat shards: at most a padding run)
+
+
+def test_the_full_checkpoint_and_evaluation_equal_ddps(clusters, tmp_path):
+    # trainer.save_checkpoint after fit: one file whose state_dict is the full model (a plain
+    # LightningModule loads it) and whose optimizer state is whole; validate, test, predict
+    ours = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy="FULL_SHARD"), save=str(tmp_path / "a.ckpt"),
+                           evaluate=True)[0]
+    ref = clusters[2].run(_fit, "ddp", save=str(tmp_path / "b.ckpt"), evaluate=True)[0]
+    saved, want = ours["saved"], ref["saved"]
+    _close(saved["state_dict"], want["state_dict"])
+    LanguageModel().load_state_dict(saved["state_dict"])  # (strict: every key, every shape)
+    (opt,), (ref_opt,) = saved["optimizer_states"], want["optimizer_states"]
+    assert opt["param_groups"] == ref_opt["param_groups"]
+    assert opt["state"].keys() == ref_opt["state"].keys()
+    for i, s in ref_opt["state"].items():
+        assert s["momentum_buffer"].shape == opt["state"][i]["momentum_buffer"].shape, i
+        _close({i: opt["state"][i]["momentum_buffer"]}, {i: s["momentum_buffer"]})
+    for what in ("validate", "test"):
+        (got,), (expect,) = ours[what], ref[what]
+        assert got.keys() == expect.keys() and all(abs(got[k] - expect[k]) <= ATOL + RTOL * abs(expect[k])
+                                                   for k in got), (what, got, expect)
+    assert torch.equal(ours["predict"], ref["predict"])
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(clusters, tmp_path):
+    # ModelCheckpoint writes the full checkpoint every 2 steps, inside the run (the shards gathered)
+    whole = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy="FULL_SHARD"), every=str(tmp_path))
+    resumed = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy="FULL_SHARD"),
+                              ckpt_path=str(tmp_path / "step=2.ckpt"))
+    for r, w in zip(resumed, whole):
+        assert r["losses"] == w["losses"][2:]  # (steps 3 and 4, bit for bit)
+        assert all(torch.equal(r["state"][n], t) for n, t in w["state"].items())
+
+
+
+def _refused(what):
+    from shardfn.lightning import TrainerStrategy
+
+    try:
+        if what == "keyword":
+            TrainerStrategy(limit_all_gathers=True)
+        elif what == "mixed_precision":
+            TrainerStrategy(mixed_precision=object())
+        else:
+            _fit("shardfn", shardfn=dict(sharding_strategy="FULL_SHARD"),
+                 model=Manual if what == "manual" else (lambda: LanguageModel("adafactor")))
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return "accepted"
+
+
+def test_what_cannot_be_honoured_is_refused_by_name(clusters):
+    keyword, mixed = _refused("keyword"), _refused("mixed_precision")
+    assert keyword.startswith("TrainerStrategy(limit_all_gathers=True): it is not one of FSDPStrategy's"), keyword
+    assert "give the Trainer's precision= instead" in mixed, mixed
+    for what, says in (("manual", "sets automatic_optimization = False"),
+                       ("adafactor", "TrainerStrategy with torch.optim.Adafactor")):
+        for said in clusters[2].run(_refused, what):  # (every rank, before a step)
+            assert says in said, (what, said)

@@ -85,6 +85,7 @@ class TrainerStrategy(DDPStrategy):
         self._device_mesh = device_mesh
         self.sharded: Any = None  # the module's state on this rank (shardfn.ShardedParams), once set up
         self.mesh: Mesh | None = None
+        self._given_back = False
         self._grad_fn: Any = None
         self._grads: Any = None  # the last training_step's gradient shards, until backward takes them
         self._out: Any = None
@@ -107,8 +108,7 @@ class TrainerStrategy(DDPStrategy):
                              "keep its shards' guarantees; use automatic optimisation (training_step returns the loss).")
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self.sharded is None:
-            self._take(module)
+        self._take(module)  # (again after a teardown gave the module its state back)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._to_shards()
@@ -121,6 +121,7 @@ class TrainerStrategy(DDPStrategy):
     def _take(self, module: Any) -> None:
         """The module's state out of it, sharded ([Note: Lightning's calls on shards])."""
         params, apply = take(module)
+        self._given_back = False
         replicate = replicas_of(_WHO, self.plan, self._device_mesh, self.num_nodes)
         self.mesh = Mesh.from_group(replicate=replicate)
         self.sharded = shard(params, self.mesh, self.plan)
@@ -146,18 +147,40 @@ class TrainerStrategy(DDPStrategy):
                 group["params"] = [self._shards[id(p)] for p in group["params"]]
 
     def model_to_device(self) -> None:
-        if self.sharded is None:
+        if self._whole:
             super().model_to_device()
+
+    @property
+    def _whole(self) -> bool:
+        """Whether the LightningModule holds its state (before setup, after teardown)."""
+        return self.sharded is None or self._given_back
 
     def teardown(self) -> None:
         """The trained state back in the LightningModule, whole (every rank gathers it), as
-        after DDP; the optimizers lose their shards."""
-        if self.sharded is not None and self.lightning_module is not None:
+        after DDP. The shards stay with the optimizers, for ``trainer.save_checkpoint`` after
+        ``fit``; the next setup shards the module again."""
+        if not self._whole and self.lightning_module is not None:
             # (the non-persistent buffers too, which a state_dict leaves out)
             _give_back(self.lightning_module, {**self.sharded.buffers(), **gather(self.sharded)})
-            self.sharded = self._grad_fn = None
-            self._shards = {}
+            self._given_back = True
         super().teardown()
+
+    # -- evaluation ----------------------------------------------------------------------
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _run(self, method: str, context: Any, args: tuple, kwargs: dict) -> Any:
+        """The module's ``method`` on the shards: a sharded call (units gathered as it runs)."""
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with context():
+            return self._apply.method(method)(self.sharded, *args, **kwargs)
 
     # -- a step --------------------------------------------------------------------------
 
@@ -211,11 +234,13 @@ class TrainerStrategy(DDPStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model's ``state_dict`` (every rank gathers; rank 0 keeps it)."""
+        if self._whole:
+            return self.lightning_module.state_dict()
         return gather(self.sharded, rank0_only=True)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         full = checkpoint["state_dict"]
-        if self.sharded is None:  # (before setup: the module still holds its state)
+        if self._whole:  # (before setup: the module holds its state)
             self.lightning_module.load_state_dict(full, strict=strict)
             return
         layout, rank = self.sharded.layout, self.sharded.layout.shard_rank(self.mesh)
