@@ -238,3 +238,11 @@ def test_what_cannot_be_honoured_is_refused_by_name(clusters):
                        ("adafactor", "TrainerStrategy with torch.optim.Adafactor")):
         for said in clusters[2].run(_refused, what):  # (every rank, before a step)
             assert says in said, (what, said)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_precisions_equal_ddps(clusters, precision):
+    # Lightning's precision plugins act on the module and its inputs, as under DDP: the same
+    # casts, so the same bound as fp32 (the runs here agree bit for bit)
+    ours = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy="FULL_SHARD"), precision=precision)
+    _alike(ours, _ddp(clusters, 2, precision=precision))
