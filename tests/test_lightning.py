@@ -246,3 +246,71 @@ def test_bf16_precisions_equal_ddps(clusters, precision):
     # casts, so the same bound as fp32 (the runs here agree bit for bit)
     ours = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy="FULL_SHARD"), precision=precision)
     _alike(ours, _ddp(clusters, 2, precision=precision))
+
+
+# -- Fabric ---------------------------------------------------------------------------------
+
+
+def _fabric(name, *, accumulate=1, clip=None, save=None, load=None, steps=STEPS, start=0):
+    """The same model in a plain Fabric loop: ``name`` "ddp" or "shardfn" (FabricStrategy).
+    The losses each rank saw, and the full state after (rank 0: the others get ``{}``); with
+    ``save``, fabric.save after the loop; with ``load``, fabric.load before it, and the loop
+    from batch ``start``."""
+    from lightning.fabric import Fabric
+
+    from shardfn.lightning import FabricStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=torch.distributed.get_world_size(),
+                    strategy=FabricStrategy() if name == "shardfn" else "ddp")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = fabric.setup(model, opt)
+    if load is not None:
+        fabric.load(load, {"model": model, "optimizer": opt})
+    losses = []
+    for i, (x, y) in zip(range(steps), fabric.setup_dataloaders(data(16))):
+        if i < start:
+            continue
+        last = (i + 1) % accumulate == 0
+        with fabric.no_backward_sync(model, enabled=not last):
+            loss = F.nll_loss(model(x, y), y.view(-1)) / accumulate
+            fabric.backward(loss)
+        if last:
+            if clip is not None:
+                fabric.clip_gradients(model, opt, max_norm=clip)
+            opt.step()
+            opt.zero_grad()
+        losses.append(float(loss))
+    if save is not None:
+        fabric.save(save, {"model": model, "optimizer": opt})
+    strategy = fabric.strategy
+    state = strategy.shards.state_dict() if name == "shardfn" else model.state_dict()
+    return {"losses": losses, "state": {n: t.detach().clone() for n, t in state.items()}}
+
+
+def test_fabric_equals_fabric_with_ddp(clusters):
+    for kw in ({}, {"accumulate": 2, "clip": 0.05}, {"accumulate": 2}):
+        ours = clusters[2].run(_fabric, "shardfn", **kw)
+        ref = clusters[2].run(_fabric, "ddp", **kw)
+        for run, want in zip(ours, ref):
+            assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(run["losses"], want["losses"])), kw
+        _close(ours[0]["state"], ref[0]["state"])
+
+
+def test_fabric_save_and_load_resume_the_run(clusters, tmp_path):
+    # fabric.save writes the full model and the optimizer's whole state (rank 0); fabric.load
+    # puts them back as shards, and the run goes on as if never stopped, bit for bit
+    path = str(tmp_path / "fabric.ckpt")
+    clusters[2].run(_fabric, "shardfn", steps=2, save=path)
+    resumed = clusters[2].run(_fabric, "shardfn", start=2, load=path)
+    whole = clusters[2].run(_fabric, "shardfn")
+    for r, w in zip(resumed, whole):
+        assert r["losses"] == w["losses"][2:]
+    assert all(torch.equal(resumed[0]["state"][n], t) for n, t in whole[0]["state"].items())
+    saved = torch.load(path, weights_only=False)
+    model = Transformer(vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+    model.load_state_dict(saved["model"])  # (strict: the whole model)
+    shapes = {p.shape for p in model.parameters()}
+    assert all(s["momentum_buffer"].shape in shapes for s in saved["optimizer"]["state"].values())
