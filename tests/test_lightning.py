@@ -97,7 +97,8 @@ def _fit(name, *, model=LanguageModel, max_steps=STEPS, ckpt_path=None, save=Non
     directory every 2 steps."""
     from shardfn.lightning import TrainerStrategy
 
-    strategy = TrainerStrategy(**kw.pop("shardfn")) if name == "shardfn" else DDPStrategy()
+    strategy = {"shardfn": lambda: TrainerStrategy(**kw.pop("shardfn")), "ddp": DDPStrategy,
+                "by name": lambda: "shardfn"}[name]()  # ("shardfn": the registered name, FULL_SHARD)
     torch.manual_seed(0)
     module = model()
     callbacks = [_Seen()]
@@ -150,6 +151,10 @@ def _alike(ours, ddp):
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_the_trainer_equals_lightnings_ddp(clusters, strategy):
+    if strategy == "FULL_SHARD":  # Trainer(strategy="shardfn") too
+        named = clusters[2].run(_fit, "by name")
+        _alike(named, _ddp(clusters, 2))
+        assert all("reduce_scatter" in run["kinds"] for run in named)
     ours = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy=strategy))
     _alike(ours, _ddp(clusters, 2))
     for run in ours:  # shardfn's own reductions ran: the gradient reduce-scattered, or all-reduced
