@@ -1,0 +1,173 @@
+"""A Lightning Trainer step under shardfn.lightning.TrainerStrategy, against the same model
+under shardfn's own ``jit_step`` and under Lightning's ``FSDPStrategy`` (torch FSDP), world 2
+on the CPU (gloo).
+
+The model is Lightning's FSDP example (``lightning.pytorch.demos.Transformer``) in a
+LightningModule, SGD with momentum, FULL_SHARD with each encoder and decoder layer a unit
+(``auto_wrap_policy``). A step's time is taken from ``on_train_batch_start`` to
+``on_train_batch_end`` (training_step, backward, the optimizer; not the data loader); for
+``jit_step`` the call. Two methods, as docs/benchmarks.md asks of a ratio:
+
+* interleaved (default): each repeat is one fresh pair of processes that runs the three in
+  turn, ``--rounds`` rounds of ``--steps`` steps each (after a warm-up round), and takes each
+  one's median step; the ratios are of those medians;
+* ``--separate``: each configuration in its own fresh pair of processes, one after another.
+
+Over the repeats: the median and the min-max of each ratio::
+
+    PYTHONPATH=$PWD python benchmarks/lightning_step.py --repeats 3
+    PYTHONPATH=$PWD python benchmarks/lightning_step.py --repeats 3 --separate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+NAMES = ("trainer", "jit_step", "fsdp")
+
+
+def _module():
+    import lightning.pytorch as L
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch.demos import Transformer
+
+    class LanguageModel(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = Transformer(vocab_size=1024, ninp=128, nhead=4, nhid=256, nlayers=2, dropout=0.0)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.nll_loss(self.model(x, y), y.view(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    return LanguageModel
+
+
+def _data(n):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 1024, (n * 2 * 8, 32), generator=g)
+    return DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=8)
+
+
+def _trainer_times(name: str, steps: int) -> list[float]:
+    import lightning.pytorch as L
+    import torch
+    import torch.nn as nn
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from shardfn.lightning import TrainerStrategy
+
+    layers = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
+    times: list[float] = []
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, *a):
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, *a):
+            times.append(time.perf_counter() - self.t)
+
+    strategy = TrainerStrategy(auto_wrap_policy=layers) if name == "trainer" else FSDPStrategy(auto_wrap_policy=layers)
+    torch.manual_seed(0)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Clock()])
+    trainer.fit(_module()(), _data(steps))
+    return times
+
+
+def _jit_times(steps: int) -> list[float]:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import shardfn as sf
+
+    torch.manual_seed(0)
+    module = _module()()
+    params, _ = sf.functionalize(module.model)
+    mesh = sf.Mesh.from_group()
+    plan = sf.Plan("FULL_SHARD", units=sf.by_module_type(nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+    sharded = sf.shard(params, mesh, plan)
+    opt = sf.optim.sgd(0.1, momentum=0.9)
+    state = opt.init(sharded)
+    step = sf.jit_step(lambda apply, p, b: F.nll_loss(apply(p, b[0], b[1]), b[1].view(-1)), mesh, optimizer=opt)
+    times = []
+    for _, (x, y) in zip(range(steps), _data(steps)):  # (8 rows a rank, as the Trainer's)
+        t = time.perf_counter()
+        sharded, state, _ = step(sharded, state, (x, y))
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def worker(names: list[str], steps: int, rounds: int) -> None:
+    """In each of the world's processes: the configurations ``names`` in turn, a warm-up
+    round then ``rounds`` rounds; rank 0 prints each one's median step as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    got: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for n in names:
+            times = _jit_times(steps) if n == "jit_step" else _trainer_times(n, steps)
+            if r:  # (round 0 warms up)
+                got[n] += times[2:]
+    if dist.get_rank() == 0:
+        print(json.dumps({n: statistics.median(t) for n, t in got.items()}), flush=True)
+    dist.destroy_process_group()
+
+
+def _pair(names: list[str], steps: int, rounds: int, port: int) -> dict[str, float]:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            f"import lightning_step as b; b.worker({names!r}, {steps}, {rounds})")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a benchmark process failed: {[p.returncode for p in procs]}")
+    return json.loads([line for line in outs[0].splitlines() if line.startswith("{")][-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--separate", action="store_true", help="each configuration in its own fresh processes")
+    args = p.parse_args()
+    ratios: dict[str, list[float]] = {"trainer / jit_step": [], "trainer / fsdp": []}
+    for r in range(args.repeats):
+        port = 29600 + r
+        if args.separate:
+            med = {}
+            for i, n in enumerate(NAMES):
+                med.update(_pair([n], args.steps, args.rounds, port + 100 * (i + 1)))
+        else:
+            med = _pair(list(NAMES), args.steps, args.rounds, port)
+        print(f"repeat {r}: median step " + ", ".join(f"{n} {med[n] * 1e3:.1f} ms" for n in NAMES), flush=True)
+        ratios["trainer / jit_step"].append(med["trainer"] / med["jit_step"])
+        ratios["trainer / fsdp"].append(med["trainer"] / med["fsdp"])
+    how = "separate processes" if args.separate else "interleaved in the same processes"
+    for k, v in ratios.items():
+        print(f"{k} ({how}): median {statistics.median(v):.3f}, min {min(v):.3f}, max {max(v):.3f} "
+              f"over {len(v)} repeats")
+
+
+if __name__ == "__main__":
+    main()
