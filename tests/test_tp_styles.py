@@ -383,3 +383,18 @@ def test_attention_dropout_with_whole_heads_draws_one_process_masks(clusters):
         for name in full:
             ref = ref_state[name]
             assert float(((full[name] - ref).abs() - RTOL * ref.abs()).max()) <= ATOL, name
+
+
+def test_auto_leaves_an_embedding_tied_to_the_head_whole():
+    # a base plan's "embedding_rowwise" (17 families with transformers 5.24) on an embedding
+    # tied to the head: whole on every rank, as a tied head is (splitting it is refused)
+    from shardfn._parallel.tensor import resolve_tensor_parallel
+
+    plan = {"embed_tokens": "embedding_rowwise", "layers.*.mlp.gate_proj": "colwise",
+            "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    for tied in (True, False):
+        torch.manual_seed(0)
+        model = test_tp_auto.llama(plan=plan, tied=tied)
+        styles, splits = resolve_tensor_parallel("auto", model, dict(model.state_dict()), 2)
+        assert (dict(styles).get("model.embed_tokens") == "embedding_rowwise") == (not tied), styles
+        assert ("model.embed_tokens.weight" in {s.leaf for s in splits}) == (not tied), splits

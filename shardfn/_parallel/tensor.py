@@ -271,10 +271,12 @@ def auto_plan(module: nn.Module) -> dict[str, str]:
     # (a plan names the layers of every variant of the family: a mixture of experts' dense MLPs, where this
     # model may have none; a pattern that matches nothing in it is dropped, as transformers drops it)
     names = [n for n, _ in module.named_modules()] + [n for n, _ in module.named_parameters()]
-    out = {base + p: style for p, style in plan.items() if any(fnmatch.fnmatchcase(n, base + p) for n in names)}
+    tied = _tied_parameters(module)
+    # (an embedding tied to the head stays whole, as a tied head does: whole on every rank, exact)
+    out = {base + p: style for p, style in plan.items() if any(fnmatch.fnmatchcase(n, base + p) for n in names)
+           and not (style == "embedding_rowwise" and any(fnmatch.fnmatchcase(n, f"{base}{p}.weight") for n in tied))}
     # The model class's own plan (its head: {"lm_head": "colwise_gather_output"}), where shardfn
     # has the style and the head's weight is its own (a tied head stays whole, as it is exact).
-    tied = _tied_parameters(module)
     for path, style in (getattr(type(module), "_tp_plan", None) or {}).items():
         if (style == "colwise_gather_output" and isinstance(module.get_submodule(path), nn.Linear)
                 and f"{path}.weight" not in tied and "*" not in path):
