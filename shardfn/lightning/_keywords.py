@@ -32,8 +32,15 @@ def _strategy(value: Any, who: str) -> Strategy:
 
 
 def _classes(policy: Any, who: str, keyword: str) -> tuple[type, ...] | None:
-    """The layer classes a FSDP policy names: a set of classes, torch's ``ModuleWrapPolicy``,
-    or ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=...)``."""
+    """The layer classes a FSDP policy names (a set of classes, torch's ``ModuleWrapPolicy``,
+    or ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=...)``), in
+    one order on every rank: a set of classes iterates by their hashes, which differ between
+    processes, and the plan (and so the layout every rank must agree on) would differ."""
+    classes = _read(policy, who, keyword)
+    return None if classes is None else tuple(sorted(set(classes), key=lambda c: (c.__module__, c.__qualname__)))
+
+
+def _read(policy: Any, who: str, keyword: str) -> tuple[type, ...] | None:
     if policy is None:
         return None
     if isinstance(policy, type) and issubclass(policy, nn.Module):

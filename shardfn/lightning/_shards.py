@@ -31,8 +31,12 @@ class Shards:
         names = {id(p): n for n, p in module.named_parameters()}
         params, self.apply = take(module)
         names.update({id(p): n for n, p in module.named_parameters()})
-        self.mesh = Mesh.from_group(replicate=replicate)
-        self.sharded = shard(params, self.mesh, plan)
+        try:
+            self.mesh = Mesh.from_group(replicate=replicate)
+            self.sharded = shard(params, self.mesh, plan)
+        except BaseException:  # the module whole again, so that the error is what the caller sees
+            _put_back(module, params)
+            raise
         del params
         self.names = names
         self.module = module
@@ -121,17 +125,22 @@ class Shards:
 
     def give_back(self) -> None:
         """The state back in the module, whole (every rank gathers it); the non-persistent
-        buffers too, which a state_dict leaves out. A tie is one tensor again."""
-        full = {**self.sharded.buffers(), **gather(self.sharded)}
-        module, made = self.module, {}
-        names = {id(t): n for n, t in [*module.named_parameters(remove_duplicate=False),
-                                       *module.named_buffers(remove_duplicate=False)] if n in full}
-        for m in module.modules():
-            for k, p in list(m._parameters.items()):
-                if p is not None and id(p) in names:
-                    m._parameters[k] = made.setdefault(id(p), torch.nn.Parameter(full[names[id(p)]],
-                                                                                 requires_grad=p.requires_grad))
-            for k, b in list(m._buffers.items()):
-                if b is not None and id(b) in names:
-                    m._buffers[k] = made.setdefault(id(b), full[names[id(b)]])
-        module.__dict__.pop("_shardfn_apply", None)
+        buffers too, which a state_dict leaves out."""
+        _put_back(self.module, {**self.sharded.buffers(), **gather(self.sharded)})
+
+
+def _put_back(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """``module``'s meta parameters and buffers (shardfn._run.functionalize.take) replaced by
+    ``values``' tensors of their names; a tie is one tensor again."""
+    made: dict[int, torch.Tensor] = {}
+    names = {id(t): n for n, t in [*module.named_parameters(remove_duplicate=False),
+                                   *module.named_buffers(remove_duplicate=False)] if n in values}
+    for m in module.modules():
+        for k, p in list(m._parameters.items()):
+            if p is not None and id(p) in names:
+                m._parameters[k] = made.setdefault(id(p), torch.nn.Parameter(values[names[id(p)]].detach(),
+                                                                             requires_grad=p.requires_grad))
+        for k, b in list(m._buffers.items()):
+            if b is not None and id(b) in names:
+                m._buffers[k] = made.setdefault(id(b), values[names[id(b)]])
+    module.__dict__.pop("_shardfn_apply", None)
