@@ -259,7 +259,7 @@ def test_bf16_precisions_equal_ddps(clusters, precision):
 # -- Fabric ---------------------------------------------------------------------------------
 
 
-def _fabric(name, *, accumulate=1, clip=None, save=None, load=None, steps=STEPS, start=0):
+def _fabric(name, *, accumulate=1, clip=None, save=None, load=None, steps=STEPS, start=0, sharded=False):
     """The same model in a plain Fabric loop: ``name`` "ddp" or "shardfn" (FabricStrategy).
     The losses each rank saw, and the full state after (rank 0: the others get ``{}``); with
     ``save``, fabric.save after the loop; with ``load``, fabric.load before it, and the loop
@@ -269,7 +269,8 @@ def _fabric(name, *, accumulate=1, clip=None, save=None, load=None, steps=STEPS,
     from shardfn.lightning import FabricStrategy
 
     fabric = Fabric(accelerator="cpu", devices=torch.distributed.get_world_size(),
-                    strategy=FabricStrategy() if name == "shardfn" else "ddp")
+                    strategy=FabricStrategy(state_dict_type="sharded" if sharded else "full") if name == "shardfn"
+                    else "ddp")
     fabric.launch()
     torch.manual_seed(0)
     model = Transformer(vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
@@ -334,3 +335,45 @@ def test_a_set_of_layer_classes_gives_every_rank_one_plan():
     other = plan_of("T", "FULL_SHARD", [b, a], [a, b], None, None, None)
     assert repr(one) == repr(other)
 
+
+
+def _validated(path, **kw):
+    """The state a Trainer validates with after loading ``path`` (at the cluster's world)."""
+    from shardfn.lightning import TrainerStrategy
+
+    torch.manual_seed(1)  # (other initial values than the run that saved it)
+    module = LanguageModel()
+    trainer = L.Trainer(accelerator="cpu", devices=torch.distributed.get_world_size(),
+                        strategy=TrainerStrategy(**kw), logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.validate(module, data(8), ckpt_path=path, verbose=False)
+    return {n: t.detach().clone() for n, t in module.state_dict().items()}
+
+
+def test_a_sharded_checkpoint_resumes_and_loads_at_another_world_size(clusters, tmp_path):
+    # state_dict_type="sharded": a directory, each rank's shards and optimizer state written by
+    # shardfn.checkpoint; the resumed run equals the uninterrupted one bit for bit, and 4 ranks
+    # read the 2 ranks' step-2 state exactly
+    kw = dict(sharding_strategy="FULL_SHARD", state_dict_type="sharded")
+    whole = clusters[2].run(_fit, "shardfn", shardfn=kw, every=str(tmp_path))
+    path = tmp_path / "step=2.ckpt"
+    assert path.is_dir() and (path / "lightning.pt").is_file(), sorted(p.name for p in tmp_path.iterdir())
+    resumed = clusters[2].run(_fit, "shardfn", shardfn=kw, ckpt_path=str(path))
+    for r, w in zip(resumed, whole):
+        assert r["losses"] == w["losses"][2:]
+        assert all(torch.equal(r["state"][n], t) for n, t in w["state"].items())
+    at_step_2 = clusters[2].run(_fit, "shardfn", shardfn=kw, max_steps=2)[0]["state"]
+    for got in clusters[4].run(_validated, str(path), **kw):
+        assert all(torch.equal(got[n], t) for n, t in at_step_2.items())
+
+
+def test_a_sharded_fabric_checkpoint_loads_at_another_world_size(clusters, tmp_path):
+    # fabric.save with state_dict_type="sharded" at 2 ranks; 4 ranks load it and hold the same state
+    path = str(tmp_path / "sharded")
+    saved = clusters[2].run(_fabric, "shardfn", steps=2, save=path, sharded=True)[0]["state"]
+    assert (tmp_path / "sharded" / "fabric.pt").is_file()
+    for got in clusters[4].run(_fabric, "shardfn", steps=0, load=path, sharded=True)[:1]:
+        assert all(torch.equal(got["state"][n], t) for n, t in saved.items())
+    resumed = clusters[2].run(_fabric, "shardfn", start=2, load=path, sharded=True)
+    whole = clusters[2].run(_fabric, "shardfn")
+    assert resumed[0]["losses"] == whole[0]["losses"][2:]  # (and the optimizer's momentum came back)

@@ -37,20 +37,11 @@ def test_a_packed_weight_holds_each_ranks_rows_of_every_part(clusters):
 
 
 def _refusals():
-    mesh = sf.Mesh.from_group(tensor=2)
-    out = []
-    for spec in ({**EXPERTS_BY_HAND, "model.layers.*.mlp.experts.gate_up_proj": "colwise"},  # gate, then up: wrong
-                 EXPERTS_BY_HAND,  # gate_up_proj unstyled
-                 {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise"},  # no experts module styled
-                 {"model.layers.*.self_attn.q_proj": "packed_colwise"}):  # a Linear, packed
-        torch.manual_seed(0)
-        try:
-            sf.shard(sf.functionalize(qwen3_moe())[0], mesh, "FULL_SHARD", tensor_parallel=spec)
-        except ValueError as e:
-            out.append(str(e))
-        else:
-            out.append("accepted")
-    return out
+    return test_tp_styles.refusals(qwen3_moe, (
+        {**EXPERTS_BY_HAND, "model.layers.*.mlp.experts.gate_up_proj": "colwise"},  # gate, then up: wrong
+        EXPERTS_BY_HAND,  # gate_up_proj unstyled
+        {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise"},  # no experts module styled
+        {"model.layers.*.self_attn.q_proj": "packed_colwise"}))  # a Linear, packed
 
 
 def test_a_split_the_experts_forward_would_not_keep_is_refused(clusters):

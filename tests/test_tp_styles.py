@@ -202,21 +202,27 @@ def test_the_norms_gradients_are_summed_over_the_tensor_ranks(clusters):
         assert max(diffs.values()) <= ATOL + RTOL * scale, diffs
 
 
-def _refusals():
+def refusals(make, specs):
+    """What ``shard`` says of ``make()`` at tensor 2 under each plan of ``specs``: its error, or "accepted"."""
     mesh = sf.Mesh.from_group(tensor=2)
     out = []
-    for spec in (BY_HAND,  # the norms read split heads, unstyled
-                 {**BY_HAND, "model.layers.*.self_attn.*_norm": REPLICATED, "model.norm": REPLICATED},  # outside one
-                 {"model.layers.*.self_attn.q_norm": REPLICATED},  # an attention not split
-                 {**BY_HAND, "model.layers.*.self_attn.k_proj": "colwise_gather_output"}):  # heads whole and split
+    for spec in specs:
         torch.manual_seed(0)
         try:
-            sf.shard(sf.functionalize(qwen3())[0], mesh, "FULL_SHARD", tensor_parallel=spec)
+            sf.shard(sf.functionalize(make())[0], mesh, "FULL_SHARD", tensor_parallel=spec)
         except ValueError as e:
             out.append(str(e))
         else:
             out.append("accepted")
     return out
+
+
+def _refusals():
+    return refusals(qwen3, (
+        BY_HAND,  # the norms read split heads, unstyled
+        {**BY_HAND, "model.layers.*.self_attn.*_norm": REPLICATED, "model.norm": REPLICATED},  # outside one
+        {"model.layers.*.self_attn.q_norm": REPLICATED},  # an attention not split
+        {**BY_HAND, "model.layers.*.self_attn.k_proj": "colwise_gather_output"}))  # heads whole and split
 
 
 def test_a_module_reading_split_heads_is_refused_unless_styled(clusters):

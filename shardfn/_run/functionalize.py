@@ -112,13 +112,7 @@ def functionalize(model: nn.Module) -> tuple[Params, Apply]:
         >>> apply(params, torch.ones(3, 4)).shape
         torch.Size([3, 2])
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"functionalize(model): expected an nn.Module, got {type(model).__name__}")
-    info = tree_info(model)
-    named = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    params = Params({n: named[n].detach().requires_grad_(named[n].requires_grad) for n in info.params})
-    params.update({n: buffers[n] for n in info.buffers})
+    info, named, buffers, params = _state_of(model, "functionalize")
     # Copy the module tree with meta tensors (ties preserved through deepcopy's memo), so
     # apply holds neither a second copy of the weights nor the buffers.
     memo: dict[int, Any] = {}
@@ -134,19 +128,26 @@ def functionalize(model: nn.Module) -> tuple[Params, Apply]:
     return params, apply
 
 
+def _state_of(model: nn.Module, who: str) -> tuple[Any, dict[str, nn.Parameter], dict[str, torch.Tensor], Params]:
+    """``model``'s tree info, parameters and buffers by name, and its state tree: each
+    parameter (first name of a tie) detached with its ``requires_grad``, each buffer itself."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}(model): expected an nn.Module, got {type(model).__name__}")
+    info = tree_info(model)
+    named = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    params = Params({n: named[n].detach().requires_grad_(named[n].requires_grad) for n in info.params})
+    params.update({n: buffers[n] for n in info.buffers})
+    return info, named, buffers, params
+
+
 def take(model: nn.Module) -> tuple[Params, Apply]:
     """:func:`functionalize` without the copy: ``model`` itself becomes ``apply``'s module tree,
     each parameter and buffer replaced by a meta tensor of its shape (a tie stays one tensor),
     and the values are ``params``'. For a framework that keeps calling the module it holds
     (Lightning's Trainer runs ``training_step`` and logs on its own LightningModule): the
     calls find the state shardfn passes, and the module keeps no second copy of it."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"take(model): expected an nn.Module, got {type(model).__name__}")
-    info = tree_info(model)
-    named = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    params = Params({n: named[n].detach().requires_grad_(named[n].requires_grad) for n in info.params})
-    params.update({n: buffers[n] for n in info.buffers})
+    info, _, _, params = _state_of(model, "take")
     meta: dict[int, torch.Tensor] = {}
     for m in model.modules():
         for k, p in list(m._parameters.items()):

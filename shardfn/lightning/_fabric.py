@@ -16,6 +16,7 @@ no ``no_backward_sync``: each backward reduces its own gradient, and they add up
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from contextlib import nullcontext
 from datetime import timedelta
@@ -25,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from lightning.fabric.strategies import DDPStrategy
 
+from .._io.checkpoint import load, save
 from .._run.grad import jit_grad
 from ._keywords import CANNOT, STATE_DICT_TYPES, plan_of, refuse, replicas_of, timeout_of
 from ._shards import Shards
@@ -32,6 +34,7 @@ from ._shards import Shards
 __all__ = ["FabricStrategy"]
 
 _WHO = "FabricStrategy"
+_REST, _KINDS, _MODULES = "fabric.pt", "shardfn_optimizer_kinds", "shardfn_modules"
 
 
 class _Forward:
@@ -82,8 +85,7 @@ class FabricStrategy(DDPStrategy):
         refuse(_WHO, kwargs, CANNOT)
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"{_WHO}(state_dict_type={state_dict_type!r}): expected 'full' or 'sharded'.")
-        if state_dict_type == "sharded":
-            raise ValueError(f"{_WHO}(state_dict_type='sharded'): not yet; use 'full' (one file, the full model).")
+        self.state_dict_type = state_dict_type
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout_of(_WHO, timeout),
@@ -203,8 +205,44 @@ class FabricStrategy(DDPStrategy):
     def get_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return self.shards.optimizer_state(optimizer) if self.shards is not None else optimizer.state_dict()
 
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None,
+                        filter: Any = None) -> None:
+        """``"full"``: one file (rank 0 writes it). ``"sharded"``: a directory, the module's
+        shards and the optimizers' state written by every rank (:func:`shardfn.checkpoint.save`,
+        loadable at any world size), the rest of ``state`` in ``fabric.pt``
+        ([Note: Lightning checkpoints of shards] in shardfn/lightning/_trainer.py)."""
+        if self.state_dict_type != "sharded" or self.shards is None:
+            return super().save_checkpoint(path, state, storage_options, filter)
+        if filter:
+            raise ValueError(f"{_WHO}: fabric.save(filter=...) with state_dict_type='sharded': the shards are "
+                             "written whole; save a full checkpoint to filter it.")
+        optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+        modules = [k for k, v in state.items() if isinstance(v, torch.nn.Module)]
+        rest = {k: v for k, v in state.items() if k not in optimizers and k not in modules}
+        trees = {k: self.shards.optimizer_trees(o) for k, o in optimizers.items()}
+        rest[_KINDS] = {k: {kind: all(t.dim() == 0 for t in tree.values()) for kind, tree in ts.items()}
+                        for k, ts in trees.items()}
+        rest[_MODULES] = modules
+        save(path, self.sharded, trees)
+        if self.is_global_zero:
+            torch.save(rest, os.path.join(path, _REST))
+        self.barrier("shardfn: the checkpoint is written")
+
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Any = None) -> Any:
-        """Fabric's, with each optimizer's whole state loaded as this rank's shards."""
+        """Fabric's, with each optimizer's whole state loaded as this rank's shards; or a
+        sharded checkpoint's directory (:meth:`save_checkpoint`)."""
+        if self.shards is not None and isinstance(state, Mapping) and os.path.isdir(path):
+            rest = torch.load(os.path.join(path, _REST), weights_only=False)
+            kinds = rest.pop(_KINDS)
+            rest.pop(_MODULES)
+            optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+            templates = {k: self.shards.template(kinds[k]) for k in optimizers}
+            _, trees, _ = load(path, self.sharded, templates)
+            for k, opt in optimizers.items():
+                self.shards.load_optimizer_trees(opt, trees[k])
+            for k in [k for k in state if k in rest]:
+                state[k] = rest.pop(k)
+            return rest
         if self.shards is None or not isinstance(state, Mapping):
             return super().load_checkpoint(path, state, strict, weights_only)
         optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}

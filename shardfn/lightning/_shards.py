@@ -117,6 +117,32 @@ class Shards:
                  for i, s in saved["state"].items()}
         optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
+    def optimizer_trees(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """``optimizer``'s state as one tree per kind (``momentum_buffer``, ``exp_avg``, ``step``):
+        leaf name -> this rank's tensor, as :func:`shardfn.checkpoint.save` takes an optimizer's state."""
+        names = {id(t): n for n, t in self.sharded.items()}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for p, state in optimizer.state.items():
+            for kind, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    out.setdefault(kind, {})[names[id(p)]] = v
+        return out
+
+    def template(self, kinds: Mapping[str, bool]) -> dict[str, dict[str, torch.Tensor]]:
+        """Trees to load :meth:`optimizer_trees` into, in this layout: per kind (True: one
+        value a parameter, as Adam's ``step``) each trainable leaf's shard-shaped zeros."""
+        trainable = [n for n, leaf in self.sharded.layout.leaves.items() if leaf.requires_grad]
+        return {kind: {n: torch.zeros((), dtype=torch.float32) if scalar else torch.zeros_like(self.sharded[n])
+                       for n in trainable} for kind, scalar in kinds.items()}
+
+    def load_optimizer_trees(self, optimizer: torch.optim.Optimizer, trees: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Each parameter's state in ``optimizer`` from ``trees`` (:meth:`optimizer_trees`'s)."""
+        names = {id(t): n for n, t in self.sharded.items()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                n = names[id(p)]
+                optimizer.state[p] = {kind: tree[n] for kind, tree in trees.items() if n in tree}
+
     def _indices(self, optimizer: torch.optim.Optimizer) -> dict[int, str]:
         """The optimizer's parameter index (its state_dict's keys) -> the leaf it steps."""
         by_id = {id(t): n for n, t in self.sharded.items()}

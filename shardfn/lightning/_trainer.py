@@ -18,6 +18,7 @@ The optimizer and its LR scheduler stay the user's objects.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from .._io.checkpoint import load, save
 from .._run.grad import jit_grad
 from ._keywords import CANNOT, STATE_DICT_TYPES, plan_of, refuse, replicas_of, timeout_of
 from ._shards import Shards
@@ -34,6 +36,12 @@ from ._shards import Shards
 __all__ = ["TrainerStrategy"]
 
 _WHO = "TrainerStrategy"
+# [Note: Lightning checkpoints of shards]
+# state_dict_type="sharded" writes a directory: shardfn.checkpoint's files (each rank its shards,
+# the optimizers' state as one tree per kind, by leaf name: they load at any world size and
+# strategy), and Lightning's own part (loops, callbacks, schedulers, the optimizers' kinds) in
+# lightning.pt. A file is a full checkpoint, a directory a sharded one, whichever type saves next.
+_REST, _KINDS, _DIRECTORY = "lightning.pt", "shardfn_optimizer_kinds", "shardfn_directory"
 
 
 class TrainerStrategy(DDPStrategy):
@@ -66,8 +74,6 @@ class TrainerStrategy(DDPStrategy):
         refuse(_WHO, kwargs, CANNOT)
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"{_WHO}(state_dict_type={state_dict_type!r}): expected 'full' or 'sharded'.")
-        if state_dict_type == "sharded":
-            raise ValueError(f"{_WHO}(state_dict_type='sharded'): not yet; use 'full' (one file, the full model).")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -188,22 +194,65 @@ class TrainerStrategy(DDPStrategy):
         with context():
             return self.shards.apply.method(method)(self.sharded, *args, **kwargs)
 
-    # -- state ---------------------------------------------------------------------------
+    # -- state ([Note: Lightning checkpoints of shards]) ----------------------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # (into the shards: a full checkpoint is cut, a sharded one read by each rank)
+
+    @property
+    def _sharded_files(self) -> bool:
+        return self.state_dict_type == "sharded" and not self._whole
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model's ``state_dict`` (every rank gathers; rank 0 keeps it)."""
+        """The full model's ``state_dict`` (every rank gathers; rank 0 keeps it); with
+        ``state_dict_type="sharded"`` nothing: :meth:`save_checkpoint` writes the shards."""
+        if self._sharded_files:
+            return {}
         return self.lightning_module.state_dict() if self._whole else self.shards.state_dict()
 
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state with each shard-shaped tensor gathered whole (rank 0 keeps it)."""
+        if self._sharded_files:
+            return {}
+        return self.shards.optimizer_state(getattr(optimizer, "_optimizer", optimizer))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """``"full"``: one file (rank 0 writes it). ``"sharded"``: a directory, the shards and
+        the optimizers' state written by every rank (:func:`shardfn.checkpoint.save`), and the
+        rest of Lightning's checkpoint (loops, callbacks, schedulers) in ``lightning.pt``."""
+        if not self._sharded_files:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        trees = [self.shards.optimizer_trees(getattr(o, "_optimizer", o)) for o in self.optimizers]
+        rest[_KINDS] = [{kind: all(t.dim() == 0 for t in tree.values()) for kind, tree in ts.items()} for ts in trees]
+        save(filepath, self.sharded, trees)
+        if self.is_global_zero:
+            torch.save(rest, os.path.join(filepath, _REST))
+        self.barrier("shardfn: the checkpoint is written")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Any = None) -> dict[str, Any]:
+        if not os.path.isdir(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        rest = torch.load(os.path.join(checkpoint_path, _REST), weights_only=False)
+        # (Lightning looks for these keys; the directory's files hold their values)
+        return {**rest, "state_dict": {}, "optimizer_states": [{} for _ in rest[_KINDS]],
+                _DIRECTORY: os.fspath(checkpoint_path)}
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._whole:  # (before setup: the module holds its state)
+        if _DIRECTORY in checkpoint:
+            load(checkpoint[_DIRECTORY], self.sharded)
+        elif self._whole:  # (before setup: the module holds its state)
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
         else:
             self.shards.load_state_dict(checkpoint["state_dict"])
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's state with each shard-shaped tensor gathered whole (rank 0 keeps it)."""
-        return self.shards.optimizer_state(getattr(optimizer, "_optimizer", optimizer))
-
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if _DIRECTORY in checkpoint:
+            templates = [self.shards.template(kinds) for kinds in checkpoint[_KINDS]]
+            _, trees, _ = load(checkpoint[_DIRECTORY], self.sharded, templates)
+            for opt, tree in zip(self.optimizers, trees):
+                self.shards.load_optimizer_trees(opt, tree)
+            return
         for opt, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             self.shards.load_optimizer_state(opt, saved)
