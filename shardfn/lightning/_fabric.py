@@ -26,8 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from lightning.fabric.strategies import DDPStrategy
 
-from .._io.checkpoint import load, save
-from .._run.grad import jit_grad
+from .._run.grad import _rng_state, _set_rng_state, jit_grad
 from ._keywords import CANNOT, STATE_DICT_TYPES, plan_of, refuse, replicas_of, timeout_of
 from ._shards import Shards
 
@@ -60,16 +59,6 @@ class _ShardedModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._strategy._forward(args, kwargs)
-
-
-def _rng() -> tuple[torch.Tensor, Any]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-
-
-def _set_rng(state: tuple[torch.Tensor, Any]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
 
 
 class FabricStrategy(DDPStrategy):
@@ -138,7 +127,7 @@ class FabricStrategy(DDPStrategy):
             return run(sharded, *args, **kwargs)
         if not self._pending:
             self._buffers = {n: b.detach().clone() for n, b in sharded.buffers().items()}
-        rng = _rng()
+        rng = _rng_state(self.shards.mesh.device)
         with torch.no_grad():
             out = run(sharded, *args, **kwargs)
         leaves, spec = pytree.tree_flatten(out)
@@ -157,7 +146,7 @@ class FabricStrategy(DDPStrategy):
         if not runs:  # no output reached the loss: a zero gradient, by the same collectives on every rank
             runs = [(pending[0], [torch.zeros_like(t) if isinstance(t, torch.Tensor) and t.requires_grad else None
                                   for t in pending[0].leaves])]
-        now = _rng()
+        now = _rng_state(self.shards.mesh.device)
         if self._buffers:
             with torch.no_grad():
                 for n, b in self.sharded.buffers().items():
@@ -165,13 +154,13 @@ class FabricStrategy(DDPStrategy):
         try:
             _, grads, _ = self._grad_fn(self.sharded, runs)
         finally:
-            _set_rng(now)
+            _set_rng_state(now)
         self.shards.add_grads(grads)
 
     def _loss(self, apply: Any, params: Any, runs: Any) -> torch.Tensor:
         total = torch.zeros((), device=self.shards.mesh.device)
         for forward, grads in runs:
-            _set_rng(forward.rng)
+            _set_rng_state(forward.rng)
             with self.precision.forward_context():
                 out = apply(params, *forward.args, **forward.kwargs)
             for o, g in zip(pytree.tree_leaves(out), grads):
@@ -219,11 +208,8 @@ class FabricStrategy(DDPStrategy):
         optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
         modules = [k for k, v in state.items() if isinstance(v, torch.nn.Module)]
         rest = {k: v for k, v in state.items() if k not in optimizers and k not in modules}
-        trees = {k: self.shards.optimizer_trees(o) for k, o in optimizers.items()}
-        rest[_KINDS] = {k: {kind: all(t.dim() == 0 for t in tree.values()) for kind, tree in ts.items()}
-                        for k, ts in trees.items()}
         rest[_MODULES] = modules
-        save(path, self.sharded, trees)
+        rest[_KINDS] = self.shards.save(path, optimizers)
         if self.is_global_zero:
             torch.save(rest, os.path.join(path, _REST))
         self.barrier("shardfn: the checkpoint is written")
@@ -236,10 +222,7 @@ class FabricStrategy(DDPStrategy):
             kinds = rest.pop(_KINDS)
             rest.pop(_MODULES)
             optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
-            templates = {k: self.shards.template(kinds[k]) for k in optimizers}
-            _, trees, _ = load(path, self.sharded, templates)
-            for k, opt in optimizers.items():
-                self.shards.load_optimizer_trees(opt, trees[k])
+            self.shards.load(path, optimizers, kinds)
             for k in [k for k in state if k in rest]:
                 state[k] = rest.pop(k)
             return rest

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .._io.checkpoint import load, save
 from .._mesh import Mesh
 from .._run.functionalize import take
 from .._shard import shard
@@ -39,6 +40,7 @@ class Shards:
             raise
         del params
         self.names = names
+        self.leaf_of = {id(t): n for n, t in self.sharded.items()}  # (an optimizer steps them in place)
         self.module = module
 
     def to_shards(self, optimizer: torch.optim.Optimizer) -> None:
@@ -117,37 +119,41 @@ class Shards:
                  for i, s in saved["state"].items()}
         optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
-    def optimizer_trees(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
-        """``optimizer``'s state as one tree per kind (``momentum_buffer``, ``exp_avg``, ``step``):
-        leaf name -> this rank's tensor, as :func:`shardfn.checkpoint.save` takes an optimizer's state."""
-        names = {id(t): n for n, t in self.sharded.items()}
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for p, state in optimizer.state.items():
-            for kind, v in state.items():
-                if isinstance(v, torch.Tensor):
-                    out.setdefault(kind, {})[names[id(p)]] = v
-        return out
+    def save(self, path: Any, optimizers: Mapping[Any, torch.optim.Optimizer]) -> dict[Any, dict[str, bool]]:
+        """A sharded checkpoint at ``path`` (every rank writes its part, :func:`shardfn.checkpoint.save`):
+        the shards, and each optimizer's state as one tree per kind (``momentum_buffer``,
+        ``exp_avg``, ``step``: leaf name -> this rank's tensor). Returns each optimizer's kinds
+        (True: one value a parameter, as Adam's ``step``), which :meth:`load` needs."""
+        trees = {}
+        for key, optimizer in optimizers.items():
+            tree: dict[str, dict[str, torch.Tensor]] = {}
+            for p, state in optimizer.state.items():
+                for kind, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        tree.setdefault(kind, {})[self.leaf_of[id(p)]] = v
+            trees[key] = tree
+        save(path, self.sharded, trees)
+        return {key: {kind: all(t.dim() == 0 for t in tree.values()) for kind, tree in ts.items()}
+                for key, ts in trees.items()}
 
-    def template(self, kinds: Mapping[str, bool]) -> dict[str, dict[str, torch.Tensor]]:
-        """Trees to load :meth:`optimizer_trees` into, in this layout: per kind (True: one
-        value a parameter, as Adam's ``step``) each trainable leaf's shard-shaped zeros."""
+    def load(self, path: Any, optimizers: Mapping[Any, torch.optim.Optimizer],
+             kinds: Mapping[Any, Mapping[str, bool]]) -> None:
+        """:meth:`save`'s checkpoint read into this layout: the shards, and each optimizer's state."""
         trainable = [n for n, leaf in self.sharded.layout.leaves.items() if leaf.requires_grad]
-        return {kind: {n: torch.zeros((), dtype=torch.float32) if scalar else torch.zeros_like(self.sharded[n])
-                       for n in trainable} for kind, scalar in kinds.items()}
-
-    def load_optimizer_trees(self, optimizer: torch.optim.Optimizer, trees: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Each parameter's state in ``optimizer`` from ``trees`` (:meth:`optimizer_trees`'s)."""
-        names = {id(t): n for n, t in self.sharded.items()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                n = names[id(p)]
-                optimizer.state[p] = {kind: tree[n] for kind, tree in trees.items() if n in tree}
+        templates = {key: {kind: {n: torch.zeros((), dtype=torch.float32) if scalar else
+                                  torch.zeros_like(self.sharded[n]) for n in trainable}
+                           for kind, scalar in kinds[key].items()} for key in optimizers}
+        _, trees, _ = load(path, self.sharded, templates)
+        for key, optimizer in optimizers.items():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    n = self.leaf_of[id(p)]
+                    optimizer.state[p] = {kind: tree[n] for kind, tree in trees[key].items() if n in tree}
 
     def _indices(self, optimizer: torch.optim.Optimizer) -> dict[int, str]:
         """The optimizer's parameter index (its state_dict's keys) -> the leaf it steps."""
-        by_id = {id(t): n for n, t in self.sharded.items()}
         flat: Iterable[torch.Tensor] = (p for group in optimizer.param_groups for p in group["params"])
-        return {i: by_id[id(p)] for i, p in enumerate(flat)}
+        return {i: self.leaf_of[id(p)] for i, p in enumerate(flat)}
 
     def give_back(self) -> None:
         """The state back in the module, whole (every rank gathers it); the non-persistent

@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from .._io.checkpoint import load, save
+from .._io.checkpoint import load
 from .._run.grad import jit_grad
 from ._keywords import CANNOT, STATE_DICT_TYPES, plan_of, refuse, replicas_of, timeout_of
 from ._shards import Shards
@@ -224,9 +224,7 @@ class TrainerStrategy(DDPStrategy):
         if not self._sharded_files:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        trees = [self.shards.optimizer_trees(getattr(o, "_optimizer", o)) for o in self.optimizers]
-        rest[_KINDS] = [{kind: all(t.dim() == 0 for t in tree.values()) for kind, tree in ts.items()} for ts in trees]
-        save(filepath, self.sharded, trees)
+        rest[_KINDS] = self.shards.save(filepath, {i: getattr(o, "_optimizer", o) for i, o in enumerate(self.optimizers)})
         if self.is_global_zero:
             torch.save(rest, os.path.join(filepath, _REST))
         self.barrier("shardfn: the checkpoint is written")
@@ -241,7 +239,7 @@ class TrainerStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if _DIRECTORY in checkpoint:
-            load(checkpoint[_DIRECTORY], self.sharded)
+            load(checkpoint[_DIRECTORY], self.sharded)  # (the optimizers' state: load_optimizer_state_dict)
         elif self._whole:  # (before setup: the module holds its state)
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
         else:
@@ -249,10 +247,7 @@ class TrainerStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if _DIRECTORY in checkpoint:
-            templates = [self.shards.template(kinds) for kinds in checkpoint[_KINDS]]
-            _, trees, _ = load(checkpoint[_DIRECTORY], self.sharded, templates)
-            for opt, tree in zip(self.optimizers, trees):
-                self.shards.load_optimizer_trees(opt, tree)
+            self.shards.load(checkpoint[_DIRECTORY], dict(enumerate(self.optimizers)), checkpoint[_KINDS])
             return
         for opt, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             self.shards.load_optimizer_state(opt, saved)
