@@ -6,6 +6,7 @@ pretrained weights (shardfn._io), which both use the tree.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from collections.abc import Callable, Mapping
@@ -175,6 +176,10 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
             f"shard(weights={source.path!r}) read {len(source.entries)} tensors here (names, shapes, dtypes and "
             f"first rows hash {salt >> 1:08x}); the weights count as part of the layout: ranks whose hash differs "
             "read other weights (another checkpoint, or a stale copy). Point every rank at the same checkpoint.")
+    if seed is not None:  # ranks that draw their shards from different seeds would hold pieces of different models
+        salt, hint = int.from_bytes(hashlib.blake2b(repr(seed).encode(), digest_size=7).digest(), "little") << 1, (
+            f"shard(seed={seed!r}) here; the seed counts as part of the layout: ranks whose hash differs passed "
+            "another seed. Pass the same seed on every rank.")
     verify_agreement(layout, mesh, salt=salt, hint=hint)
     make_subgroups(layout, mesh)
     if meta:

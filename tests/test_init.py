@@ -128,3 +128,19 @@ def test_meta_params_without_seed_or_source_fail_on_every_rank(clusters):
     assert "ranks disagree" in msgs[0] and "meta device" in msgs[1] and "src_rank" in msgs[1]
 
 
+
+
+def seeds_differ():
+    mesh = sf.Mesh.from_group()
+    params, _ = sf.functionalize(meta_model("gpt"))
+    try:
+        sf.shard(params, mesh, "FULL_SHARD", seed=dist.get_rank())  # each rank its own seed
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_pass_different_seeds_fail_on_every_rank(clusters):
+    # Each rank's shards would be pieces of a different model: silent unless the seed is agreed.
+    for rank, msg in enumerate(clusters[2].run(seeds_differ)):
+        assert "ranks disagree" in msg and f"shard(seed={rank})" in msg and "same seed on every rank" in msg, msg
