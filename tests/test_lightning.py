@@ -6,6 +6,8 @@ checkpoint, the optimizer's state ([Note: Lightning's calls on shards] in shardf
 The ranks are the test clusters' processes: with ``LOCAL_RANK`` set and the process group
 made, Lightning treats them as launched from outside (as under torchrun) and launches nothing."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -259,7 +261,8 @@ def test_bf16_precisions_equal_ddps(clusters, precision):
 # -- Fabric ---------------------------------------------------------------------------------
 
 
-def _fabric(name, *, accumulate=1, clip=None, save=None, load=None, steps=STEPS, start=0, sharded=False):
+def _fabric(name, *, accumulate=1, clip=None, save=None, load=None, steps=STEPS, start=0, sharded=False,
+            deferred=False):
     """The same model in a plain Fabric loop: ``name`` "ddp" or "shardfn" (FabricStrategy).
     The losses each rank saw, and the full state after (rank 0: the others get ``{}``); with
     ``save``, fabric.save after the loop; with ``load``, fabric.load before it, and the loop
@@ -273,7 +276,14 @@ def _fabric(name, *, accumulate=1, clip=None, save=None, load=None, steps=STEPS,
                     else "ddp")
     fabric.launch()
     torch.manual_seed(0)
-    model = Transformer(vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+    build = functools.partial(Transformer, vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+    if deferred:  # (the reference: the same values, by shardfn.materialize on one device)
+        with fabric.init_module(empty_init=True) if name == "shardfn" else torch.device("meta"):
+            model = build()
+        if name != "shardfn":
+            sf.materialize(model, seed=0)
+    else:
+        model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = fabric.setup(model, opt)
     if load is not None:
@@ -300,7 +310,7 @@ def _fabric(name, *, accumulate=1, clip=None, save=None, load=None, steps=STEPS,
 
 
 def test_fabric_equals_fabric_with_ddp(clusters):
-    for kw in ({}, {"accumulate": 2, "clip": 0.05}, {"accumulate": 2}):
+    for kw in ({}, {"accumulate": 2, "clip": 0.05}, {"accumulate": 2}, {"deferred": True}):
         ours = clusters[2].run(_fabric, "shardfn", **kw)
         ref = clusters[2].run(_fabric, "ddp", **kw)
         for run, want in zip(ours, ref):
@@ -377,3 +387,86 @@ def test_a_sharded_fabric_checkpoint_loads_at_another_world_size(clusters, tmp_p
     resumed = clusters[2].run(_fabric, "shardfn", start=2, load=path, sharded=True)
     whole = clusters[2].run(_fabric, "shardfn")
     assert resumed[0]["losses"] == whole[0]["losses"][2:]  # (and the optimizer's momentum came back)
+
+
+# -- deferred init: init_module(empty_init=True) ------------------------------------------
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.ff = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+
+    def forward(self, h):
+        return h + torch.tanh(self.ff(self.norm(h)))
+
+
+class Deferred(L.LightningModule):
+    """A model whose every module initialises itself (reset_parameters), as deferred init needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.blocks, self.head = torch.nn.Embedding(VOCAB, 16), torch.nn.ModuleList(
+            Block() for _ in range(2)), torch.nn.Linear(16, VOCAB)
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        loss = F.cross_entropy(self.head(h).flatten(0, 1), y.reshape(-1))
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _fit_deferred(name, seed=0, model=Deferred):
+    """A fit from a module built on the meta device: under TrainerStrategy by
+    ``trainer.init_module(empty_init=True)``; under DDP (the reference) materialised on one
+    device by shardfn.materialize with the seed the strategy uses (the one seed_everything set)."""
+    from shardfn.lightning import TrainerStrategy
+
+    torch.manual_seed(seed)
+    trainer = L.Trainer(accelerator="cpu", devices=torch.distributed.get_world_size(), max_steps=STEPS,
+                        strategy=TrainerStrategy() if name == "shardfn" else DDPStrategy(), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    if name == "shardfn":
+        with trainer.init_module(empty_init=True):
+            module = model()
+        assert all(p.is_meta for p in module.parameters())
+    else:
+        with torch.device("meta"):
+            module = model()
+        sf.materialize(module, seed=seed)
+    try:
+        trainer.fit(module, data())
+    except ValueError as e:
+        return str(e)
+    return {"losses": module.losses, "state": {n: t.detach().clone() for n, t in module.state_dict().items()}}
+
+
+class Unwritten(Deferred):
+    """A raw parameter that no reset_parameters() writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(16))
+
+
+def _differently_seeded():
+    return _fit_deferred("shardfn", seed=torch.distributed.get_rank())
+
+
+def test_a_module_built_on_the_meta_device_is_initialised_on_the_shards(clusters):
+    # each unit drawn by its reset_parameters() from (seed, unit path): equal to shardfn.materialize
+    # on one device, then trained as DDP trains that model
+    _alike(clusters[2].run(_fit_deferred, "shardfn"), clusters[2].run(_fit_deferred, "ddp"))
+    # ranks seeded differently would hold pieces of different models: every rank refuses
+    for rank, said in enumerate(clusters[2].run(_differently_seeded)):
+        assert said.startswith("TrainerStrategy: the module was built on the meta device") and \
+            "seed_everything" in said and f"shard(seed={rank})" in said, said
+    # a parameter that no module initialises is named, with the way out
+    for said in clusters[2].run(_fit_deferred, "shardfn", 0, Unwritten):
+        assert "never written: gain" in said and "param_init_fn" in said, said

@@ -28,7 +28,7 @@ from lightning.fabric.strategies import DDPStrategy
 
 from .._run.grad import _rng_state, _set_rng_state, jit_grad
 from ._keywords import CANNOT, STATE_DICT_TYPES, plan_of, refuse, replicas_of, timeout_of
-from ._shards import Shards
+from ._shards import Shards, _on_meta
 
 __all__ = ["FabricStrategy"]
 
@@ -68,6 +68,7 @@ class FabricStrategy(DDPStrategy):
     def __init__(self, sharding_strategy: Any = "FULL_SHARD", *, auto_wrap_policy: Any = None,
                  activation_checkpointing_policy: Any = None, cpu_offload: Any = None, state_dict_type: str = "full",
                  timeout: Any = timedelta(minutes=30), device_mesh: Any = None, plan: Any = None, units: Any = None,
+                 param_init_fn: Any = None,
                  accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision: Any = None, process_group_backend: str | None = None,
                  start_method: str = "popen", **kwargs: Any) -> None:
@@ -82,6 +83,7 @@ class FabricStrategy(DDPStrategy):
         self.plan = plan_of(_WHO, sharding_strategy, auto_wrap_policy, activation_checkpointing_policy, cpu_offload,
                             plan, units)
         self._device_mesh = device_mesh
+        self._init_fn = param_init_fn
         self._backward_sync_control = _NoSync()
         self.shards: Shards | None = None
         self._pending: list[_Forward] = []
@@ -104,7 +106,8 @@ class FabricStrategy(DDPStrategy):
         if self.shards is not None:
             raise ValueError(f"{_WHO}: one module per strategy; this one already holds "
                              f"{type(self.shards.module).__name__}'s shards.")
-        self.shards = Shards(module, self.plan, replicas_of(_WHO, self.plan, self._device_mesh, self.num_nodes), _WHO)
+        self.shards = Shards(module, self.plan, replicas_of(_WHO, self.plan, self._device_mesh, self.num_nodes), _WHO,
+                             self._init_fn)
         self._grad_fn = jit_grad(self._loss, self.shards.mesh)
         return _ShardedModule(module, self)
 
@@ -116,8 +119,17 @@ class FabricStrategy(DDPStrategy):
         return optimizer
 
     def module_to_device(self, module: torch.nn.Module) -> None:
-        if self.shards is None:
+        if self.shards is None and not _on_meta(module):  # (a meta module is initialised on the shards)
             module.to(self.root_device)
+
+    def module_init_context(self, empty_init: bool | None = None) -> Any:
+        """``fabric.init_module(empty_init=True)``: the module is built on the meta device and
+        each unit initialised on the shards by its ``reset_parameters()`` (as Lightning's
+        FSDPStrategy does), from the seed ``seed_everything`` set."""
+        stack = super().module_init_context(empty_init=False)
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        return stack
 
     # -- forward and backward ([Note: Fabric's forward and backward]) --------------------
 

@@ -22,21 +22,43 @@ from ..optim._whole import require_whole
 __all__ = ["Shards"]
 
 
+def _deferred_seed(params: Mapping[str, torch.Tensor], who: str) -> int | None:
+    """A module built on the meta device (``init_module(empty_init=True)``) is initialised unit
+    by unit on the shards (``shard(seed=)``: each module's ``reset_parameters()``, as
+    Lightning's FSDPStrategy materialises one), from the seed ``seed_everything`` set; else None."""
+    meta = [n for n, t in params.items() if t.is_meta]
+    if not meta:
+        return None
+    if len(meta) < len(params):
+        raise ValueError(f"{who}: {len(meta)} of the module's {len(params)} tensors are on the meta device "
+                         f"({', '.join(meta[:3])}{' ...' if len(meta) > 3 else ''}) and the others are not; build the "
+                         "whole module under init_module(empty_init=True) (every module then initialised by its "
+                         "reset_parameters() on the shards), or none of it.")
+    return torch.initial_seed()
+
+
 class Shards:
     """``module``'s state, taken and sharded on a mesh over the default process group."""
 
-    def __init__(self, module: torch.nn.Module, plan: Any, replicate: int | None, who: str):
+    def __init__(self, module: torch.nn.Module, plan: Any, replicate: int | None, who: str, init_fn: Any = None):
         self.who = who
         # the module's parameters before and after take, by id, to their names: an optimizer may
         # be built on either (Fabric's joint setup: before; setup_module, then the optimizer: after)
         names = {id(p): n for n, p in module.named_parameters()}
         params, self.apply = take(module)
         names.update({id(p): n for n, p in module.named_parameters()})
+        seed = None
         try:
             self.mesh = Mesh.from_group(replicate=replicate)
-            self.sharded = shard(params, self.mesh, plan)
-        except BaseException:  # the module whole again, so that the error is what the caller sees
+            seed = _deferred_seed(params, who)
+            self.sharded = shard(params, self.mesh, plan, seed=seed, init_fn=init_fn if seed is not None else None)
+        except BaseException as e:  # the module whole again, so that the error is what the caller sees
             _put_back(module, params)
+            if isinstance(e, ValueError) and seed is not None:
+                raise ValueError(f"{who}: the module was built on the meta device (init_module(empty_init=True)); "
+                                 "each unit is initialised on the shards by reset_parameters() and param_init_fn, "
+                                 "from torch.initial_seed(), the same on every rank after lightning.seed_everything(s)"
+                                 f".\n{e}") from None
             raise
         del params
         self.names = names
@@ -176,3 +198,8 @@ def _put_back(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> No
             if b is not None and id(b) in names:
                 m._buffers[k] = made.setdefault(id(b), values[names[id(b)]])
     module.__dict__.pop("_shardfn_apply", None)
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds a meta tensor (built under ``init_module(empty_init=True)``)."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))

@@ -18,8 +18,9 @@ The optimizer and its LR scheduler stay the user's objects.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -31,11 +32,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from .._io.checkpoint import load
 from .._run.grad import jit_grad
 from ._keywords import CANNOT, STATE_DICT_TYPES, plan_of, refuse, replicas_of, timeout_of
-from ._shards import Shards
+from ._shards import Shards, _on_meta
 
 __all__ = ["TrainerStrategy"]
 
 _WHO = "TrainerStrategy"
+_nothing = contextlib.nullcontext
 # [Note: Lightning checkpoints of shards]
 # state_dict_type="sharded" writes a directory: shardfn.checkpoint's files (each rank its shards,
 # the optimizers' state as one tree per kind, by leaf name: they load at any world size and
@@ -61,6 +63,10 @@ class TrainerStrategy(DDPStrategy):
         timeout: the process group's timeout.
         device_mesh: ``(replicas, shards)`` for a hybrid strategy (default: one replica per node).
         plan: a whole :class:`shardfn.Plan` instead of the keywords above.
+        param_init_fn: for a module built under ``trainer.init_module(empty_init=True)``
+            (deferred init): called on each module after its ``reset_parameters()``, unit by
+            unit on the shards (``shard(init_fn=)``); for modules that initialise nothing
+            themselves (``nn.MultiheadAttention``'s ``_reset_parameters``).
     """
 
     strategy_name = "shardfn"
@@ -68,6 +74,7 @@ class TrainerStrategy(DDPStrategy):
     def __init__(self, sharding_strategy: Any = "FULL_SHARD", *, auto_wrap_policy: Any = None,
                  activation_checkpointing_policy: Any = None, cpu_offload: Any = None, state_dict_type: str = "full",
                  timeout: Any = timedelta(minutes=30), device_mesh: Any = None, plan: Any = None, units: Any = None,
+                 param_init_fn: Any = None,
                  accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  start_method: str = "popen", **kwargs: Any) -> None:
@@ -82,6 +89,7 @@ class TrainerStrategy(DDPStrategy):
                             plan, units)
         self.state_dict_type = state_dict_type
         self._device_mesh = device_mesh
+        self._init_fn = param_init_fn
         self.shards: Shards | None = None  # the module's state on the shards, once set up
         self._given_back = False
         self._grad_fn: Any = None
@@ -106,7 +114,8 @@ class TrainerStrategy(DDPStrategy):
         self.model_to_device()
         # the module's state out of it, sharded ([Note: Lightning's calls on shards]); again after
         # a teardown gave the module its state back
-        self.shards = Shards(module, self.plan, replicas_of(_WHO, self.plan, self._device_mesh, self.num_nodes), _WHO)
+        self.shards = Shards(module, self.plan, replicas_of(_WHO, self.plan, self._device_mesh, self.num_nodes), _WHO,
+                             self._init_fn)
         self._given_back = False
         self._grad_fn = jit_grad(self._loss, self.shards.mesh)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -135,17 +144,33 @@ class TrainerStrategy(DDPStrategy):
         return self.shards is None or self._given_back
 
     def model_to_device(self) -> None:
-        if self._whole:
+        if self._whole and not _on_meta(self.model):  # (a meta module is initialised on the shards)
             super().model_to_device()
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``trainer.init_module(empty_init=True)``: the module is built on the meta device and
+        each unit initialised on the shards by its ``reset_parameters()`` (Lightning's
+        FSDPStrategy's deferred init), from the seed ``seed_everything`` set."""
+        with super().tensor_init_context(empty_init=False), torch.device("meta") if empty_init else _nothing():
+            yield
 
     def teardown(self) -> None:
         """The trained state back in the LightningModule, whole (every rank gathers it), as
         after DDP. The shards stay with the optimizers, for ``trainer.save_checkpoint`` after
         ``fit``; the next setup shards the module again."""
-        if not self._whole and self.lightning_module is not None:
+        module = self.lightning_module
+        if not self._whole and module is not None:
             self.shards.give_back()
             self._given_back = True
-        super().teardown()
+        if module is None or not _on_meta(module):
+            super().teardown()
+            return
+        module.cpu = lambda: module  # (a deferred init that failed: its meta tensors have nowhere to move)
+        try:
+            super().teardown()
+        finally:
+            del module.cpu
 
     # -- a step --------------------------------------------------------------------------
 
