@@ -2,7 +2,8 @@
 
 Example:
     >>> from shardfn.testing import check_equivalence
-    >>> print(check_equivalence(make_model, loss_fn, batches, optimizer=partial(shardfn.optim.sgd, 0.1)))
+    >>> print(check_equivalence(make_model, loss_fn, batches, optimizer=partial(shardfn.optim.sgd, 0.1),
+    ...                         strategies=("FULL_SHARD",), world_sizes=(2,)))
 """
 
 from ._cluster import Cluster as Cluster
