@@ -1,8 +1,10 @@
 """A Lightning Trainer step under shardfn.lightning.TrainerStrategy, against the same model
-under shardfn's own ``jit_step`` (and under Lightning's ``FSDPStrategy``, torch FSDP, with
-``--fsdp``), world 2 on the CPU (gloo). Lightning 2.6 refuses ``FSDPStrategy`` with
-``accelerator="cpu"`` ("requires a GPU accelerator"), so on a CPU-only machine that ratio
-cannot be taken.
+under shardfn's own ``jit_step`` and, with ``--fsdp2``, under Lightning's own FSDP2 path
+(``ModelParallelStrategy``, the module's ``configure_model`` calling torch's ``fully_shard`` on
+each layer and the root: FULL_SHARD), world 2 on the CPU (gloo). ``--fsdp`` adds Lightning's
+``FSDPStrategy`` (torch FSDP1): Lightning refuses it with ``accelerator="cpu"`` ("requires a
+GPU accelerator"), and torch's FSDP1 itself refuses a CPU-only machine ("FSDP needs a non-CPU
+accelerator device"), so that ratio needs a GPU.
 
 The model is Lightning's FSDP example (``lightning.pytorch.demos.Transformer``) in a
 LightningModule, SGD with momentum, FULL_SHARD with each encoder and decoder layer a unit
@@ -10,15 +12,15 @@ LightningModule, SGD with momentum, FULL_SHARD with each encoder and decoder lay
 ``on_train_batch_end`` (training_step, backward, the optimizer; not the data loader); for
 ``jit_step`` the call. Two methods, as docs/benchmarks.md asks of a ratio:
 
-* interleaved (default): each repeat is one fresh pair of processes that runs the three in
+* interleaved (default): each repeat is one fresh pair of processes that runs them in
   turn, ``--rounds`` rounds of ``--steps`` steps each (after a warm-up round), and takes each
   one's median step; the ratios are of those medians;
 * ``--separate``: each configuration in its own fresh pair of processes, one after another.
 
 Over the repeats: the median and the min-max of each ratio::
 
-    PYTHONPATH=$PWD python benchmarks/lightning_step.py --repeats 3
-    PYTHONPATH=$PWD python benchmarks/lightning_step.py --repeats 3 --separate
+    PYTHONPATH=$PWD python benchmarks/lightning_step.py --repeats 4 --fsdp2
+    PYTHONPATH=$PWD python benchmarks/lightning_step.py --repeats 4 --fsdp2 --separate
 """
 
 from __future__ import annotations
@@ -82,12 +84,29 @@ def _trainer_times(name: str, steps: int) -> list[float]:
         def on_train_batch_end(self, *a):
             times.append(time.perf_counter() - self.t)
 
-    strategy = TrainerStrategy(auto_wrap_policy=layers) if name == "trainer" else FSDPStrategy(auto_wrap_policy=layers)
+    module = _module()
+    if name == "trainer":
+        strategy = TrainerStrategy(auto_wrap_policy=layers)
+    elif name == "fsdp":
+        strategy = FSDPStrategy(auto_wrap_policy=layers)
+    else:  # Lightning's FSDP2 path: ModelParallelStrategy, the module's configure_model calls fully_shard
+        from lightning.pytorch.strategies import ModelParallelStrategy
+        from torch.distributed.fsdp import fully_shard
+
+        class Sharded(module):
+            def configure_model(self):
+                mesh = self.device_mesh["data_parallel"]
+                for m in self.model.modules():
+                    if isinstance(m, tuple(layers)):
+                        fully_shard(m, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
+
+        module, strategy = Sharded, ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     torch.manual_seed(0)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Clock()])
-    trainer.fit(_module()(), _data(steps))
+    trainer.fit(module(), _data(steps))
     return times
 
 
@@ -142,7 +161,9 @@ def _pair(names: list[str], steps: int, rounds: int, port: int) -> dict[str, flo
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=1800) for p in procs]
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"a benchmark process failed: {[p.returncode for p in procs]}:\n{outs[0][1][-3000:]}")
+        bad = next(i for i, p in enumerate(procs) if p.returncode)
+        raise RuntimeError(f"a benchmark process failed: {[p.returncode for p in procs]}; rank {bad}:\n"
+                           f"{outs[bad][1][-3000:]}")
     outs = [o for o, _ in outs]
     return json.loads([line for line in outs[0].splitlines() if line.startswith("{")][-1])
 
@@ -154,10 +175,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--separate", action="store_true", help="each configuration in its own fresh processes")
     p.add_argument("--fsdp", action="store_true", help="Lightning's FSDPStrategy too (it needs a GPU)")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="Lightning's ModelParallelStrategy with torch's fully_shard (FSDP2) too; it runs on the CPU")
     args = p.parse_args()
-    if args.fsdp:
-        NAMES.append("fsdp")
-    ratios: dict[str, list[float]] = {"trainer / jit_step": [], **({"trainer / fsdp": []} if args.fsdp else {})}
+    NAMES.extend(n for n, on in (("fsdp", args.fsdp), ("fsdp2", args.fsdp2)) if on)
+    ratios: dict[str, list[float]] = {f"trainer / {n}": [] for n in NAMES[1:]}
     from shardfn.testing._cluster import free_port
 
     for r in range(args.repeats):

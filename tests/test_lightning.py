@@ -38,7 +38,7 @@ class LanguageModel(L.LightningModule):
         x, y = batch
         loss = F.nll_loss(self.model(x, y), y.view(-1))
         self.log("train_loss", loss, sync_dist=True)
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -415,7 +415,7 @@ class Deferred(L.LightningModule):
         for block in self.blocks:
             h = block(h)
         loss = F.cross_entropy(self.head(h).flatten(0, 1), y.reshape(-1))
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))
         return loss
 
     def configure_optimizers(self):
@@ -470,3 +470,35 @@ def test_a_module_built_on_the_meta_device_is_initialised_on_the_shards(clusters
     # a parameter that no module initialises is named, with the way out
     for said in clusters[2].run(_fit_deferred, "shardfn", 0, Unwritten):
         assert "never written: gain" in said and "param_init_fn" in said, said
+
+
+# -- the kit: shardfn.testing.check_equivalence on a LightningModule ----------------------
+
+class RankScaled(LanguageModel):
+    """Wrong under any strategy: each rank's loss is scaled by its rank."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * (1 + self.trainer.global_rank)
+
+
+def _global_batches():
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randint(0, VOCAB, (4, SEQ), generator=g) for _ in range(3)]
+    return [(x, torch.roll(x, -1, 1)) for x in xs]
+
+
+def test_the_kit_checks_a_lightning_module_under_the_strategy(clusters):
+    from shardfn.testing import check_equivalence
+
+    report = check_equivalence(LanguageModel, batches=_global_batches(), strategies=("FULL_SHARD", "SHARD_GRAD_OP"),
+                               world_sizes=(2,), clusters=clusters)
+    for cfg in (("FULL_SHARD", 2), ("SHARD_GRAD_OP", 2)):  # every leaf, every rank's shards and 3 losses compared
+        assert len(report.leaves[cfg]) == len(LanguageModel().state_dict()) and len(report.losses[cfg]) == 3
+        assert len(report.shards[cfg]) == 2 * len(list(LanguageModel().parameters()))
+    with pytest.raises(AssertionError, match="loss at step 1"):  # a module that is not equivalent fails it
+        check_equivalence(RankScaled, batches=_global_batches(), strategies=("FULL_SHARD",), world_sizes=(2,),
+                          clusters=clusters)
+    with pytest.raises(TypeError, match="optimizer given for a LightningModule"):
+        check_equivalence(LanguageModel, batches=_global_batches(), optimizer=sf.optim.sgd)
+    with pytest.raises(TypeError, match="loss_fn and optimizer missing for Transformer, which is not a Lightning"):
+        check_equivalence(functools.partial(Transformer, vocab_size=VOCAB), batches=_global_batches())

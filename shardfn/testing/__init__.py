@@ -14,7 +14,7 @@ from ._equivalence import check_equivalence as check_equivalence
 from ._equivalence import full_state as full_state
 from ._equivalence import reference_training as reference_training
 from ._equivalence import sharded_training as sharded_training
-from ._equivalence import split_batch as split_batch
+from ._pieces import split_batch as split_batch
 from ._ops import OpCount as OpCount
 from ._ops import count_ops as count_ops
 

@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
-from .._run.batch import Mean, Whole, unwrap
+from .._run.batch import Mean, unwrap
 from .._deprecated import renamed
 from .._run.functionalize import Apply, functionalize
 from .._mesh import Mesh
@@ -22,6 +21,7 @@ from .._state.sharded import ShardedParams, gather
 from .._jit import jit_step
 from ..optim import GradientTransformation, apply_updates
 from ._cluster import Cluster
+from ._pieces import local_shards, split_batch
 
 __all__ = ["EquivalenceReport", "check_equivalence", "full_state", "reference_training", "sharded_training", "split_batch"]
 
@@ -30,26 +30,6 @@ LossFn = Callable[[Apply, Mapping[str, torch.Tensor], Any], torch.Tensor]
 # check_equivalence logs each check's margin here at INFO (the test suite prints the closest
 # ones at its end, so a bound that a passing run nearly reached shows before another CPU fails it).
 _log = logging.getLogger("shardfn.testing")
-
-
-def split_batch(batch: Any, rank: int, world: int) -> Any:
-    """Rank ``rank``'s contiguous slice (dim 0) of every tensor in a global batch pytree; a
-    :class:`shardfn.Whole` leaf goes whole to every rank, a :class:`shardfn.Batched` one is
-    sliced and stays marked."""
-
-    def take(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        n = t.shape[0]
-        if n % world:
-            raise ValueError(
-                f"split_batch: a global batch of {n} rows does not split evenly over {world} ranks; use a "
-                f"global batch size that every tested world size divides (for 1..4: a multiple of 12)."
-            )
-        b = n // world
-        return t[rank * b : (rank + 1) * b]
-
-    return pytree.tree_map(lambda t: t if isinstance(t, Whole) else take(t), batch, is_leaf=lambda t: isinstance(t, Whole))
 
 
 def reference_training(model_fn, loss_fn: LossFn, batches: Sequence[Any], optimizer, *, seed: int = 0):
@@ -136,18 +116,9 @@ def sharded_training(
         sharded, state, metrics = step(sharded, state, split_batch(batch, mesh.data_rank, mesh.data_size))
         losses.append(metrics["loss"])
     layout = sharded.layout
-    rank = layout.shard_rank(mesh)
-    shards = {}
-    for n, leaf in layout.leaves.items():
-        if leaf.flat:  # a 1-D piece of the flattened parameter ([Note: placements]): (shard, first element, -1)
-            span = layout.units[leaf.unit].numel
-            off, _ = leaf.piece(rank, span)
-            shards[n] = (sharded[n].detach(), max(0, rank * span + off - leaf.start), -1)
-        else:
-            shards[n] = (sharded[n].detach(), rank * leaf.chunk if layout.gathers else 0, layout.local_rows(n, rank))
     splits = {s.leaf: (s, mesh.axis_rank("tensor"), mesh.axis_size("tensor")) for s in layout.splits}
-    return {"losses": losses, "state": full_state(sharded), "shards": shards, "buffers": list(layout.buffers),
-            "splits": splits}
+    return {"losses": losses, "state": full_state(sharded), "shards": local_shards(sharded),
+            "buffers": list(layout.buffers), "splits": splits}
 
 
 @dataclasses.dataclass
@@ -266,10 +237,10 @@ def _mesh_of(world: Any, tensor_parallel: Any) -> tuple[int | None, int | None, 
 
 def check_equivalence(
     model_fn: Callable[[], nn.Module],
-    loss_fn: LossFn,
-    batches: Sequence[Any],
+    loss_fn: LossFn | None = None,
+    batches: Sequence[Any] | None = None,
     *,
-    optimizer: Callable[[], GradientTransformation],
+    optimizer: Callable[[], GradientTransformation] | None = None,
     strategies: Sequence[str] = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
     world_sizes: Sequence[int | tuple[int, int] | Mapping[str, int]] = (1, 2, 3, 4),
     units: Any = None,
@@ -288,11 +259,17 @@ def check_equivalence(
     compares the loss of every step and the final full parameters with plain
     training on the global batches in this process.
 
+    A LightningModule (``model_fn`` builds one; ``loss_fn`` and ``optimizer`` are not given:
+    its ``training_step`` and ``configure_optimizers`` are) is trained by a Trainer under
+    :class:`shardfn.lightning.TrainerStrategy` with each strategy at each world size, against a
+    Trainer on one device on the global batches (``pip install -e ".[lightning]"``).
+
     Args:
         model_fn: builds the model; called after ``torch.manual_seed(seed)`` in every process.
-        loss_fn: ``loss_fn(apply, params, batch) -> mean loss`` of the batch.
+        loss_fn: ``loss_fn(apply, params, batch) -> mean loss`` of the batch (not for a LightningModule).
         batches: global batches (pytrees of tensors, dim 0 divisible by every world size).
-        optimizer: builds the optimizer, e.g. ``functools.partial(shardfn.optim.adamw, 1e-3)``.
+        optimizer: builds the optimizer, e.g. ``functools.partial(shardfn.optim.adamw, 1e-3)``
+            (not for a LightningModule).
         strategies, world_sizes, units: the grid to check. A world size may be a pair
             ``(R, S)``: a 2-D mesh of R replicas of S shards, for the hybrid strategies;
             or a mapping of mesh axes to sizes, ``{"tensor": 2}`` or ``{"shard": 2, "tensor": 2}``
@@ -303,7 +280,8 @@ def check_equivalence(
         raise_on_failure: raise ``AssertionError`` listing every failure (default).
         step_options: keyword arguments for :func:`shardfn.jit_step` in the sharded runs
             (``micro_batches=4``, ``accumulate="local"``, ...); the reference always
-            takes one plain step per global batch.
+            takes one plain step per global batch. For a LightningModule: keyword arguments
+            of both Trainers (``gradient_clip_val=1.0``, ``precision="bf16-true"``, ...).
         tensor_parallel: passed to :func:`shardfn.shard` (``{"blocks.*.mlp.0": "colwise",
             ...}`` or ``"auto"``); then every world size must name a ``"tensor"`` axis of
             more than one rank. Each tensor group trains on one slice of the batch; a split
@@ -327,7 +305,17 @@ def check_equivalence(
         ...                            optimizer=functools.partial(shardfn.optim.sgd, 0.1))
         >>> print(report)
     """
-    ref_losses, ref_state = reference_training(model_fn, loss_fn, batches, optimizer, seed=seed)
+    if batches is None:
+        raise TypeError("check_equivalence(model_fn, loss_fn, batches, ...): batches= is missing: the global batches "
+                        "to train on.")
+    torch.manual_seed(seed)
+    lightning = _lightning(model_fn(), loss_fn, optimizer, tensor_parallel)
+    if lightning:
+        from ._lightning import lightning_reference, lightning_training, mean_losses
+
+        ref_losses, ref_state = lightning_reference(model_fn, batches, step_options, seed)
+    else:
+        ref_losses, ref_state = reference_training(model_fn, loss_fn, batches, optimizer, seed=seed)
     report = EquivalenceReport(rtol, atol)
     for world in world_sizes:
         # An int is a 1-D mesh; a pair (R, S) a 2-D mesh of R replicas of S shards.
@@ -336,11 +324,16 @@ def check_equivalence(
         cluster = Cluster(size) if own else clusters[size]
         try:
             for strategy in strategies:
-                results = cluster.run(
-                    sharded_training, model_fn, loss_fn, batches, optimizer, strategy, units,
-                    seed=seed, replicate=replicate, step_options=step_options, tensor=tensor,
-                    tensor_parallel=tensor_parallel,
-                )
+                if lightning:
+                    results = cluster.run(lightning_training, model_fn, batches, strategy, units, replicate,
+                                          step_options, seed)
+                    mean_losses(results)
+                else:
+                    results = cluster.run(
+                        sharded_training, model_fn, loss_fn, batches, optimizer, strategy, units,
+                        seed=seed, replicate=replicate, step_options=step_options, tensor=tensor,
+                        tensor_parallel=tensor_parallel,
+                    )
                 first = results[0]
                 for r, other in enumerate(results[1:], 1):
                     if list(other["losses"]) != list(first["losses"]):
@@ -360,3 +353,25 @@ def check_equivalence(
     if raise_on_failure and failures:
         raise AssertionError("check_equivalence: sharded training differs from single-process training:\n  " + "\n  ".join(report.failures()) + f"\n{report}")
     return report
+
+
+def _lightning(model: nn.Module, loss_fn: Any, optimizer: Any, tensor_parallel: Any) -> bool:
+    """Whether ``model`` is a LightningModule (trained by Trainers); the arguments checked."""
+    try:
+        from lightning.pytorch import LightningModule
+    except ImportError:  # (without the extra nothing is a LightningModule)
+        LightningModule = ()
+    if not isinstance(model, LightningModule):
+        missing = [k for k, v in (("loss_fn", loss_fn), ("optimizer", optimizer)) if v is None]
+        if missing:
+            raise TypeError(f"check_equivalence(model_fn, loss_fn, batches, optimizer=...): {' and '.join(missing)} "
+                            f"missing for {type(model).__name__}, which is not a LightningModule (whose training_step "
+                            "and configure_optimizers would be used).")
+        return False
+    given = [k for k, v in (("loss_fn", loss_fn), ("optimizer", optimizer), ("tensor_parallel", tensor_parallel))
+             if v is not None]
+    if given:
+        raise TypeError(f"check_equivalence({type(model).__name__}, ...): {' and '.join(given)} given for a "
+                        "LightningModule, which trains by its own training_step and configure_optimizers under "
+                        "TrainerStrategy (no tensor axis); leave them out.")
+    return True
