@@ -52,6 +52,7 @@ def shard(
     src_rank: int | None = None,
     weights: str | os.PathLike | None = None,
     tensor_parallel: Mapping[str, Any] | str | None = None,
+    ignored: Any = None,
 ) -> ShardedParams:
     """This rank's shards of ``params`` under ``plan`` on ``mesh``.
 
@@ -125,6 +126,14 @@ def shard(
             (norms run on each tensor rank's part of the sequence; [Note: the sequence
             region]). torch's ``ParallelStyle`` objects of those kinds are taken too.
             ``"auto"``: a transformers model's own plan (``model.config.base_model_tp_plan``).
+        ignored: parameters kept outside the plan, as FSDP's ``ignored_modules`` /
+            ``ignored_params``: module classes, module paths (every parameter under them) or
+            parameter names. Each stays whole on every rank, in no unit: never gathered,
+            never reduce-scattered, no flat buffer, no cast by ``precision``. Their gradients
+            are averaged over the data ranks by one all-reduce per dtype after the backward
+            (so the step stays equal to one process; FSDP leaves that to you), and the
+            optimizer steps them whole ([Note: ignored parameters]). Freeze them to skip
+            the all-reduce. Not with a ``"tensor"`` axis or ``offload``.
 
     Returns:
         A :class:`ShardedParams` (the shards and the buffers); ``print(sharded.layout)``
@@ -141,12 +150,12 @@ def shard(
     with guarded(mesh):  # an argument refused on one rank reaches the others (at the layout agreement)
         plan = make_plan(plan, units=units, precision=precision, remat=remat, optional=optional, offload=offload,
                          reshard_after_forward=reshard_after_forward, placement=placement, bucket_bytes=bucket_bytes)
-        return _shard(params, mesh, plan, seed, init_fn, src_rank, weights, tensor_parallel)
+        return _shard(params, mesh, plan, seed, init_fn, src_rank, weights, tensor_parallel, ignored)
 
 
 def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int | None,
            init_fn: Callable[[nn.Module], None] | None, src_rank: int | None, weights: Any,
-           tensor_parallel: Any = None) -> ShardedParams:
+           tensor_parallel: Any = None, ignored: Any = None) -> ShardedParams:
     if not isinstance(params, Mapping) or isinstance(params, ShardedParams):
         raise TypeError(
             "shard(): params must be the mapping name -> tensor returned by functionalize(model)"
@@ -156,7 +165,7 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
     if bad:
         raise TypeError(f"shard(): params[{bad[0]!r}] is a {type(params[bad[0]]).__name__}, not a tensor.")
     module: nn.Module | None = getattr(params, "module", None)
-    layout = layout_for(params, module, mesh, plan, tensor_parallel)
+    layout = layout_for(params, module, mesh, plan, tensor_parallel, ignored)
     given = [k for k, v in (("seed", seed), ("src_rank", src_rank), ("weights", weights)) if v is not None]
     if len(given) > 1:
         raise ValueError(f"shard(): pass one of seed= (deferred init), src_rank= (load from one rank) or weights= "
@@ -202,11 +211,11 @@ def _shard(params: Mapping[str, torch.Tensor], mesh: Mesh, plan: Plan, seed: int
                 source.close()
         else:
             data = {n: layout.local_shard(n, params[n], rank, mesh.device) for n in layout.leaves}
-            data.update({n: params[n].detach().to(mesh.device, copy=True) for n in layout.buffers})
+            data.update({n: params[n].detach().to(mesh.device, copy=True) for n in (*layout.buffers, *layout.ignored)})
     if not layout.offloaded:  # offloaded shards are copied to the device in any case ([Note: offload])
         unit_views(data, layout, rank)
     if layout.offloaded:  # [Note: offload]: the shards in host memory, the buffers on the device
         data.update({n: place_on_host(data[n], mesh.device) for n in layout.leaves})
-    for n, leaf in layout.leaves.items():
+    for n, leaf in (*layout.leaves.items(), *layout.ignored.items()):
         data[n].requires_grad_(leaf.requires_grad)
-    return ShardedParams({n: data[n] for n in (*layout.leaves, *layout.buffers)}, layout, mesh, module)
+    return ShardedParams({n: data[n] for n in (*layout.leaves, *layout.ignored, *layout.buffers)}, layout, mesh, module)

@@ -84,6 +84,7 @@ class _Seen(L.Callback):
             return
         own = sf.shard(sf.functionalize(LanguageModel())[0], s.mesh, s.plan)  # shardfn's own step's tree
         leaves = s.sharded.layout.leaves
+        self.ignored = len(s.sharded.layout.ignored)
         self.bytes = (sum(t.numel() * t.element_size() for n, t in s.sharded.items() if n in leaves),
                       sum(t.numel() * t.element_size() for n, t in own.items() if n in leaves),
                       sum(t.numel() * t.element_size() for o in s.optimizers for st in o.state.values()
@@ -99,10 +100,13 @@ def _fit(name, *, model=LanguageModel, max_steps=STEPS, ckpt_path=None, save=Non
     directory every 2 steps."""
     from shardfn.lightning import TrainerStrategy
 
-    strategy = {"shardfn": lambda: TrainerStrategy(**kw.pop("shardfn")), "ddp": DDPStrategy,
-                "by name": lambda: "shardfn"}[name]()  # ("shardfn": the registered name, FULL_SHARD)
     torch.manual_seed(0)
     module = model()
+    options = kw.pop("shardfn", {})
+    if "ignored_modules" in options:  # (module paths here: the strategy takes the modules)
+        options = {**options, "ignored_modules": [module.get_submodule(p) for p in options["ignored_modules"]]}
+    strategy = {"shardfn": lambda: TrainerStrategy(**options), "ddp": DDPStrategy,
+                "by name": lambda: "shardfn"}[name]()  # ("shardfn": the registered name, FULL_SHARD)
     callbacks = [_Seen()]
     if every is not None:
         callbacks.append(L.callbacks.ModelCheckpoint(dirpath=every, every_n_train_steps=2, save_top_k=-1,
@@ -113,7 +117,8 @@ def _fit(name, *, model=LanguageModel, max_steps=STEPS, ckpt_path=None, save=Non
     with sf.record_collectives() as log:
         trainer.fit(module, data(), ckpt_path=ckpt_path)
     out = {"losses": module.losses, "state": {n: t.detach().clone() for n, t in module.state_dict().items()},
-           "kinds": sorted({c.kind.value for c in log.select()}), "bytes": callbacks[0].bytes}
+           "kinds": sorted({c.kind.value for c in log.select()}), "bytes": callbacks[0].bytes,
+           "ignored": getattr(callbacks[0], "ignored", None)}
     if save is not None:
         trainer.save_checkpoint(save)
         torch.distributed.barrier()
@@ -161,6 +166,15 @@ def test_the_trainer_equals_lightnings_ddp(clusters, strategy):
     _alike(ours, _ddp(clusters, 2))
     for run in ours:  # shardfn's own reductions ran: the gradient reduce-scattered, or all-reduced
         assert ("reduce_scatter" in run["kinds"]) == (strategy != "NO_SHARD"), run["kinds"]
+
+
+def test_ignored_modules_stay_whole_and_train_as_under_ddp(clusters):
+    # FSDP's keyword: the decoder (the head) and the first encoder layer's attention outside the plan
+    ignored = ["model.decoder", "model.transformer.encoder.layers.0.self_attn"]
+    ours = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy="FULL_SHARD", ignored_modules=ignored),
+                           gradient_clip_val=0.05)
+    _alike(ours, _ddp(clusters, 2, gradient_clip_val=0.05))
+    assert all(run["ignored"] == 6 for run in ours)  # 2 + 4 parameters, whole on every rank
 
 
 def test_hybrid_shard_at_four_equals_ddp(clusters):
@@ -262,7 +276,7 @@ def test_bf16_precisions_equal_ddps(clusters, precision):
 
 
 def _fabric(name, *, accumulate=1, clip=None, save=None, load=None, steps=STEPS, start=0, sharded=False,
-            deferred=False):
+            deferred=False, ignored=False):
     """The same model in a plain Fabric loop: ``name`` "ddp" or "shardfn" (FabricStrategy).
     The losses each rank saw, and the full state after (rank 0: the others get ``{}``); with
     ``save``, fabric.save after the loop; with ``load``, fabric.load before it, and the loop
@@ -271,13 +285,17 @@ def _fabric(name, *, accumulate=1, clip=None, save=None, load=None, steps=STEPS,
 
     from shardfn.lightning import FabricStrategy
 
-    fabric = Fabric(accelerator="cpu", devices=torch.distributed.get_world_size(),
-                    strategy=FabricStrategy(state_dict_type="sharded" if sharded else "full") if name == "shardfn"
-                    else "ddp")
-    fabric.launch()
     torch.manual_seed(0)
     build = functools.partial(Transformer, vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
-    if deferred:  # (the reference: the same values, by shardfn.materialize on one device)
+    early = build() if ignored else None  # (FSDP's ignored_modules: the strategy takes the module's own)
+    fabric = Fabric(accelerator="cpu", devices=torch.distributed.get_world_size(),
+                    strategy=FabricStrategy(state_dict_type="sharded" if sharded else "full",
+                                            ignored_modules=[early.decoder] if ignored else None)
+                    if name == "shardfn" else "ddp")
+    fabric.launch()
+    if early is not None:
+        model = early
+    elif deferred:  # (the reference: the same values, by shardfn.materialize on one device)
         with fabric.init_module(empty_init=True) if name == "shardfn" else torch.device("meta"):
             model = build()
         if name != "shardfn":
@@ -301,20 +319,23 @@ def _fabric(name, *, accumulate=1, clip=None, save=None, load=None, steps=STEPS,
                 fabric.clip_gradients(model, opt, max_norm=clip)
             opt.step()
             opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     if save is not None:
         fabric.save(save, {"model": model, "optimizer": opt})
     strategy = fabric.strategy
     state = strategy.shards.state_dict() if name == "shardfn" else model.state_dict()
-    return {"losses": losses, "state": {n: t.detach().clone() for n, t in state.items()}}
+    return {"losses": losses, "state": {n: t.detach().clone() for n, t in state.items()},
+            "ignored": list(strategy.shards.sharded.layout.ignored) if name == "shardfn" else []}
 
 
 def test_fabric_equals_fabric_with_ddp(clusters):
-    for kw in ({}, {"accumulate": 2, "clip": 0.05}, {"accumulate": 2}, {"deferred": True}):
+    for kw in ({}, {"accumulate": 2, "clip": 0.05}, {"accumulate": 2}, {"deferred": True},
+               {"ignored": True, "clip": 0.05}):
         ours = clusters[2].run(_fabric, "shardfn", **kw)
         ref = clusters[2].run(_fabric, "ddp", **kw)
         for run, want in zip(ours, ref):
             assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(run["losses"], want["losses"])), kw
+            assert run["ignored"] == (["decoder.weight", "decoder.bias"] if kw.get("ignored") else []), run["ignored"]
         _close(ours[0]["state"], ref[0]["state"])
 
 

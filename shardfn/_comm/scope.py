@@ -41,7 +41,7 @@ class Scope(NamedTuple):
     run: Any = None  # the step in progress, if it checks its schedule (a shardfn._comm.pipelined.Run)
     comm: Any = EAGER  # how its data collectives start: EAGER, or RECORDED while a graph step is recorded
     runtime: Any = None  # the runtime of the step (or call of apply) in progress: shardfn._run.runtime
-    shards: Any = None  # (mesh, whether the shard axis holds different shards), set by on_shards
+    shards: Any = None  # (mesh, whether the shard axis holds different shards, the layout), set by on_shards
     observers: tuple[Any, ...] = ()  # what events are handed to (shardfn._comm.events)
     compiling: Any = None  # how the step in progress compiles (shardfn._compile.Compiling); None: eager
 

@@ -176,6 +176,9 @@ def _dtensor(local_shard: torch.Tensor, sharded: ShardedParams, name: str) -> DT
     """A DTensor view of this rank's real rows of a parameter-shaped shard; a flat shard's
     rectangles ([Note: flat shards in checkpoints])."""
     layout = sharded.layout
+    if name in layout.ignored:  # whole on every rank: replicated, written once ([Note: ignored parameters])
+        return DTensor.from_local(local_shard, sharded.mesh.device_mesh, [Replicate()] * sharded.mesh.ndim,
+                                  shape=local_shard.shape, stride=local_shard.stride())
     leaf = layout.leaves[name]
     rank, tensor_rank = layout.shard_rank(sharded.mesh), sharded.mesh.axis_rank("tensor")
     if leaf.flat:
@@ -198,9 +201,10 @@ def _persistent(sharded: ShardedParams) -> list[str]:
 
 def _state_dict(sharded: ShardedParams, opt_state: Any, extra_tensors: Mapping[str, torch.Tensor],
                 buffers: list[str] | None = None) -> dict[str, Any]:
-    leaves = sharded.layout.leaves
-    rank = sharded.layout.shard_rank(sharded.mesh)
-    out: dict[str, Any] = {f"params/{n}": _dtensor(sharded[n].detach(), sharded, n) for n in leaves}
+    layout = sharded.layout
+    rank = layout.shard_rank(sharded.mesh)
+    out: dict[str, Any] = {f"params/{n}": _dtensor(sharded[n].detach(), sharded, n)
+                           for n in (*layout.leaves, *layout.ignored)}
     out.update({f"buffers/{n}": sharded[n].detach() for n in (_persistent(sharded) if buffers is None else buffers)})
     for path, name, leaf in param_leaves(opt_state):
         key = f"opt/{path}"
@@ -210,7 +214,8 @@ def _state_dict(sharded: ShardedParams, opt_state: Any, extra_tensors: Mapping[s
                 "only tensor leaves can be saved (shardfn.optim's optimizers keep tensors only; from_torch's "
                 "state holds a torch optimizer: save state.optimizer.state_dict() yourself)."
             )
-        if name in leaves and tuple(leaf.shape) == sharded.layout.shard_shape(name, rank):
+        if name in layout.leaves and tuple(leaf.shape) == layout.shard_shape(name, rank) or (
+                name in layout.ignored and tuple(leaf.shape) == layout.ignored[name].shape):
             out[key] = _dtensor(leaf.detach(), sharded, name)
         else:
             out[key] = leaf
@@ -265,7 +270,7 @@ def _save(path: str, sharded: ShardedParams, opt_state: Any, values: dict[str, A
             "format": _FORMAT,
             "strategy": sharded.layout.strategy.value,
             "mesh": list(sharded.mesh.shape),
-            "params": {n: list(global_shape(sharded.layout, n)) for n in sharded.layout.leaves},
+            "params": {n: list(global_shape(sharded.layout, n)) for n in (*sharded.layout.leaves, *sharded.layout.ignored)},
             "buffers": {n: list(sharded.layout.buffers[n].shape) for n in _persistent(sharded)},
             "extra": values,
             "extra_tensors": sorted(tensors),
@@ -376,7 +381,7 @@ def load(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None)
 def _load(path: str, sharded: ShardedParams, opt_state: Any) -> tuple[ShardedParams, Any, dict[str, Any]]:
     meta = _read_meta(path)
     saved = {n: tuple(s) for n, s in meta["params"].items()}
-    target = {n: global_shape(sharded.layout, n) for n in sharded.layout.leaves}
+    target = {n: global_shape(sharded.layout, n) for n in (*sharded.layout.leaves, *sharded.layout.ignored)}
     saved_buffers = {n: tuple(s) for n, s in meta.get("buffers", {}).items()}
     persistent = _persistent(sharded)
     # A checkpoint converted from safetensors (shardfn.convert) cannot tell buffers from

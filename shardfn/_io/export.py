@@ -80,6 +80,7 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
     with unusable_on_failure(sharded), G.guarded(mesh):  # a write that fails on rank 0 reaches the others
         keys = keys_of(layout)
         leaves = [n for u in layout.units for n in u.leaves if layout.leaves[n].requires_grad or not trainable_only]
+        leaves += [n for n, g in layout.ignored.items() if g.requires_grad or not trainable_only]
         if not leaves:
             raise ValueError(f"save_pretrained(trainable_only={trainable_only}): nothing to write: no parameter "
                              "requires grad.")
@@ -88,7 +89,7 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
         def cast(t_dtype: torch.dtype) -> torch.dtype:
             return dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
 
-        plan = [(keys[n][0], tuple(global_shape(layout, n) if n in layout.leaves else shape_of(layout, n)),
+        plan = [(keys[n][0], tuple(global_shape(layout, n) if n not in layout.buffers else shape_of(layout, n)),
                  cast(_dtype(layout, n))) for n in (*leaves, *buffers)]
         splits = {s.leaf: s for s in layout.splits}
         writer = None
@@ -117,4 +118,4 @@ def save_pretrained(sharded: Any, directory: str | os.PathLike, *, dtype: torch.
 
 
 def _dtype(layout: Layout, name: str) -> torch.dtype:
-    return layout.leaves[name].dtype if name in layout.leaves else layout.buffers[name].dtype
+    return ({**layout.buffers, **layout.ignored}[name] if name not in layout.leaves else layout.leaves[name]).dtype

@@ -38,7 +38,7 @@ __all__ = ["keys_of", "read_weights", "shape_of"]
 
 def keys_of(layout: Layout) -> dict[str, list[str]]:
     """Tensor name -> the keys it may be found under: its state_dict() keys, itself first."""
-    keys: dict[str, list[str]] = {n: [n] for n in (*layout.leaves, *layout.buffers)}
+    keys: dict[str, list[str]] = {n: [n] for n in (*layout.leaves, *layout.ignored, *layout.buffers)}
     for key, name in layout.state_dict_keys:
         if key not in keys[name]:
             keys[name].append(key)
@@ -49,7 +49,7 @@ def keys_of(layout: Layout) -> dict[str, list[str]]:
 
 def shape_of(layout: Layout, name: str) -> tuple[int, ...]:
     """``name``'s shape in the model (a split leaf's whole shape, shardfn._parallel.tensor)."""
-    return global_shape(layout, name) if name in layout.leaves else layout.buffers[name].shape
+    return layout.buffers[name].shape if name in layout.buffers else global_shape(layout, name)
 
 
 def match(source: Source, layout: Layout, mesh: Any) -> dict[str, str]:
@@ -61,7 +61,7 @@ def match(source: Source, layout: Layout, mesh: Any) -> dict[str, str]:
             found[name] = key
             if source.entries[key][1] != tuple(shape_of(layout, name)):
                 bad_shape.append(f"{key}: file {list(source.entries[key][1])}, model {list(shape_of(layout, name))}")
-        elif name in layout.leaves or layout.buffers[name].persistent:
+        elif name not in layout.buffers or layout.buffers[name].persistent:
             missing.append(name)
     used = set(found.values())
     unexpected = sorted(k for k in source.entries if k not in used)
@@ -101,6 +101,8 @@ def read_weights(source: Source, layout: Layout, mesh: Any, params: Mapping[str,
                 out[name] = _read_shard(rows, layout, name, rank, device, buf[off : off + n])
             else:
                 out[name] = _read_shard(rows, layout, name, rank, device)
+    for name, g in layout.ignored.items():  # whole on every rank ([Note: ignored parameters])
+        out[name] = source.rows(found[name], 0, g.shape[0] if g.shape else 1).to(device, g.dtype, copy=True)
     rest = []
     for name, b in layout.buffers.items():
         if name in found:

@@ -101,7 +101,7 @@ def _bound(apply: Any, sharded: ShardedParams, keep_gathered: bool, scope: Any) 
                  where=Where.BIND)
     units = units_for(apply, sharded, rt, _prepare(apply, layout))
     with torch.no_grad():
-        state = {n: sharded[n] for n in layout.buffers}
+        state = {n: sharded[n] for n in (*layout.buffers, *layout.ignored)}
         for root in units.get("", []):
             state.update(zip(root.unit.leaves, root.start_use(Purpose.GATHER)))
     names = [(alias, n) for n in state for alias in layout.aliases.get(n, (n,))]

@@ -148,6 +148,7 @@ def _call(apply: Any, sharded: Any, rt: Runtime, args: tuple, kwargs: dict, meth
     # Buffers: the step's working copies for the step's own tree, else the tree's own.
     buffers = rt.buffers.work if store and rt.buffers is not None else {n: sharded[n] for n in layout.buffers}
     state: dict[str, torch.Tensor] = dict(buffers)
+    state.update({n: sharded[n] for n in layout.ignored})  # whole, as they are ([Note: ignored parameters])
     for root in roots:
         state.update(zip(root.unit.leaves, root.start_use(Purpose.GATHER)))
     precision = layout.plan.precision
@@ -242,7 +243,7 @@ def _prepare(apply: Any, layout: Layout) -> Prepared:
     cached = apply.prepared.get(id(layout))
     if cached is not None and cached.layout is layout:
         return cached
-    check_names([*layout.leaves, *layout.buffers], apply.names, what="apply(sharded, ...)")
+    check_names([*layout.leaves, *layout.ignored, *layout.buffers], apply.names, what="apply(sharded, ...)")
     slots: dict[int, list[tuple[nn.Module, str, int]]] = {}
     for u in layout.units:
         slots[u.index] = []

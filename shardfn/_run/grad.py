@@ -243,6 +243,14 @@ class Grad:
         micro-batch."""
         trainable = [n for n, leaf in sharded.layout.leaves.items() if leaf.requires_grad]
         leaves = [sharded[n] for n in trainable]
+        loose = [n for n, g in sharded.layout.ignored.items() if g.requires_grad]  # [Note: ignored parameters]
+        if loose and rt.scope.comm.recorded:
+            from .._comm.recording import Unrecordable
+
+            raise Unrecordable(f"the gradients of the ignored parameters ({', '.join(loose[:3])}) are taken by "
+                               "autograd and all-reduced outside the units", "leave shard(ignored=...) out",
+                               frozen=False)
+        own: dict[str, torch.Tensor] = {}
         batches = split(batch, self.options.micro_batches, "jit_grad" if self.options.what == "grad_fn" else "jit_step")
         sizes = agree_on_micro_batches(batch, self.mesh, rt.scope) if isinstance(batch, MicroBatches) else None
         k = len(batches)
@@ -254,7 +262,7 @@ class Grad:
         apply = apply_of(sharded)
         for i, mb in enumerate(batches):
             rt.start_micro_batch(last=i == k - 1)
-            loss, count, aux = objective(self.loss_fn(apply, sharded, mb), self.has_aux, bool(leaves),
+            loss, count, aux = objective(self.loss_fn(apply, sharded, mb), self.has_aux, bool(leaves or loose),
                                            self.options.read_metrics, self.mesh.fake)
             if counts and (count is None) != (counts[0] is None):
                 raise TypeError("loss_fn(apply, params, batch): returned shardfn.Mean for some micro-batches and a plain "
@@ -264,19 +272,25 @@ class Grad:
             values.append(loss.detach())
             counts.append(count)
             auxes.append(aux)
-            if not leaves:
+            if not leaves and not loose:
                 continue
             try:
                 with torch.profiler.record_function("shardfn::backward"):
-                    direct = torch.autograd.grad(loss * factor if factor != 1.0 else loss, leaves, allow_unused=True)
+                    direct = torch.autograd.grad(loss * factor if factor != 1.0 else loss,
+                                                 leaves + [sharded[n] for n in loose], allow_unused=True)
             except BaseException:
                 rt.settle()  # nothing left in flight
                 raise
             rt.end_backward(grads)  # every reduction done; the reduced shard gradients added into grads
-            used = [n for n, g in zip(trainable, direct) if g is not None]
+            for n, g in zip(loose, direct[len(leaves):]):
+                if g is not None:
+                    own[n] = g if n not in own else own[n] + g
+            used = [n for n, g in zip(trainable, direct[: len(leaves)]) if g is not None]
             if used:
                 raise ValueError(_USED_DIRECTLY.format(names=", ".join(used[:4])))
         out = {n: grads[n] if n in grads else torch.zeros_like(sharded[n]) for n in trainable}
+        if loose:
+            out.update(reduce_ignored(own, loose, sharded, rt.scope))
         # partial gradients: [Note: the sequence region], [Note: a module that reads split heads]
         if sharded.layout.tensor:
             sum_partial_grads(out, sharded.layout, rt)
@@ -451,3 +465,23 @@ def jit_grad(
     options = StepOptions("grad_fn", micro_batches, accumulate, bool(sync_buffers), bool(overlap), int(prefetch),
                           Aux.parse(aux), bool(keep_gathered), backend_of(compile, "jit_grad"))
     return Grad(as_loss(loss_fn, "jit_grad", stacklevel=5), mesh, options)
+
+
+def reduce_ignored(own: dict[str, torch.Tensor], names: list[str], sharded: ShardedParams,
+                   scope: Scope) -> dict[str, torch.Tensor]:
+    """The ignored parameters' gradients summed over the data ranks (each micro-batch's loss
+    already divided as [Note: averaging gradients] says): one all-reduce per dtype of them
+    all laid end to end ([Note: ignored parameters])."""
+    out = {n: own[n] if n in own else torch.zeros_like(sharded[n]) for n in names}
+    mesh = sharded.mesh
+    if mesh.size == 1:
+        return out
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for n in names:
+        by_dtype.setdefault(out[n].dtype, []).append(n)
+    for dtype, group in by_dtype.items():
+        flat = torch.cat([out[n].reshape(-1) for n in group])
+        C.all_reduce_mesh(flat, mesh, Purpose.REDUCE, op=C.SUM, scope=scope)
+        for n, piece in zip(group, flat.split([out[n].numel() for n in group])):
+            out[n] = piece.view_as(out[n])
+    return out

@@ -71,7 +71,7 @@ def check_outputs(out: Any, old: Any, sharded: ShardedParams) -> tuple[Any, Any]
                         "mapping name -> tensor")
         updates = {}
     for k, u in updates.items():
-        p = sharded[k] if k in sharded.layout.leaves else None
+        p = sharded[k] if k in sharded.layout.leaves or k in sharded.layout.ignored else None
         if p is None or not p.requires_grad:
             problems.append(f"  updates[{k!r}]: there is no trainable parameter {k!r} in these shards")
         elif not isinstance(u, torch.Tensor):

@@ -200,7 +200,7 @@ class Runtime:
 def active(rt: Runtime) -> Iterator[Runtime]:
     """Makes ``rt`` the step in progress for the block; an error in it reaches every rank
     (see [Note: the schedule guard])."""
-    with within(runtime=rt, run=rt.scope.run, shards=(rt.mesh, rt.sharded), compiling=rt.ctx.compiling), \
+    with within(runtime=rt, run=rt.scope.run, shards=(rt.mesh, rt.sharded, rt.owner.layout if rt.owner is not None else None), compiling=rt.ctx.compiling), \
             _guard.guarded(rt.mesh, rt.scope.where), \
             observe(rt.log):
         yield rt

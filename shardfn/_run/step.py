@@ -168,8 +168,9 @@ class Step:
                       for n, t in params.items()}
         else:  # a flat unit's new shards as views of one buffer again ([Note: placements])
             params = unit_views(params, sharded.layout, sharded.layout.shard_rank(self.mesh))
+            layout = sharded.layout
             for n, t in params.items():
-                t.requires_grad_(sharded.layout.leaves[n].requires_grad)
+                t.requires_grad_((layout.leaves[n] if n in layout.leaves else layout.ignored[n]).requires_grad)
         return sharded.replace({**params, **buffers.work}), inner
 
     def _check(self, sharded: Any, opt_state: Any) -> None:
@@ -238,7 +239,11 @@ def check_opt_state(opt_state: Any, sharded: ShardedParams) -> None:
         if not isinstance(leaf, torch.Tensor) or name is None:
             continue
         where = f"opt_state{path}"
-        if name not in layout.leaves:
+        if name in layout.ignored:  # whole on every rank ([Note: ignored parameters])
+            if tuple(leaf.shape) != layout.ignored[name].shape:
+                problems.append(f"  {where}: shape {tuple(leaf.shape)}, but the ignored parameter {name!r} has shape "
+                                f"{layout.ignored[name].shape}")
+        elif name not in layout.leaves:
             problems.append(f"  {where}: there is no parameter {name!r} in these shards")
         elif tuple(leaf.shape) != layout.shard_shape(name, rank):
             problems.append(

@@ -57,7 +57,7 @@ def verify_same_values(params: Mapping[str, torch.Tensor], layout: Layout, mesh:
     with a different seed on some rank): one all-gather of one int64 per tensor."""
     if mesh.size == 1 or mesh.backend == "fake":
         return
-    names = [*layout.leaves, *layout.buffers]
+    names = [*layout.leaves, *layout.ignored, *layout.buffers]
     mine = torch.tensor([_value_digest(params[n]) for n in names], dtype=torch.int64, device=mesh.device)
     every = C.all_gather_mesh(mine, mesh, Purpose.LAYOUT).view(mesh.size, -1).cpu()
     differ = (every != every[0]).any(0).nonzero().flatten().tolist()

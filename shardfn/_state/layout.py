@@ -53,7 +53,7 @@ from .plan import Placement, Plan, Reduction, RematMode, Strategy, Whole
 from .._parallel.call import params_text, styles_text
 from .tree import TreeInfo
 
-__all__ = ["BufferLayout", "LeafLayout", "Layout", "UnitLayout", "unit_owner"]
+__all__ = ["BufferLayout", "IgnoredLayout", "LeafLayout", "Layout", "UnitLayout", "unit_owner"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +156,26 @@ class BufferLayout:
     persistent: bool  # in model.state_dict(), so in gather(), checkpoints and exports
 
 
+# [Note: ignored parameters]
+# shard(ignored=...) keeps parameters outside the plan, as FSDP's ignored modules: each stays
+# whole on every rank in no unit (never gathered, no flat buffer, no cast), and the call binds
+# it as it is. Its gradient is autograd's own (taken with the shards' in one autograd.grad),
+# summed over the micro-batches, then over the data ranks by one all-reduce per dtype after
+# the backward, so every rank steps it alike and the step equals one process; FSDP leaves that
+# reduction to the user, whose replicas drift apart without it. Whole on every rank, it counts
+# once in a sum over the shards: sum_of_squares takes it on the ranks that hold the first
+# shards only (the step's grad norm, clip_by_global_norm, on_shards). Checkpoints hold it as
+# a replicated tensor of its global shape, so it loads into a plan that shards it, and back.
+@dataclasses.dataclass(frozen=True)
+class IgnoredLayout:
+    """One parameter outside the plan (``shard(ignored=)``, [Note: ignored parameters])."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """What every rank agrees on about a sharded tree. Printing it shows the plan."""
@@ -171,6 +191,7 @@ class Layout:
     state_dict_keys: tuple[tuple[str, str], ...] = ()  # (model.state_dict() key, leaf or buffer name)
     tensor: tuple[tuple[str, str], ...] = ()  # (module path, style) of each split layer (shardfn._parallel.tensor)
     splits: tuple[Any, ...] = ()  # shardfn._parallel.ops.Split of each split leaf; leaves[leaf]: its piece
+    ignored: Mapping[str, IgnoredLayout] = dataclasses.field(default_factory=dict)  # whole on every rank
 
     # [Note: facts of a layout]
     # The strategy is read here and in the plan and its resolution (shardfn._state.resolve), and
@@ -357,7 +378,7 @@ class Layout:
         """A 63-bit hash of everything that must agree across ranks."""
         text = repr((self.plan, self.mesh_shape, self.world, self.replicas, list(self.leaves.values()), self.units,
                      list(self.buffers.values()), sorted(self.aliases.items()), self.state_dict_keys,
-                     self.tensor, self.splits))
+                     self.tensor, self.splits, list(self.ignored.values())))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
     def __str__(self) -> str:
@@ -382,6 +403,10 @@ class Layout:
             )
         if self.tensor:
             lines.append(f"  split over the mesh's 'tensor' axis: {styles_text(self.tensor)}")
+        if self.ignored:
+            n = sum(math.prod(g.shape) for g in self.ignored.values())
+            lines.append(f"  ignored (whole on every rank, outside the units): {len(self.ignored)} parameters, "
+                         f"{n:,} elements")
         per_step = self.collectives_per_step()
         if per_step:
             alone = {k: sum(self.unit_collectives(u).get(k, (0, 0))[0] for u in self.units) for k in per_step}
@@ -408,7 +433,7 @@ def unit_owner(name: str, unit_paths: Sequence[str]) -> str:
 def build_layout(plan: Plan, mesh_shape: tuple[int, ...], world: int, replicas: int, state: Mapping[str, torch.Tensor],
                  unit_paths: list[str], info: TreeInfo, unit_modules: Mapping[str, Any] | None = None,
                  remat: Mapping[str, RematMode] | None = None, optional: frozenset[str] = frozenset(),
-                 reshard: Mapping[str, bool | int] | None = None) -> Layout:
+                 reshard: Mapping[str, bool | int] | None = None, ignored: frozenset[str] = frozenset()) -> Layout:
     """Assigns each parameter of ``state`` to a unit and computes chunks and offsets.
 
     ``info`` names the parameters, buffers and aliases (see [Note: the state tree]); a
@@ -419,6 +444,8 @@ def build_layout(plan: Plan, mesh_shape: tuple[int, ...], world: int, replicas: 
     unit_modules = unit_modules or {}
     members: dict[str, list[str]] = {"": [], **{u: [] for u in unit_paths}}
     for name in info.params:
+        if name in ignored:
+            continue
         owners = {unit_owner(a, unit_paths) for a in info.aliases.get(name, (name,))}
         members[owners.pop() if len(owners) == 1 else ""].append(name)
 
@@ -475,8 +502,10 @@ def build_layout(plan: Plan, mesh_shape: tuple[int, ...], world: int, replicas: 
         n: BufferLayout(n, tuple(state[n].shape), state[n].dtype, n in info.persistent) for n in info.buffers
     }
     return Layout(
-        plan, mesh_shape, world, replicas, {n: leaves[n] for n in info.params}, tuple(units), buffers,
-        dict(info.aliases), info.state_dict_keys,
+        plan, mesh_shape, world, replicas, {n: leaves[n] for n in info.params if n not in ignored}, tuple(units),
+        buffers, dict(info.aliases), info.state_dict_keys,
+        ignored={n: IgnoredLayout(n, tuple(state[n].shape), state[n].dtype, state[n].requires_grad)
+                 for n in info.params if n in ignored},
     )
 
 

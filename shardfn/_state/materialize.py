@@ -112,7 +112,7 @@ def _take(values: Mapping[str, torch.Tensor], layout: Layout, out: dict[str, tor
     for name, t in values.items():
         if name in layout.leaves:
             out[name] = layout.local_shard(name, t.detach(), rank, device)
-        elif name in layout.buffers:
+        elif name in layout.buffers or name in layout.ignored:
             out[name] = t.detach().to(device, copy=True)
 
 
@@ -187,18 +187,20 @@ def scattered_state(params: Mapping[str, torch.Tensor], layout: Layout, mesh, sr
             off, length = layout.piece(n, rank)
             out[n] = flat[off : off + length].view(layout.shard_shape(n, rank)).clone()
     # Buffers: one broadcast per dtype, of all of them laid end to end, from the source.
+    # (and the ignored parameters, whole on every rank as buffers are: [Note: ignored parameters])
+    whole = {**layout.buffers, **layout.ignored}
     by_dtype: dict[torch.dtype, list[str]] = {}
-    for n, b in layout.buffers.items():
+    for n, b in whole.items():
         by_dtype.setdefault(b.dtype, []).append(n)
     for dtype, names in by_dtype.items():
-        shapes = [torch.Size(layout.buffers[n].shape) for n in names]
+        shapes = [torch.Size(whole[n].shape) for n in names]
         flat = torch.empty(sum(s.numel() for s in shapes), dtype=dtype, device=device)
         if i_am_src:
             torch.cat([params[n].detach().reshape(-1).to(device) for n in names], out=flat)
         if flat.numel():
             C.broadcast_mesh(flat, mesh, src_rank, Purpose.LOAD)
         for n, t in zip(names, flat.split([s.numel() for s in shapes])):
-            out[n] = t.view(layout.buffers[n].shape).clone()
+            out[n] = t.view(whole[n].shape).clone()
     return out
 
 

@@ -97,17 +97,19 @@ def reshard(
         n: torch.empty(global_shape(old, n), dtype=leaf.dtype, device="meta").requires_grad_(leaf.requires_grad)
         for n, leaf in old.leaves.items()
     })
+    stand_in.update({n: torch.empty(g.shape, dtype=g.dtype, device="meta").requires_grad_(g.requires_grad)
+                     for n, g in old.ignored.items()})
     stand_in.update({n: sharded[n] for n in old.buffers})
     if mesh.axis_size("tensor") > 1 and tensor_parallel is None and old.tensor:
         tensor_parallel = dict(old.tensor)  # the same layers split, over the target's tensor axis
     layout = layout_for(stand_in, sharded.module, mesh, plan,
-                        tensor_parallel if mesh.axis_size("tensor") > 1 else None)
+                        tensor_parallel if mesh.axis_size("tensor") > 1 else None, list(old.ignored) or None)
     verify_agreement(layout, mesh)
     make_subgroups(layout, mesh)
     params = _move(old, old_mesh, sharded.params(), layout, mesh)
     if not layout.offloaded:
         unit_views(params, layout, layout.shard_rank(mesh))
-    for n, leaf in layout.leaves.items():
+    for n, leaf in (*layout.leaves.items(), *layout.ignored.items()):
         params[n].requires_grad_(leaf.requires_grad)
     buffers = {n: sharded[n].detach().clone() for n in layout.buffers}
     # the same values: what the tree knows of them goes with them ([Note: what a tree carries])
@@ -122,6 +124,9 @@ def _move(old: Layout, old_mesh: Mesh, values: dict[str, torch.Tensor], new: Lay
     with torch.no_grad():
         for _, full in full_units(old, old_mesh, values, Purpose.RESHARD):
             for n, t in full.items():
+                if n in new.ignored:  # whole before and after ([Note: ignored parameters])
+                    out[n] = t
+                    continue
                 if n in old_splits:  # the whole leaf from its tensor ranks' pieces (every rank)
                     t = old_splits[n].whole(t, old_mesh, Purpose.RESHARD, n)
                 t = local_state({n: t}, [s for s in new.splits if s.leaf == n], mesh.axis_size("tensor"),

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .layout import Layout, build_layout
+from .layout import Layout, build_layout, unit_owner
 from .._parallel.tensor import local_state, resolve_tensor_parallel
 from .._mesh import Mesh
 from .plan import Plan, RematMode, Strategy
@@ -23,11 +23,11 @@ from .precision import check_norm_precision
 from .tree import check_names, tree_info
 from .units import check_unit_modules
 
-__all__ = ["layout_for", "make_subgroups", "reshard_rules"]
+__all__ = ["ignored_names", "layout_for", "make_subgroups", "reshard_rules"]
 
 
 def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh: Mesh, plan: Plan,
-               tensor_parallel: Any = None) -> Layout:
+               tensor_parallel: Any = None, ignored: Any = None) -> Layout:
     """The layout of ``state`` (full tensors, or meta tensors of their shapes) under ``plan``
     on ``mesh``: units and remat resolved against the module tree, the mesh checked. With
     ``tensor_parallel`` (shardfn._parallel.tensor) the split leaves are laid out by their local pieces."""
@@ -38,7 +38,8 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
     info = tree_info(module, list(state))
     if module is not None:
         check_names(state.keys(), info.names, what="shard(params, ...)")
-    unit_paths = plan.units.resolve(module, list(info.params))
+    outside = ignored_names(ignored, module, info, mesh, plan)
+    unit_paths = plan.units.resolve(module, [n for n in info.params if n not in outside])
     optional = plan.optional.resolve(module, list(info.params)) if plan.optional is not None else []
     unit_paths += [p for p in optional if p not in unit_paths]
     _check_optional_split(styles, optional)
@@ -49,12 +50,68 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
     if module is not None:
         unit_modules[""] = module
     remat_units = plan.remat.select(module, list(info.params), unit_paths) if plan.remat is not None else {}
+    recomputed = sorted(n for n in outside if unit_owner(n, unit_paths) in remat_units)
+    if recomputed:  # a recompute runs in backward, outside the call that binds them
+        raise ValueError(f"shard(ignored=...) with remat=: {', '.join(recomputed[:3])} would be recomputed in "
+                         f"unit {unit_owner(recomputed[0], unit_paths) or '<root>'!r}, which binds its units' "
+                         "parameters only; leave that unit out of remat=, or those parameters out of ignored=.")
     layout = build_layout(plan, mesh.shape, world, mesh.data_size // world, state, unit_paths, info, unit_modules,
-                          remat_units, frozenset(optional), reshard_rules(plan, unit_paths, world, mesh, remat_units))
+                          remat_units, frozenset(optional), reshard_rules(plan, unit_paths, world, mesh, remat_units),
+                          outside)
     if styles:
         layout = dataclasses.replace(layout, tensor=styles, splits=splits)
     check_norm_precision(module, layout, mesh)
     return layout
+
+
+def ignored_names(ignored: Any, module: nn.Module | None, info: Any, mesh: Mesh, plan: Plan) -> frozenset[str]:
+    """The parameters ``shard(ignored=...)`` keeps outside the plan ([Note: ignored parameters]):
+    those named, and every parameter under the modules it names (paths or classes)."""
+    if ignored is None:
+        return frozenset()
+    items = list(ignored) if isinstance(ignored, (list, tuple, set, frozenset)) else [ignored]
+    names, paths, types = set(), [], []
+    for item in items:
+        if isinstance(item, str):
+            (names.add(item) if item in info.params else paths.append(item))
+        elif isinstance(item, type) and issubclass(item, nn.Module):
+            types.append(item)
+        else:
+            raise TypeError(f"shard(ignored={ignored!r}): expected parameter names, module paths or module classes; "
+                            f"got {item!r}.")
+    if (paths or types) and module is None:
+        raise ValueError(f"shard(ignored={ignored!r}): module paths and classes need the module tree; pass the params "
+                         "that functionalize(model) returned, or name the parameters.")
+    if types:
+        paths += [p for p, m in module.named_modules() if p and isinstance(m, tuple(types))]
+
+    def under(alias: str) -> bool:
+        return any(alias.startswith(p + ".") for p in paths)
+
+    every = [a for n in info.params for a in info.aliases.get(n, (n,))]
+    empty = [p for p in paths if not any(a.startswith(p + ".") for a in every)]
+    if empty:
+        raise ValueError(f"shard(ignored=...): {', '.join(map(repr, empty[:4]))} names no parameter (neither a "
+                         f"parameter's name nor a module holding one); parameters look like {list(info.params)[:3]}.")
+    chosen = set(names)
+    for n in info.params:
+        inside = [under(a) for a in info.aliases.get(n, (n,))]
+        if all(inside):
+            chosen.add(n)
+        elif any(inside) and n not in chosen:
+            raise ValueError(f"shard(ignored=...): parameter {n!r} is tied across the ignored modules and others "
+                             f"({', '.join(info.aliases[n])}); ignore every module that holds it, or none.")
+    if not chosen:
+        if types:
+            raise ValueError(f"shard(ignored={ignored!r}): no module of those classes holds a parameter.")
+        return frozenset()
+    if mesh.axis_size("tensor") > 1:
+        raise ValueError(f"shard(ignored=...): on {mesh!r}, a mesh with a 'tensor' axis: ignored parameters are "
+                         "not split over it yet; leave ignored= out, or drop the tensor axis.")
+    if plan.offload.enabled:
+        raise ValueError("shard(ignored=...) with offload=: ignored parameters stay on the device and the "
+                         "optimizer runs on the host; offload without ignored=, or ignore without offload.")
+    return frozenset(chosen)
 
 
 def make_subgroups(layout: Layout, mesh: Mesh) -> None:

@@ -110,8 +110,8 @@ class ShardedParams(TensorTree):
         return out
 
     def params(self) -> dict[str, torch.Tensor]:
-        """The parameter shards only (no buffers)."""
-        return {n: self._data[n] for n in self.layout.leaves}
+        """The parameter shards only (no buffers); an ignored parameter whole."""
+        return {n: self._data[n] for n in (*self.layout.leaves, *self.layout.ignored)}
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The buffers only."""
@@ -128,6 +128,7 @@ class ShardedParams(TensorTree):
 
     def __repr__(self) -> str:
         buffers = f", {len(self.layout.buffers)} buffers" if self.layout.buffers else ""
+        buffers += f", {len(self.layout.ignored)} ignored" if self.layout.ignored else ""
         return (
             f"ShardedParams({self.layout.strategy.value}, {len(self.layout.leaves)} parameters{buffers}, "
             f"{len(self.layout.units)} units, {self.nbytes / 2**20:.2f} MiB on rank {self.mesh.rank} of {self.mesh!r})"
@@ -263,7 +264,8 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
     ``values`` maps leaf names to tensors shaped like their shards (the parameters, or an
     optimizer state's moments); a unit with none of them is skipped, and a leaf of the unit
     it lacks travels as zeros. One all-gather of the flat buffer per unit; ``unpack=False``
-    takes part without unpacking (and yields nothing).
+    takes part without unpacking (and yields nothing). Last, ``(None, values)`` of the
+    ignored parameters among ``values``, whole already ([Note: ignored parameters]).
     """
     # One send and one receive buffer per dtype, sized for the largest unit and reused: each
     # rank holds one gathered unit at most, whenever the backend lets go of the last one's.
@@ -309,3 +311,6 @@ def full_units(layout: Layout, mesh: Mesh, values: Mapping[str, torch.Tensor], p
                 full = {n: t.clone() for n, t in full.items()}
             yield unit, full
             del full  # not kept alive by this frame while the next unit is gathered
+    whole = {n: values[n].detach().clone() for n in layout.ignored if n in values}
+    if whole and unpack:
+        yield None, whole

@@ -29,6 +29,8 @@ def _split(layout: Any, name: str) -> Any:
 
 def global_shape(layout: Any, name: str) -> tuple[int, ...]:
     """Leaf ``name``'s shape in the model (its tensor rank's block's shape is the layout's)."""
+    if name in layout.ignored:  # (whole on every rank: [Note: ignored parameters])
+        return layout.ignored[name].shape
     split = _split(layout, name)
     return layout.leaves[name].shape if split is None else tuple(split.shape)
 

@@ -68,7 +68,7 @@ class FabricStrategy(DDPStrategy):
     def __init__(self, sharding_strategy: Any = "FULL_SHARD", *, auto_wrap_policy: Any = None,
                  activation_checkpointing_policy: Any = None, cpu_offload: Any = None, state_dict_type: str = "full",
                  timeout: Any = timedelta(minutes=30), device_mesh: Any = None, plan: Any = None, units: Any = None,
-                 param_init_fn: Any = None,
+                 param_init_fn: Any = None, ignored_modules: Any = None, ignored_states: Any = None,
                  accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision: Any = None, process_group_backend: str | None = None,
                  start_method: str = "popen", **kwargs: Any) -> None:
@@ -84,6 +84,7 @@ class FabricStrategy(DDPStrategy):
                             plan, units)
         self._device_mesh = device_mesh
         self._init_fn = param_init_fn
+        self._ignored = [*(ignored_modules or ()), *(ignored_states or ())]
         self._backward_sync_control = _NoSync()
         self.shards: Shards | None = None
         self._pending: list[_Forward] = []
@@ -107,7 +108,7 @@ class FabricStrategy(DDPStrategy):
             raise ValueError(f"{_WHO}: one module per strategy; this one already holds "
                              f"{type(self.shards.module).__name__}'s shards.")
         self.shards = Shards(module, self.plan, replicas_of(_WHO, self.plan, self._device_mesh, self.num_nodes), _WHO,
-                             self._init_fn)
+                             self._init_fn, self._ignored)
         self._grad_fn = jit_grad(self._loss, self.shards.mesh)
         return _ShardedModule(module, self)
 

@@ -132,9 +132,5 @@ def refuse(who: str, given: dict[str, Any], reasons: dict[str, str]) -> None:
 
 CANNOT: dict[str, str] = {
     "mixed_precision": "give the Trainer's precision= instead (\"32-true\", \"bf16-mixed\", \"bf16-true\")",
-    "ignored_modules": "shardfn does not keep parameters out of the plan yet: freeze them (requires_grad=False) to "
-                       "keep them out of the optimizer",
-    "ignored_states": "shardfn does not keep parameters out of the plan yet: freeze them (requires_grad=False) to "
-                      "keep them out of the optimizer",
     "activation_checkpointing": "give activation_checkpointing_policy= (a set of layer classes)",
 }

@@ -22,6 +22,23 @@ from ..optim._whole import require_whole
 __all__ = ["Shards"]
 
 
+def _ignored_names(module: torch.nn.Module, ignored: Iterable[Any], who: str) -> list[str]:
+    """FSDP's ``ignored_modules`` and ``ignored_states`` (modules or parameters of ``module``) as
+    the module paths and parameter names ``shard(ignored=)`` takes."""
+    paths = {id(m): p for p, m in module.named_modules() if p}
+    names = {id(t): n for n, t in module.named_parameters()}
+    out = []
+    for item in ignored:
+        found = paths.get(id(item)) if isinstance(item, torch.nn.Module) else names.get(id(item))
+        if found is None:
+            raise ValueError(f"{who}(ignored_modules=..., ignored_states=...): {type(item).__name__} "
+                             f"{tuple(item.shape) if isinstance(item, torch.Tensor) else ''} is not a submodule or "
+                             f"parameter of {type(module).__name__}; pass the module's own (model.encoder, "
+                             "model.head.weight).")
+        out.append(found)
+    return out
+
+
 def _deferred_seed(params: Mapping[str, torch.Tensor], who: str) -> int | None:
     """A module built on the meta device (``init_module(empty_init=True)``) is initialised unit
     by unit on the shards (``shard(seed=)``: each module's ``reset_parameters()``, as
@@ -40,8 +57,10 @@ def _deferred_seed(params: Mapping[str, torch.Tensor], who: str) -> int | None:
 class Shards:
     """``module``'s state, taken and sharded on a mesh over the default process group."""
 
-    def __init__(self, module: torch.nn.Module, plan: Any, replicate: int | None, who: str, init_fn: Any = None):
+    def __init__(self, module: torch.nn.Module, plan: Any, replicate: int | None, who: str, init_fn: Any = None,
+                 ignored: Iterable[Any] = ()):
         self.who = who
+        ignored = _ignored_names(module, ignored, who)
         # the module's parameters before and after take, by id, to their names: an optimizer may
         # be built on either (Fabric's joint setup: before; setup_module, then the optimizer: after)
         names = {id(p): n for n, p in module.named_parameters()}
@@ -51,7 +70,8 @@ class Shards:
         try:
             self.mesh = Mesh.from_group(replicate=replicate)
             seed = _deferred_seed(params, who)
-            self.sharded = shard(params, self.mesh, plan, seed=seed, init_fn=init_fn if seed is not None else None)
+            self.sharded = shard(params, self.mesh, plan, seed=seed, init_fn=init_fn if seed is not None else None,
+                                 ignored=ignored or None)
         except BaseException as e:  # the module whole again, so that the error is what the caller sees
             _put_back(module, params)
             if isinstance(e, ValueError) and seed is not None:
@@ -137,7 +157,8 @@ class Shards:
         layout, rank = self.sharded.layout, self.sharded.layout.shard_rank(self.mesh)
         names = self._indices(optimizer)
         state = {i: {k: (layout.local_shard(names[i], v, rank, self.sharded[names[i]].device)
-                         if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in s.items()}
+                         if isinstance(v, torch.Tensor) and v.dim() > 0 and names[i] in layout.leaves else v)
+                     for k, v in s.items()}
                  for i, s in saved["state"].items()}
         optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
@@ -161,7 +182,8 @@ class Shards:
     def load(self, path: Any, optimizers: Mapping[Any, torch.optim.Optimizer],
              kinds: Mapping[Any, Mapping[str, bool]]) -> None:
         """:meth:`save`'s checkpoint read into this layout: the shards, and each optimizer's state."""
-        trainable = [n for n, leaf in self.sharded.layout.leaves.items() if leaf.requires_grad]
+        layout = self.sharded.layout
+        trainable = [n for n, leaf in (*layout.leaves.items(), *layout.ignored.items()) if leaf.requires_grad]
         templates = {key: {kind: {n: torch.zeros((), dtype=torch.float32) if scalar else
                                   torch.zeros_like(self.sharded[n]) for n in trainable}
                            for kind, scalar in kinds[key].items()} for key in optimizers}

@@ -74,7 +74,7 @@ class TrainerStrategy(DDPStrategy):
     def __init__(self, sharding_strategy: Any = "FULL_SHARD", *, auto_wrap_policy: Any = None,
                  activation_checkpointing_policy: Any = None, cpu_offload: Any = None, state_dict_type: str = "full",
                  timeout: Any = timedelta(minutes=30), device_mesh: Any = None, plan: Any = None, units: Any = None,
-                 param_init_fn: Any = None,
+                 param_init_fn: Any = None, ignored_modules: Any = None, ignored_states: Any = None,
                  accelerator: Any = None, parallel_devices: Any = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, process_group_backend: str | None = None,
                  start_method: str = "popen", **kwargs: Any) -> None:
@@ -90,6 +90,7 @@ class TrainerStrategy(DDPStrategy):
         self.state_dict_type = state_dict_type
         self._device_mesh = device_mesh
         self._init_fn = param_init_fn
+        self._ignored = [*(ignored_modules or ()), *(ignored_states or ())]
         self.shards: Shards | None = None  # the module's state on the shards, once set up
         self._given_back = False
         self._grad_fn: Any = None
@@ -115,7 +116,7 @@ class TrainerStrategy(DDPStrategy):
         # the module's state out of it, sharded ([Note: Lightning's calls on shards]); again after
         # a teardown gave the module its state back
         self.shards = Shards(module, self.plan, replicas_of(_WHO, self.plan, self._device_mesh, self.num_nodes), _WHO,
-                             self._init_fn)
+                             self._init_fn, self._ignored)
         self._given_back = False
         self._grad_fn = jit_grad(self._loss, self.shards.mesh)
         if trainer.state.fn == TrainerFn.FITTING:

@@ -70,7 +70,7 @@ def on_shards(sharded: Any) -> Iterator[None]:
         raise TypeError(f"on_shards(sharded): expected the ShardedParams from shardfn.shard(), got "
                         f"{type(sharded).__name__}.")
     # an error on one rank reaches the others at their next psum
-    with guarded(sharded.mesh, shards=(sharded.mesh, layout.sharded)) as scope:
+    with guarded(sharded.mesh, shards=(sharded.mesh, layout.sharded, layout)) as scope:
         yield
     if layout.sharded:  # the ranks made the same psums, or all of them raise here
         G.agree_exit(sharded.mesh.channel("shard"), "shardfn.on_shards(...)", scope)
@@ -93,9 +93,9 @@ def psum(t: torch.Tensor, *, split: bool | None = None) -> torch.Tensor:
         >>> with shardfn.on_shards(sharded):  # as inside an optimizer's update: local shards
         ...     norms = {n: psum(p.square().sum()).sqrt() for n, p in sharded.items()}  # whole parameters' norms
     """
-    scope = here()  # a public call: the scope it begins in, read once ([Note: the scope])
+    scope = _in_progress()  # a public call: the scope it begins in, read once ([Note: the scope])
     if scope.shards is not None:  # (a step's, or on_shards')
-        mesh, sharded = scope.shards
+        mesh, sharded, _ = scope.shards
     elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(_NO_SCOPE.format(rank=dist.get_rank(), world=dist.get_world_size()))
     else:
@@ -121,8 +121,20 @@ def psum(t: torch.Tensor, *, split: bool | None = None) -> torch.Tensor:
 
 def sum_of_squares(tree: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """This rank's partial sum of squares of a tree of shards, in fp32: one foreach norm
-    for all of them (a kernel per op, not per leaf), as ``clip_grad_norm_`` computes it."""
+    for all of them (a kernel per op, not per leaf), as ``clip_grad_norm_`` computes it.
+    An ignored parameter, whole on every rank, counts on the ranks that hold the first
+    shards only, so that a :func:`psum` counts it once ([Note: ignored parameters])."""
+    shards = _in_progress().shards  # (mesh, sharded, layout) of a step or on_shards
+    layout = shards[2] if shards is not None else None
+    if layout is not None and layout.ignored and layout.shard_rank(shards[0]) != 0:
+        tree = {n: t for n, t in tree.items() if n not in layout.ignored}
     leaves = [t.detach() if t.requires_grad else t for t in tree.values() if t is not None]
     if not leaves:
         return torch.zeros(())
     return torch.stack(torch._foreach_norm(leaves, 2, dtype=torch.float32)).square().sum()
+
+
+def _in_progress() -> Any:
+    """The scope of the step or ``on_shards`` block in progress, which says whose shards
+    these are: psum's and sum_of_squares' one read of it ([Note: the scope])."""
+    return here()
