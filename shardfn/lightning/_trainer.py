@@ -63,6 +63,9 @@ class TrainerStrategy(DDPStrategy):
         timeout: the process group's timeout.
         device_mesh: ``(replicas, shards)`` for a hybrid strategy (default: one replica per node).
         plan: a whole :class:`shardfn.Plan` instead of the keywords above.
+        ignored_modules, ignored_states: modules and parameters of the module kept outside
+            the plan, whole on every rank (``shard(ignored=)``); their gradients are averaged
+            over the ranks, so they train as under DDP.
         param_init_fn: for a module built under ``trainer.init_module(empty_init=True)``
             (deferred init): called on each module after its ``reset_parameters()``, unit by
             unit on the shards (``shard(init_fn=)``); for modules that initialise nothing
