@@ -85,6 +85,8 @@ class _Seen(L.Callback):
         own = sf.shard(sf.functionalize(LanguageModel())[0], s.mesh, s.plan)  # shardfn's own step's tree
         leaves = s.sharded.layout.leaves
         self.ignored = len(s.sharded.layout.ignored)
+        self.remat = sorted(u.path for u in s.sharded.layout.units if u.remat is not None)
+        self.offloaded = s.sharded.layout.offloaded
         self.bytes = (sum(t.numel() * t.element_size() for n, t in s.sharded.items() if n in leaves),
                       sum(t.numel() * t.element_size() for n, t in own.items() if n in leaves),
                       sum(t.numel() * t.element_size() for o in s.optimizers for st in o.state.values()
@@ -118,7 +120,8 @@ def _fit(name, *, model=LanguageModel, max_steps=STEPS, ckpt_path=None, save=Non
         trainer.fit(module, data(), ckpt_path=ckpt_path)
     out = {"losses": module.losses, "state": {n: t.detach().clone() for n, t in module.state_dict().items()},
            "kinds": sorted({c.kind.value for c in log.select()}), "bytes": callbacks[0].bytes,
-           "ignored": getattr(callbacks[0], "ignored", None)}
+           "ignored": getattr(callbacks[0], "ignored", None), "remat": getattr(callbacks[0], "remat", None),
+           "offloaded": getattr(callbacks[0], "offloaded", None)}
     if save is not None:
         trainer.save_checkpoint(save)
         torch.distributed.barrier()
@@ -523,3 +526,39 @@ def test_the_kit_checks_a_lightning_module_under_the_strategy(clusters):
         check_equivalence(LanguageModel, batches=_global_batches(), optimizer=sf.optim.sgd)
     with pytest.raises(TypeError, match="loss_fn and optimizer missing for Transformer, which is not a Lightning"):
         check_equivalence(functools.partial(Transformer, vocab_size=VOCAB), batches=_global_batches())
+
+
+# -- each FSDPStrategy keyword, with its meaning ----------------------------------------
+
+LAYERS = {torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer}
+
+
+def test_each_wrap_policy_form_gives_the_plan_fsdp_would_wrap_by():
+    from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    from shardfn.lightning import TrainerStrategy
+
+    params = sf.functionalize(LanguageModel())[0]
+    want = ["model.transformer.decoder.layers.0", "model.transformer.encoder.layers.0"]
+    for policy in (LAYERS, ModuleWrapPolicy(LAYERS), functools.partial(transformer_auto_wrap_policy,
+                                                                        transformer_layer_cls=LAYERS)):
+        plan = TrainerStrategy(auto_wrap_policy=policy).plan
+        assert sorted(plan.units.resolve(params.module, list(params))) == want, policy
+    sized = TrainerStrategy(auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=1000)).plan
+    assert sized.units == sf.by_param_count(1000)
+    plan = TrainerStrategy(ShardingStrategy.SHARD_GRAD_OP, activation_checkpointing_policy=LAYERS,
+                           cpu_offload=CPUOffload(offload_params=True)).plan
+    assert plan.strategy is sf.Strategy.SHARD_GRAD_OP and plan.offload == sf.Offload(params=True, optimizer=True)
+    assert sorted(plan.remat.select(params.module, list(params), want)) == want
+
+
+def test_wrapped_recomputed_and_offloaded_layers_train_as_under_ddp(clusters):
+    # units and remat by layer class, the shards and the optimizer's state in host memory:
+    # each layer's forward runs again in backward, and the step is still DDP's
+    kw = dict(sharding_strategy="FULL_SHARD", auto_wrap_policy=LAYERS, activation_checkpointing_policy=LAYERS)
+    layers = ["model.transformer.decoder.layers.0", "model.transformer.encoder.layers.0"]
+    for offload in (False, True):
+        runs = clusters[2].run(_fit, "shardfn", shardfn=dict(kw, cpu_offload=offload))
+        _alike(runs, _ddp(clusters, 2))
+        assert all(run["remat"] == layers and run["offloaded"] is offload for run in runs)
