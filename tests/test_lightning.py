@@ -105,8 +105,9 @@ def _fit(name, *, model=LanguageModel, max_steps=STEPS, ckpt_path=None, save=Non
     torch.manual_seed(0)
     module = model()
     options = kw.pop("shardfn", {})
-    if "ignored_modules" in options:  # (module paths here: the strategy takes the modules)
-        options = {**options, "ignored_modules": [module.get_submodule(p) for p in options["ignored_modules"]]}
+    if "ignored_modules" in options:  # (paths and names here: the strategy takes the modules and parameters)
+        options = {**options, "ignored_modules": [module.get_submodule(p) for p in options["ignored_modules"]],
+                   "ignored_states": [module.get_parameter(n) for n in options.get("ignored_states", ())]}
     strategy = {"shardfn": lambda: TrainerStrategy(**options), "ddp": DDPStrategy,
                 "by name": lambda: "shardfn"}[name]()  # ("shardfn": the registered name, FULL_SHARD)
     callbacks = [_Seen()]
@@ -172,10 +173,12 @@ def test_the_trainer_equals_lightnings_ddp(clusters, strategy):
 
 
 def test_ignored_modules_stay_whole_and_train_as_under_ddp(clusters):
-    # FSDP's keyword: the decoder (the head) and the first encoder layer's attention outside the plan
-    ignored = ["model.decoder", "model.transformer.encoder.layers.0.self_attn"]
-    ours = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy="FULL_SHARD", ignored_modules=ignored),
-                           gradient_clip_val=0.05)
+    # FSDP's keywords: the decoder (the head) by module, the first encoder layer's attention by its
+    # parameters, outside the plan
+    attn = "model.transformer.encoder.layers.0.self_attn."
+    states = [attn + n for n in ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")]
+    ours = clusters[2].run(_fit, "shardfn", shardfn=dict(sharding_strategy="FULL_SHARD", ignored_modules=["model.decoder"],
+                                                         ignored_states=states), gradient_clip_val=0.05)
     _alike(ours, _ddp(clusters, 2, gradient_clip_val=0.05))
     assert all(run["ignored"] == 6 for run in ours)  # 2 + 4 parameters, whole on every rank
 
@@ -533,6 +536,23 @@ def test_the_kit_checks_a_lightning_module_under_the_strategy(clusters):
 LAYERS = {torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer}
 
 
+class Configured(LanguageModel):
+    """Its model built in configure_model, which Lightning calls under the strategy."""
+
+    def __init__(self):
+        L.LightningModule.__init__(self)
+        self.optimizer, self.losses, self.model = "sgd", [], None
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = Transformer(vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+
+
+def test_a_model_built_in_configure_model_trains_as_under_ddp(clusters):
+    _alike(clusters[2].run(_fit, "shardfn", model=Configured, shardfn=dict(sharding_strategy="FULL_SHARD")),
+           clusters[2].run(_fit, "ddp", model=Configured))
+
+
 def test_each_wrap_policy_form_gives_the_plan_fsdp_would_wrap_by():
     from torch.distributed.fsdp import CPUOffload, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
@@ -551,6 +571,11 @@ def test_each_wrap_policy_form_gives_the_plan_fsdp_would_wrap_by():
                            cpu_offload=CPUOffload(offload_params=True)).plan
     assert plan.strategy is sf.Strategy.SHARD_GRAD_OP and plan.offload == sf.Offload(params=True, optimizer=True)
     assert sorted(plan.remat.select(params.module, list(params), want)) == want
+    import datetime
+
+    assert TrainerStrategy(timeout=90)._timeout == datetime.timedelta(seconds=90)  # the process group's
+    with pytest.raises(TypeError, match="timeout='soon'"):
+        TrainerStrategy(timeout="soon")
 
 
 def test_wrapped_recomputed_and_offloaded_layers_train_as_under_ddp(clusters):
