@@ -176,9 +176,8 @@ def _dtensor(local_shard: torch.Tensor, sharded: ShardedParams, name: str) -> DT
     """A DTensor view of this rank's real rows of a parameter-shaped shard; a flat shard's
     rectangles ([Note: flat shards in checkpoints])."""
     layout = sharded.layout
-    if name in layout.ignored:  # whole on every rank: replicated, written once ([Note: ignored parameters])
-        return DTensor.from_local(local_shard, sharded.mesh.device_mesh, [Replicate()] * sharded.mesh.ndim,
-                                  shape=local_shard.shape, stride=local_shard.stride())
+    if name in layout.ignored:  # whole on every rank, so written once ([Note: ignored parameters])
+        return DTensor.from_local(local_shard, sharded.mesh.device_mesh, [Replicate()] * sharded.mesh.ndim)
     leaf = layout.leaves[name]
     rank, tensor_rank = layout.shard_rank(sharded.mesh), sharded.mesh.axis_rank("tensor")
     if leaf.flat:
@@ -201,10 +200,8 @@ def _persistent(sharded: ShardedParams) -> list[str]:
 
 def _state_dict(sharded: ShardedParams, opt_state: Any, extra_tensors: Mapping[str, torch.Tensor],
                 buffers: list[str] | None = None) -> dict[str, Any]:
-    layout = sharded.layout
-    rank = layout.shard_rank(sharded.mesh)
-    out: dict[str, Any] = {f"params/{n}": _dtensor(sharded[n].detach(), sharded, n)
-                           for n in (*layout.leaves, *layout.ignored)}
+    layout, rank = sharded.layout, sharded.layout.shard_rank(sharded.mesh)
+    out: dict[str, Any] = {f"params/{n}": _dtensor(sharded[n].detach(), sharded, n) for n in sharded.params()}
     out.update({f"buffers/{n}": sharded[n].detach() for n in (_persistent(sharded) if buffers is None else buffers)})
     for path, name, leaf in param_leaves(opt_state):
         key = f"opt/{path}"
@@ -214,8 +211,7 @@ def _state_dict(sharded: ShardedParams, opt_state: Any, extra_tensors: Mapping[s
                 "only tensor leaves can be saved (shardfn.optim's optimizers keep tensors only; from_torch's "
                 "state holds a torch optimizer: save state.optimizer.state_dict() yourself)."
             )
-        if name in layout.leaves and tuple(leaf.shape) == layout.shard_shape(name, rank) or (
-                name in layout.ignored and tuple(leaf.shape) == layout.ignored[name].shape):
+        if (name in layout.leaves or name in layout.ignored) and tuple(leaf.shape) == layout.shard_shape(name, rank):
             out[key] = _dtensor(leaf.detach(), sharded, name)
         else:
             out[key] = leaf
@@ -226,7 +222,6 @@ def _state_dict(sharded: ShardedParams, opt_state: Any, extra_tensors: Mapping[s
 def _group(sharded: ShardedParams):
     # A mesh over the whole world uses the default group; a 1-D sub-mesh its own.
     import torch.distributed as dist
-
     return None if sharded.mesh.size == dist.get_world_size() else sharded.mesh.group("shard")
 
 
@@ -270,7 +265,7 @@ def _save(path: str, sharded: ShardedParams, opt_state: Any, values: dict[str, A
             "format": _FORMAT,
             "strategy": sharded.layout.strategy.value,
             "mesh": list(sharded.mesh.shape),
-            "params": {n: list(global_shape(sharded.layout, n)) for n in (*sharded.layout.leaves, *sharded.layout.ignored)},
+            "params": {n: list(global_shape(sharded.layout, n)) for n in sharded.params()},
             "buffers": {n: list(sharded.layout.buffers[n].shape) for n in _persistent(sharded)},
             "extra": values,
             "extra_tensors": sorted(tensors),
@@ -381,7 +376,7 @@ def load(path: str | os.PathLike, sharded: ShardedParams, opt_state: Any = None)
 def _load(path: str, sharded: ShardedParams, opt_state: Any) -> tuple[ShardedParams, Any, dict[str, Any]]:
     meta = _read_meta(path)
     saved = {n: tuple(s) for n, s in meta["params"].items()}
-    target = {n: global_shape(sharded.layout, n) for n in (*sharded.layout.leaves, *sharded.layout.ignored)}
+    target = {n: global_shape(sharded.layout, n) for n in sharded.params()}
     saved_buffers = {n: tuple(s) for n, s in meta.get("buffers", {}).items()}
     persistent = _persistent(sharded)
     # A checkpoint converted from safetensors (shardfn.convert) cannot tell buffers from

@@ -239,11 +239,7 @@ def check_opt_state(opt_state: Any, sharded: ShardedParams) -> None:
         if not isinstance(leaf, torch.Tensor) or name is None:
             continue
         where = f"opt_state{path}"
-        if name in layout.ignored:  # whole on every rank ([Note: ignored parameters])
-            if tuple(leaf.shape) != layout.ignored[name].shape:
-                problems.append(f"  {where}: shape {tuple(leaf.shape)}, but the ignored parameter {name!r} has shape "
-                                f"{layout.ignored[name].shape}")
-        elif name not in layout.leaves:
+        if name not in layout.leaves and name not in layout.ignored:
             problems.append(f"  {where}: there is no parameter {name!r} in these shards")
         elif tuple(leaf.shape) != layout.shard_shape(name, rank):
             problems.append(

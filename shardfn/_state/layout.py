@@ -49,7 +49,7 @@ import torch
 from .bucketing import gather_buckets, reduce_buckets
 from .._comm.guard import unit_id
 from .packing import local_shard
-from .plan import Placement, Plan, Reduction, RematMode, Strategy, Whole
+from .plan import Placement, Plan, Reduction, RematMode, Strategy, Whole, whole_starts
 from .._parallel.call import params_text, styles_text
 from .tree import TreeInfo
 
@@ -156,19 +156,9 @@ class BufferLayout:
     persistent: bool  # in model.state_dict(), so in gather(), checkpoints and exports
 
 
-# [Note: ignored parameters]
-# shard(ignored=...) keeps parameters outside the plan, as FSDP's ignored modules: each stays
-# whole on every rank in no unit (never gathered, no flat buffer, no cast), and the call binds
-# it as it is. Its gradient is autograd's own (taken with the shards' in one autograd.grad),
-# summed over the micro-batches, then over the data ranks by one all-reduce per dtype after
-# the backward, so every rank steps it alike and the step equals one process; FSDP leaves that
-# reduction to the user, whose replicas drift apart without it. Whole on every rank, it counts
-# once in a sum over the shards: sum_of_squares takes it on the ranks that hold the first
-# shards only (the step's grad norm, clip_by_global_norm, on_shards). Checkpoints hold it as
-# a replicated tensor of its global shape, so it loads into a plan that shards it, and back.
 @dataclasses.dataclass(frozen=True)
 class IgnoredLayout:
-    """One parameter outside the plan (``shard(ignored=)``, [Note: ignored parameters])."""
+    """One parameter outside the plan (``shard(ignored=)``, [Note: ignored parameters] in resolve.py)."""
 
     path: str
     shape: tuple[int, ...]
@@ -240,7 +230,10 @@ class Layout:
         return leaf.local_rows(rank) if self.world > 1 else leaf.rows
 
     def shard_shape(self, name: str, rank: int) -> tuple[int, ...]:
-        """The shape of parameter ``name``'s shard on shard rank ``rank`` (see [Note: placements])."""
+        """The shape of parameter ``name``'s shard on shard rank ``rank`` (see [Note: placements]);
+        an ignored parameter's is its whole shape."""
+        if name in self.ignored:
+            return self.ignored[name].shape
         got = self._memo.get((name, rank))
         if got is None:
             leaf = self.leaves[name]
@@ -250,6 +243,8 @@ class Layout:
 
     def local_shard(self, name: str, full: torch.Tensor, rank: int, device: torch.device) -> torch.Tensor:
         """Shard rank ``rank``'s shard of parameter ``name`` from its full value, a new tensor on ``device``."""
+        if name in self.ignored:  # (whole)
+            return full.detach().to(device, copy=True)
         leaf = self.leaves[name]
         return local_shard(full, leaf, rank, device, self.units[leaf.unit].numel)
 
@@ -404,9 +399,7 @@ class Layout:
         if self.tensor:
             lines.append(f"  split over the mesh's 'tensor' axis: {styles_text(self.tensor)}")
         if self.ignored:
-            n = sum(math.prod(g.shape) for g in self.ignored.values())
-            lines.append(f"  ignored (whole on every rank, outside the units): {len(self.ignored)} parameters, "
-                         f"{n:,} elements")
+            lines.append(f"  ignored (whole on every rank, outside the units): {len(self.ignored)} parameters")
         per_step = self.collectives_per_step()
         if per_step:
             alone = {k: sum(self.unit_collectives(u).get(k, (0, 0))[0] for u in self.units) for k in per_step}
@@ -417,10 +410,8 @@ class Layout:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (
-            f"Layout({self.strategy.value}, mesh={self.mesh_shape}, {len(self.leaves)} leaves, "
-            f"{len(self.units)} units{f', {len(self.buffers)} buffers' if self.buffers else ''})"
-        )
+        buffers = f", {len(self.buffers)} buffers" if self.buffers else ""
+        return f"Layout({self.strategy.value}, mesh={self.mesh_shape}, {len(self.leaves)} leaves, {len(self.units)} units{buffers})"
 
 
 def unit_owner(name: str, unit_paths: Sequence[str]) -> str:
@@ -451,7 +442,7 @@ def build_layout(plan: Plan, mesh_shape: tuple[int, ...], world: int, replicas: 
 
     leaves: dict[str, LeafLayout] = {}
     units: list[UnitLayout] = []
-    whole_totals = [0] * world  # elements of whole leaves each rank holds so far (see _whole_starts)
+    whole_totals = [0] * world  # elements of whole leaves each rank holds so far (see whole_starts)
     for path, names in members.items():
         if not names:
             continue
@@ -468,7 +459,7 @@ def build_layout(plan: Plan, mesh_shape: tuple[int, ...], world: int, replicas: 
             groups.setdefault((state[n].dtype, flat and not state[n].requires_grad, whole), []).append(n)
         dtypes = {dt for dt, _, _ in groups}
         for (master, frozen, whole), group in groups.items():
-            starts = _whole_starts(group, state, world, whole_totals) if whole else {}
+            starts = whole_starts(group, state, world, whole_totals) if whole else {}
             offset = grad_offset = 0
             for n in group:
                 t = state[n]
@@ -507,21 +498,3 @@ def build_layout(plan: Plan, mesh_shape: tuple[int, ...], world: int, replicas: 
         ignored={n: IgnoredLayout(n, tuple(state[n].shape), state[n].dtype, state[n].requires_grad)
                  for n in info.params if n in ignored},
     )
-
-
-def _whole_starts(names: Sequence[str], state: Mapping[str, torch.Tensor], world: int,
-                  totals: list[int]) -> dict[str, int]:
-    """Each leaf's start in the global buffer of a whole unit ([Note: placements]), and under
-    the key ``""`` the shard buffers' size: the largest leaves first, each to the rank whose
-    range in this unit holds least so far (the least padding), among those the rank that
-    holds least of all the whole units so far (``totals``, updated: so that units of one
-    matrix each take turns), placed after what that range holds."""
-    loads = [0] * world
-    at: dict[str, tuple[int, int]] = {}
-    for n in sorted(names, key=lambda n: -math.prod(state[n].shape)):  # (stable: ties keep unit order)
-        r = min(range(world), key=lambda q: (loads[q], totals[q], q))
-        at[n] = (r, loads[r])
-        loads[r] += math.prod(state[n].shape)
-        totals[r] += math.prod(state[n].shape)
-    span = max(loads)
-    return {"": span, **{n: r * span + off for n, (r, off) in at.items()}}

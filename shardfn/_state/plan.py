@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from .._memory import parse_size
@@ -165,6 +167,24 @@ def whole(select: Callable[[str, tuple[int, ...]], bool] | None = None) -> Whole
         raise TypeError(f"whole(select={select!r}): pass a function (name, shape) -> bool, e.g. "
                         "lambda name, shape: len(shape) == 2.")
     return Whole(select)
+
+
+def whole_starts(names: Sequence[str], state: Mapping[str, torch.Tensor], world: int,
+                  totals: list[int]) -> dict[str, int]:
+    """Each leaf's start in the global buffer of a whole unit ([Note: placements]), and under
+    the key ``""`` the shard buffers' size: the largest leaves first, each to the rank whose
+    range in this unit holds least so far (the least padding), among those the rank that
+    holds least of all the whole units so far (``totals``, updated: so that units of one
+    matrix each take turns), placed after what that range holds."""
+    loads = [0] * world
+    at: dict[str, tuple[int, int]] = {}
+    for n in sorted(names, key=lambda n: -math.prod(state[n].shape)):  # (stable: ties keep unit order)
+        r = min(range(world), key=lambda q: (loads[q], totals[q], q))
+        at[n] = (r, loads[r])
+        loads[r] += math.prod(state[n].shape)
+        totals[r] += math.prod(state[n].shape)
+    span = max(loads)
+    return {"": span, **{n: r * span + off for n, (r, off) in at.items()}}
 
 
 def parse_enum(cls: type[enum.Enum], value: object, what: str) -> Any:

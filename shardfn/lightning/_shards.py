@@ -157,8 +157,7 @@ class Shards:
         layout, rank = self.sharded.layout, self.sharded.layout.shard_rank(self.mesh)
         names = self._indices(optimizer)
         state = {i: {k: (layout.local_shard(names[i], v, rank, self.sharded[names[i]].device)
-                         if isinstance(v, torch.Tensor) and v.dim() > 0 and names[i] in layout.leaves else v)
-                     for k, v in s.items()}
+                         if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in s.items()}
                  for i, s in saved["state"].items()}
         optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
