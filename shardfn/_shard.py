@@ -133,8 +133,8 @@ def shard(
             are averaged over the data ranks by one all-reduce per dtype after the backward
             (so the step stays equal to one process; FSDP leaves that to you), and the
             optimizer steps them whole ([Note: ignored parameters]). Freeze them to skip
-            the all-reduce. Not with a ``"tensor"`` axis, ``offload``, inside a remat unit, or
-            under ``jit_step(graph=True)``.
+            the all-reduce. Trainable ones in float32 only; not with a ``"tensor"`` axis,
+            ``offload``, ``precision``, inside a remat unit, or under ``jit_step(graph=True)``.
 
     Returns:
         A :class:`ShardedParams` (the shards and the buffers); ``print(sharded.layout)``

@@ -1,5 +1,5 @@
 """shard(ignored=...): parameters outside the plan, as FSDP's ignored modules ([Note: ignored
-parameters] in shardfn/_state/layout.py): whole on every rank, in no unit, their gradients
+parameters] in shardfn/_state/resolve.py): whole on every rank, in no unit, their gradients
 all-reduced once a step; the step equals one process, and checkpoints move them in and out
 of the plan."""
 
@@ -57,12 +57,12 @@ def reference(frozen=()):
     return losses, norms, {n: t.detach() for n, t in state.items()}
 
 
-def sharded(strategy, ignored, replicate=None, frozen=()):
+def sharded(strategy, ignored, replicate=None, frozen=(), micro_batches=1):
     mesh = sf.Mesh.from_group(replicate=replicate)
     params, _ = sf.functionalize(model(frozen))
     tree = sf.shard(params, mesh, strategy, ignored=ignored)
     opt = optimizer()
-    state, step = opt.init(tree), sf.jit_step(loss_fn, mesh, optimizer=opt)
+    state, step = opt.init(tree), sf.jit_step(loss_fn, mesh, optimizer=opt, micro_batches=micro_batches)
     losses, norms, reduced = [], [], []
     for b in batches():
         with sf.record_collectives() as log:
@@ -80,11 +80,13 @@ IGNORED = ["blocks.0.mlp", "head.weight"]  # a module path (its 4 parameters) an
 NAMES = ["blocks.0.mlp.0.bias", "blocks.0.mlp.0.weight", "blocks.0.mlp.2.bias", "blocks.0.mlp.2.weight", "head.weight"]
 
 
-@pytest.mark.parametrize("strategy, world, replicate", [("FULL_SHARD", 2, None), ("SHARD_GRAD_OP", 2, None),
-                                                        ("NO_SHARD", 2, None), ("HYBRID_SHARD", 4, 2)])
-def test_a_step_with_ignored_parameters_equals_one_process(clusters, strategy, world, replicate):
+@pytest.mark.parametrize("strategy, world, replicate, micro_batches", [
+    ("FULL_SHARD", 2, None, 1), ("SHARD_GRAD_OP", 2, None, 1), ("NO_SHARD", 2, None, 1), ("HYBRID_SHARD", 4, 2, 1),
+    ("FULL_SHARD", 2, None, 3),  # (their gradients summed over the micro-batches, then all-reduced once)
+])
+def test_a_step_with_ignored_parameters_equals_one_process(clusters, strategy, world, replicate, micro_batches):
     ref_losses, ref_norms, ref_state = reference()
-    runs = clusters[world].run(sharded, strategy, IGNORED, replicate)
+    runs = clusters[world].run(sharded, strategy, IGNORED, replicate, (), micro_batches)
     elements = sum(ref_state[n].numel() for n in NAMES)
     for run in runs:
         assert run["ignored"] == NAMES and run["in_units"] == []
@@ -170,8 +172,9 @@ def test_checkpoints_move_parameters_into_and_out_of_ignored(clusters, tmp_path)
 
 def refused(kind):
     mesh = sf.Mesh.from_group(tensor=2 if kind == "tensor" else None)
-    params, _ = sf.functionalize(model())
-    kw = {"offload": dict(offload=sf.Offload(params=True, optimizer=True)), "remat": dict(remat=sf.Remat())}.get(kind, {})
+    params, _ = sf.functionalize(model().to(torch.bfloat16) if kind == "bf16" else model())
+    kw = {"offload": dict(offload=sf.Offload(params=True, optimizer=True)), "remat": dict(remat=sf.Remat()),
+          "precision": dict(precision=sf.Precision(param=torch.bfloat16))}.get(kind, {})
     ignored = {"nothing": ["blocks.9"], "type": [42]}.get(kind, ["blocks.0.mlp"])
     try:
         tree = sf.shard(params, mesh, "FULL_SHARD", ignored=ignored, **kw)
@@ -188,6 +191,8 @@ def refused(kind):
     ("offload", "ignored parameters stay on the device"),
     ("remat", "blocks.0.mlp.0.bias, blocks.0.mlp.0.weight, blocks.0.mlp.2.bias would be recomputed in unit 'blocks.0'"),
     ("graph", "the gradients of the ignored parameters (blocks.0.mlp.0.weight"),
+    ("precision", "ignored parameters are not cast, so a unit's computed dtype would meet theirs"),
+    ("bf16", "blocks.0.mlp.0.bias, blocks.0.mlp.0.weight, blocks.0.mlp.2.bias train in torch.bfloat16"),
     ("nothing", "'blocks.9' names no parameter"),
     ("type", "expected parameter names, module paths or module classes; got 42"),
 ])

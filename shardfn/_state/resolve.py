@@ -38,7 +38,7 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
     info = tree_info(module, list(state))
     if module is not None:
         check_names(state.keys(), info.names, what="shard(params, ...)")
-    outside = ignored_names(ignored, module, info, mesh, plan)
+    outside = ignored_names(ignored, module, info, mesh, plan, state)
     unit_paths = plan.units.resolve(module, [n for n in info.params if n not in outside])
     optional = plan.optional.resolve(module, list(info.params)) if plan.optional is not None else []
     unit_paths += [p for p in optional if p not in unit_paths]
@@ -64,7 +64,18 @@ def layout_for(state: Mapping[str, torch.Tensor], module: nn.Module | None, mesh
     return layout
 
 
-def ignored_names(ignored: Any, module: nn.Module | None, info: Any, mesh: Mesh, plan: Plan) -> frozenset[str]:
+# [Note: ignored parameters]
+# shard(ignored=...) keeps parameters outside the plan, as FSDP's ignored modules: each stays
+# whole on every rank in no unit (never gathered, no flat buffer, no cast), and the call binds
+# it as it is. Its gradient is autograd's own (taken with the shards' in one autograd.grad),
+# summed over the micro-batches, then over the data ranks by one all-reduce per dtype after
+# the backward, so every rank steps it alike and the step equals one process; FSDP leaves that
+# reduction to the user, whose replicas drift apart without it. Whole on every rank, it counts
+# once in a sum over the shards: sum_of_squares takes it on the ranks that hold the first
+# shards only (the step's grad norm, clip_by_global_norm, on_shards). Checkpoints hold it as
+# a replicated tensor of its global shape, so it loads into a plan that shards it, and back.
+def ignored_names(ignored: Any, module: nn.Module | None, info: Any, mesh: Mesh, plan: Plan,
+                  state: Mapping[str, torch.Tensor]) -> frozenset[str]:
     """The parameters ``shard(ignored=...)`` keeps outside the plan ([Note: ignored parameters]):
     those named, and every parameter under the modules it names (paths or classes)."""
     if ignored is None:
@@ -108,6 +119,14 @@ def ignored_names(ignored: Any, module: nn.Module | None, info: Any, mesh: Mesh,
     if mesh.axis_size("tensor") > 1:
         raise ValueError(f"shard(ignored=...): on {mesh!r}, a mesh with a 'tensor' axis: ignored parameters are "
                          "not split over it yet; leave ignored= out, or drop the tensor axis.")
+    if plan.precision.param is not None or plan.precision.reduce is not None or plan.precision.overrides:
+        raise ValueError(f"shard(ignored=...) with precision={plan.precision!r}: ignored parameters are not cast, so "
+                         "a unit's computed dtype would meet theirs; leave precision= out, or ignored= out.")
+    low = sorted(n for n in chosen if state[n].requires_grad and state[n].dtype != torch.float32)
+    if low:
+        raise ValueError(f"shard(ignored=...): {', '.join(low[:3])} train in {state[low[0]].dtype}: their gradients "
+                         "would be summed over the ranks in that dtype, rounding otherwise than one process; keep "
+                         "ignored parameters that train in float32, or freeze them.")
     if plan.offload.enabled:
         raise ValueError("shard(ignored=...) with offload=: ignored parameters stay on the device and the "
                          "optimizer runs on the host; offload without ignored=, or ignore without offload.")
